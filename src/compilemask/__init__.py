@@ -1,0 +1,35 @@
+"""CompileMask: attention masks written as regions, compiled ahead of execution into exact
+per-row key intervals and a tile schedule (a :class:`MaskPlan`), run by attention kernels.
+
+Example::
+
+    >>> import compilemask as cm
+    >>> mask = cm.masks.shared_prompt(8, [4, 4])
+    >>> plan = cm.compile(mask, 16, block_m=16, block_n=16)
+    >>> bool((plan.to_dense() == cm.dense(mask, 16)).all())
+    True
+"""
+
+from . import masks
+from .compiler.migrate import from_dense, from_mask_mod
+from .compiler.pipeline import clear_cache, compile
+from .compiler.plan import MaskPlan
+from .compiler.tiles import TileSchedule
+from .errors import CompileMaskError
+from .language.semantics import dense, visible
+
+try:  # the parser lands with the language package
+    from .language.parser import parse
+except ImportError:  # pragma: no cover
+    parse = None
+
+try:
+    from .api.functional import attention
+except ImportError:  # pragma: no cover
+    attention = None
+
+__all__ = [
+    "CompileMaskError", "MaskPlan", "TileSchedule", "attention", "clear_cache", "compile",
+    "dense", "from_dense", "from_mask_mod", "masks", "parse", "visible",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The compiler: mask IR -> exact row intervals -> column intervals and tile schedule -> MaskPlan."""

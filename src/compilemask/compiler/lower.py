@@ -1,0 +1,288 @@
+"""Lowering: mask IR -> exact per-row key intervals, analytically and vectorised over rows.
+
+``lower(mask, q_len, kv_len, device, trim)`` returns canonical intervals (see
+:mod:`.intervals`) with leading axes ``[Bm, Hm, Nq, K]`` (``Bm``/``Hm`` = 1 unless the mask
+depends on the batch row / head). Every catalogue mask has a closed form for its intervals; a
+rule ``Q -> K : REL`` gives, per query row, one interval per paired key part (one per grid row
+for the 2-D relations). No (query, key) pair is ever evaluated. Lengths are validated before
+lowering (``language.semantics.accepted_lengths``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import LayoutError
+from ..language.ast import GRID_RELATIONS, Builtin, Combine, Mask, PerBatch, PerHead, RuleMask
+from ..language.resolve import resolve, span_ranges
+from . import intervals as iv
+
+I32 = torch.int32
+
+
+def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
+    """Canonical ``(lo, hi, count)`` with shapes ``[Bm, Hm, Nq, K]`` / ``[Bm, Hm, Nq]``."""
+    ctx = _Ctx(q_len, kv_len, torch.device(device), trim)
+    return ctx.lower(mask)
+
+
+class _Ctx:
+    def __init__(self, q_len: int, kv_len: int, device: torch.device, trim: bool):
+        self.q_len, self.kv_len, self.device, self.trim = q_len, kv_len, device, trim
+        self.q = torch.arange(q_len, device=device, dtype=I32)
+
+    def t(self, values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=I32, device=self.device)
+
+    def lower(self, mask: Mask):
+        pad = self.kv_len
+        if isinstance(mask, Builtin):
+            lo, hi = getattr(self, "_b_" + mask.name)(*mask.args)
+            lo, hi = iv.clip(lo, hi, self.kv_len)
+            lo, hi, cnt = iv.compact_sorted(lo, hi, pad, trim=self.trim)
+            return lo[None, None], hi[None, None], cnt[None, None]
+        if isinstance(mask, RuleMask):
+            lo, hi, cnt = self._rules(mask)
+            return lo[None, None], hi[None, None], cnt[None, None]
+        if isinstance(mask, Combine):
+            a = self.lower(mask.left)
+            b = self.lower(mask.right)
+            op = {"|": iv.union, "&": iv.intersection, "-": iv.difference}[mask.op]
+            if mask.op == "|":
+                return op([a[:2], b[:2]], pad, trim=self.trim)
+            return op(a[:2], b[:2], pad, trim=self.trim)
+        if isinstance(mask, (PerHead, PerBatch)):
+            parts = [self.lower(m) for m in mask.masks]
+            k = max(p[0].shape[-1] for p in parts)
+            padded = [iv.pad_k(p[0], p[1], k, pad) + (p[2],) for p in parts]
+            axis = 1 if isinstance(mask, PerHead) else 0
+            return tuple(torch.cat([p[i] for p in padded], dim=axis) for i in range(3))
+        raise LayoutError(f"cannot lower {type(mask).__name__}")
+
+    # ----------------------------------------------------------------- catalogue (closed forms)
+    def _b_causal(self):
+        q = self.q
+        return q[:, None] * 0, q[:, None] + 1
+
+    def _b_sliding_window(self, window):
+        q = self.q[:, None]
+        return q - window + 1, q + 1
+
+    def _segment_of(self, lengths):
+        """For each query row: (index of its part, start, end) in a packed list of lengths."""
+        ends = torch.cumsum(self.t(lengths), 0, dtype=I32)
+        idx = torch.searchsorted(ends, self.q, right=True)
+        starts = ends - self.t(lengths)
+        return idx, starts[idx], ends[idx]
+
+    def _b_document(self, lengths, causal):
+        _, s, e = self._segment_of(lengths)
+        return s[:, None], (self.q + 1 if causal else e)[:, None]
+
+    def _b_prefix_lm(self, prefix_len):
+        q = self.q[:, None]
+        return q * 0, torch.clamp(q + 1, min=prefix_len)
+
+    def _b_chunked(self, chunk):
+        q = self.q[:, None]
+        return q // chunk * chunk, q + 1
+
+    def _b_block_causal(self, block):
+        q = self.q[:, None]
+        return q * 0, (q // block + 1) * block
+
+    def _b_shared_prompt(self, prompts, responses):
+        lengths, group_start, prompt_end, is_resp = [], [], [], []
+        pos = 0
+        for p, resp in zip(prompts, responses):
+            gs = pos
+            for n, r in [(p, False)] + [(n, True) for n in resp]:
+                lengths.append(n)
+                group_start.append(gs)
+                prompt_end.append(gs + p)
+                is_resp.append(r)
+                pos += n
+        idx, s, _ = self._segment_of(lengths)
+        gs, pe, resp = self.t(group_start)[idx], self.t(prompt_end)[idx], self.t(is_resp)[idx] > 0
+        q1 = self.q + 1
+        lo = torch.stack([gs, torch.where(resp, s, q1)], -1)
+        hi = torch.stack([torch.where(resp, pe, q1), q1], -1)
+        return lo, hi
+
+    def _b_hstu(self, lengths, num_targets, contextual):
+        _, s, e = self._segment_of(lengths)
+        idx, _, _ = self._segment_of(lengths)
+        hist_end = e - self.t(num_targets)[idx]
+        ctx_rows = torch.minimum(self.t([contextual]), hist_end - s)
+        q, q1 = self.q, self.q + 1
+        target = q >= hist_end
+        first_hi = torch.where(target | (q - s < ctx_rows), hist_end, q1)
+        lo = torch.stack([s, torch.where(target, q, q1)], -1)
+        hi = torch.stack([first_hi, q1], -1)
+        return lo, hi
+
+    def _b_clear(self, grid, radius, text_len):
+        lo, hi = _grid_window(self.q - text_len, text_len, grid, "disc", (radius,), self.t)
+        is_text = (self.q < text_len)[:, None]
+        lo, hi = torch.where(is_text, 0, lo), torch.where(is_text, 0, hi)
+        text_hi = torch.where(is_text, self.kv_len, text_len).to(I32)
+        return torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
+
+    def _b_global_local(self, window, global_tokens):
+        q = self.q[:, None]
+        g = self.t(list(global_tokens))
+        is_global = torch.isin(self.q, g)[:, None] if g.numel() else torch.zeros_like(q, dtype=bool)
+        band = (torch.where(is_global, 0, q - window), torch.where(is_global, self.kv_len, q + window + 1))
+        band = iv.clip(band[0].to(I32), band[1].to(I32), self.kv_len)
+        if not g.numel():
+            return band
+        pts = iv.clip(g[None, :].expand(self.q_len, -1), g[None, :].expand(self.q_len, -1) + 1, self.kv_len)
+        lo, hi, _ = iv.union([band, pts], self.kv_len, trim=False)
+        return lo, hi
+
+    def _b_tree(self, parents, prefix_len):
+        n = len(parents)
+        depth = [0] * n
+        for i, p in enumerate(parents):
+            depth[i] = depth[p] + 1 if p >= 0 else 0
+        par = self.t(list(parents) + [-1])  # index n: the "no node" sentinel
+        chain = [torch.arange(n, device=self.device, dtype=I32)]
+        for _ in range(max(depth)):
+            prev = chain[-1]
+            chain.append(par[torch.where(prev >= 0, prev, n)])
+        nodes = torch.stack(chain[::-1], -1)  # ascending: root ... node, -1 padding first
+        lo = torch.where(nodes >= 0, prefix_len + nodes, 0)
+        hi = torch.where(nodes >= 0, prefix_len + nodes + 1, 0)
+        prefix = (torch.zeros_like(lo[:, :1]), torch.full_like(lo[:, :1], prefix_len))
+        return torch.cat([prefix[0], lo], -1), torch.cat([prefix[1], hi], -1)
+
+    def _b_natten2d(self, grid, kernel):
+        lo, hi = _grid_window(self.q, 0, grid, "natten", kernel, self.t)
+        return lo, hi
+
+    def _b_dilated(self, window, dilation):
+        steps = window // dilation
+        m = torch.arange(-steps, steps + 1, device=self.device, dtype=I32) * dilation
+        k = self.q[:, None] + m[None, :]
+        return k, k + 1
+
+    # ----------------------------------------------------------------- rule blocks
+    def _rules(self, mask: RuleMask):
+        axis = max(self.q_len, self.kv_len)
+        segs = resolve(mask.layout, axis)
+        sets = [self._rule(rule, segs, axis) for rule in mask.rules]
+        pad = self.kv_len
+        if not sets:
+            z = torch.full((self.q_len, 1), pad, dtype=I32, device=self.device)
+            return z, z.clone(), torch.zeros(self.q_len, dtype=I32, device=self.device)
+        if len(sets) == 1:
+            return iv.compact_sorted(*sets[0], pad, trim=self.trim)
+        return iv.union(sets, pad, trim=self.trim)
+
+    def _rule(self, rule, segs, axis):
+        rel = rule.relation
+        qparts = span_ranges(rule.query, segs, axis)
+        kparts = span_ranges(rule.key, segs, axis)
+        paired = isinstance(rule.query.index, str) and rule.query.index == rule.key.index
+        if rel.kind != "full":
+            for sp, parts in ((rule.query, qparts), (rule.key, kparts)):
+                if sp.index is None and len(parts) > 1:
+                    raise LayoutError(
+                        f"relation {rel.kind} needs contiguous spans; {'|'.join(sp.names)} is not"
+                    )
+        if paired:
+            if len(qparts) != len(kparts):
+                raise LayoutError(
+                    f"{rule.query.names[0]}[{rule.query.index}] has {len(qparts)} parts but "
+                    f"{rule.key.names[0]}[{rule.key.index}] has {len(kparts)}"
+                )
+            if rel.kind != "full":
+                for p, (a, b) in enumerate(zip(qparts, kparts)):
+                    if a[1] != b[1]:
+                        raise LayoutError(
+                            f"{rel.kind} pairs part {p} of lengths {a[1]} and {b[1]}; an indexed "
+                            "family needs equal lengths unless the relation is full"
+                        )
+            table = [[kp] for kp in kparts]
+        else:
+            table = [list(kparts) for _ in qparts]
+        if rel.kind in GRID_RELATIONS:
+            (qs, ql, qg), = qparts if len(qparts) == 1 else (None,)
+            if len(qparts) != 1 or len(kparts) != 1 or qg is None or kparts[0][2] != qg:
+                raise LayoutError(
+                    f"relation {rel.kind} needs a query grid and a key grid of the same shape"
+                )
+            ks = kparts[0][0]
+            q = self.q
+            inside = (q >= qs) & (q < qs + ql)
+            lo, hi = _grid_window(q - qs, ks, qg, rel.kind, rel.params, self.t)
+            zero = torch.zeros_like(lo)
+            lo, hi = torch.where(inside[:, None], lo, zero), torch.where(inside[:, None], hi, zero)
+            return iv.clip(lo, hi, self.kv_len)
+        # 1-D relations, vectorised over query parts
+        starts = self.t([p[0] for p in qparts])
+        ends = self.t([p[0] + p[1] for p in qparts])
+        pidx = torch.searchsorted(ends, self.q, right=True).clamp(max=len(qparts) - 1)
+        inside = (self.q >= starts[pidx]) & (self.q < ends[pidx])
+        qp = self.q - starts[pidx]
+        width = max(len(row) for row in table)
+        ks = self.t([[kp[0] for kp in row] + [0] * (width - len(row)) for row in table])[pidx]
+        kl = self.t([[kp[1] for kp in row] + [0] * (width - len(row)) for row in table])[pidx]
+        qp = qp[:, None]
+        if rel.kind == "full":
+            a, b = ks * 0, kl
+        elif rel.kind == "causal":
+            a, b = ks * 0, qp + 1
+        elif rel.kind == "diag":
+            a, b = qp, qp + 1
+        elif rel.kind == "band":
+            a, b = qp + rel.params[0], qp + rel.params[1] + 1
+        else:  # chunk
+            c = rel.params[0]
+            a, b = qp // c * c, (qp // c + 1) * c
+        a, b = a.clamp(0), torch.minimum(b, kl)
+        b = torch.maximum(b, a)
+        a, b = ks + a, ks + b
+        zero = torch.zeros_like(a)
+        a, b = torch.where(inside[:, None], a, zero), torch.where(inside[:, None], b, zero)
+        return iv.clip(a.to(I32), b.to(I32), self.kv_len)
+
+
+def _grid_window(local, key_start, grid, kind, params, t):
+    """Intervals of a 2-D window for query cells ``local`` (row-major index in an h x w grid)
+    over a key grid of the same shape starting at token ``key_start``. One interval per key row.
+    """
+    h, w = grid
+    local = local.clamp(0, h * w - 1)
+    y, x = local // w, local % w
+    dev = local.device
+    if kind == "disc":
+        r = params[0]
+        reach = min(r - 1, h - 1)
+        offs = torch.arange(-reach, reach + 1, device=dev, dtype=I32)
+        half = t([math.isqrt(r * r - d * d - 1) for d in range(-reach, reach + 1)])[None, :]
+        yk = y[:, None] + offs[None, :]
+        xl, xh = x[:, None] - half, x[:, None] + half
+    elif kind == "box":
+        bh, bw = params
+        reach = min(bh // 2, h - 1)
+        offs = torch.arange(-reach, reach + 1, device=dev, dtype=I32)
+        yk = y[:, None] + offs[None, :]
+        xl, xh = x[:, None] - bw // 2, x[:, None] + bw // 2
+    else:  # natten
+        kh, kw = params
+        if kh > h or kw > w:
+            raise LayoutError(f"natten({kh}, {kw}) is larger than the {h}x{w} grid")
+        cy = y.clamp(kh // 2, h - 1 - kh // 2)
+        cx = x.clamp(kw // 2, w - 1 - kw // 2)
+        offs = torch.arange(-(kh // 2), kh // 2 + 1, device=dev, dtype=I32)
+        yk = cy[:, None] + offs[None, :]
+        xl, xh = (cx - kw // 2)[:, None], (cx + kw // 2)[:, None]
+    ok = (yk >= 0) & (yk < h)
+    base = key_start + yk * w
+    lo = base + xl.clamp(min=0)
+    hi = base + xh.clamp(max=w - 1) + 1
+    zero = torch.zeros_like(lo)
+    return torch.where(ok, lo, zero).to(I32), torch.where(ok, hi, zero).to(I32)

@@ -1,0 +1,149 @@
+"""Plans from a dense boolean mask or a FlexAttention ``mask_mod`` (migration helpers).
+
+Both evaluate in chunks of query rows, so at most ``_CHUNK_ELEMS`` (query, key) pairs exist at
+once, turn each chunk into intervals (maximal runs of visible keys), and build the tile schedule
+from the intervals; tiles whose rows hold many intervals are stored as bitmasks. These plans are
+never cached: a closure's captured tensors can change between calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CompileMaskError
+from . import intervals as iv
+from .plan import MaskPlan
+from .tiles import build_tiles
+
+_CHUNK_ELEMS = 1 << 22
+
+
+def _size(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source) -> MaskPlan:
+    """``chunks``: per mask, a list of boolean row blocks ``[rows, Nk]`` (generated lazily)."""
+    los, his, cnts = [], [], []
+    for mask_chunks in chunks:
+        parts = [iv.from_dense_rows(rows.to(device), kv_len) for rows in mask_chunks]
+        k = max(p[0].shape[-1] for p in parts)
+        padded = [iv.pad_k(p[0], p[1], k, kv_len) for p in parts]
+        los.append(torch.cat([p[0] for p in padded]))
+        his.append(torch.cat([p[1] for p in padded]))
+        cnts.append(torch.cat([p[2] for p in parts]))
+    k = max(x.shape[-1] for x in los)
+    padded = [iv.pad_k(a, b, k, kv_len) for a, b in zip(los, his)]
+    lo = torch.stack([p[0] for p in padded]).contiguous()
+    hi = torch.stack([p[1] for p in padded]).contiguous()
+    count = torch.stack(cnts).contiguous()
+    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
+    return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
+
+
+def from_dense(
+    mask: torch.Tensor, *, block_m: int = 128, block_n: int = 128, device=None
+) -> MaskPlan:
+    """Build a plan from a boolean mask.
+
+    Args:
+        mask: bool ``[Nq, Nk]`` (broadcasts over batch and heads) or ``[B, H, Nq, Nk]`` where
+            ``B`` or ``H`` may be 1 (then the plan broadcasts over that axis).
+        block_m, block_n: tile sizes of the default schedule.
+        device: where the plan lives (None: the mask's device).
+
+    Raises:
+        CompileMaskError: not a boolean tensor, or not 2-D / 4-D, or an empty axis.
+
+    Example::
+
+        >>> import torch, compilemask as cm
+        >>> plan = cm.from_dense(torch.ones(4, 4, dtype=torch.bool).tril())
+        >>> plan.row_hi[0, :, 0].tolist()
+        [1, 2, 3, 4]
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise CompileMaskError(f"mask must be a torch.Tensor of dtype bool, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise CompileMaskError(f"mask must have dtype torch.bool, got {mask.dtype}")
+    if mask.dim() not in (2, 4) or 0 in mask.shape:
+        raise CompileMaskError(
+            f"mask must be [Nq, Nk] or [B, H, Nq, Nk] with no empty axis, got {tuple(mask.shape)}"
+        )
+    block_m, block_n = _size(block_m, "block_m"), _size(block_n, "block_n")
+    device = torch.device(device) if device is not None else mask.device
+    m4 = mask if mask.dim() == 4 else mask[None, None]
+    b, h, nq, nk = m4.shape
+    rows = max(1, _CHUNK_ELEMS // nk)
+    chunks = (
+        (m4[bi, hi_, r : r + rows] for r in range(0, nq, rows)) for bi in range(b) for hi_ in range(h)
+    )
+    batch = b if b > 1 else None
+    heads = h if h > 1 else None
+    return _build(chunks, nq, nk, batch, heads, block_m, block_n, device, "from_dense")
+
+
+def from_mask_mod(
+    mask_mod,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    device=None,
+) -> MaskPlan:
+    """Build a plan from a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+
+    The mask_mod is called with broadcastable int64 index tensors on the plan's device:
+    ``q_idx`` ``[rows, 1]``, ``kv_idx`` ``[1, Nk]``, and ``b``, ``h`` as 0-d tensors (with
+    ``batch=None`` b is 0 and the plan broadcasts over the batch; likewise ``h``). It must
+    return a boolean tensor broadcastable to ``[rows, Nk]``.
+
+    Args:
+        mask_mod: the predicate (PyTorch FlexAttention convention).
+        q_len, kv_len: lengths (kv_len None: q_len).
+        batch, heads: evaluate per batch row / per query head (the plan then depends on them).
+        block_m, block_n, device: as in :func:`compilemask.compile` (device None: CPU).
+
+    Raises:
+        CompileMaskError: bad lengths, a mask_mod that raises or returns a non-boolean or
+            wrongly shaped tensor.
+    """
+    q_len = _size(q_len, "q_len")
+    kv_len = q_len if kv_len is None else _size(kv_len, "kv_len")
+    for v, name in ((batch, "batch"), (heads, "heads")):
+        if v is not None:
+            _size(v, name)
+    device = torch.device(device if device is not None else "cpu")
+    rows = max(1, _CHUNK_ELEMS // kv_len)
+    kv_idx = torch.arange(kv_len, device=device)[None, :]
+
+    def evaluate(b: int, h: int, r: int):
+        q_idx = torch.arange(r, min(q_len, r + rows), device=device)[:, None]
+        bt = torch.tensor(b, device=device)
+        ht = torch.tensor(h, device=device)
+        try:
+            out = mask_mod(bt, ht, q_idx, kv_idx)
+        except Exception as exc:  # report the user's error as ours, keeping the cause
+            raise CompileMaskError(f"mask_mod raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+            raise CompileMaskError(f"mask_mod must return a bool tensor, got {got}")
+        try:
+            return torch.broadcast_to(out, (q_idx.shape[0], kv_len))
+        except RuntimeError:
+            raise CompileMaskError(
+                f"mask_mod returned shape {tuple(out.shape)}, not broadcastable to "
+                f"{(q_idx.shape[0], kv_len)}"
+            ) from None
+
+    chunks = (
+        (evaluate(b, h, r) for r in range(0, q_len, rows))
+        for b in range(batch or 1)
+        for h in range(heads or 1)
+    )
+    return _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, "from_mask_mod")

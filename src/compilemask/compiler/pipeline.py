@@ -1,0 +1,110 @@
+"""``compile``: mask -> lengths checked -> row intervals -> tile schedule -> ``MaskPlan``."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..errors import CompileMaskError
+from ..language.ast import Mask
+from ..language.semantics import accepted_lengths
+from .lower import lower
+from .plan import MaskPlan
+from .tiles import build_tiles
+
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 64
+
+
+def _tile_size(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CompileMaskError(f"{name} must be a positive int (tokens), got {value!r}")
+    return value
+
+
+def dependence(mask: Mask, batch: int | None, heads: int | None) -> tuple[int | None, int | None]:
+    """The batch / head counts a plan of ``mask`` carries (None: broadcasts)."""
+    out = []
+    for given, own, name in ((batch, mask.batch_count, "batch"), (heads, mask.head_count, "heads")):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
+            raise CompileMaskError(f"{name} must be a positive int or None, got {given!r}")
+        if own is not None and given is not None and given != own:
+            raise CompileMaskError(
+                f"the mask is per_{'batch' if name == 'batch' else 'head'} with {own} entries "
+                f"but {name}={given} was given"
+            )
+        out.append(own)
+    return out[0], out[1]
+
+
+def compile(  # noqa: A001 - the public name is fixed by the design
+    mask: Mask,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    device=None,
+    cache: bool = True,
+) -> MaskPlan:
+    """Compile a mask into a :class:`MaskPlan` for the given lengths.
+
+    Args:
+        mask: a mask from :mod:`compilemask.masks`, :func:`compilemask.parse` or the builders.
+        q_len: query rows ``Nq`` (tokens, int >= 1).
+        kv_len: keys ``Nk``; None: the mask's own key length when its layout fixes one (e.g.
+            ``tree``: ``prefix_len + n``), else ``q_len``.
+        batch, heads: batch size / query-head count; used (and checked) only when the mask is
+            per_batch / per_head, ignored otherwise (the plan then broadcasts).
+        block_m, block_n: the default tiling (BLOCK_M query rows x BLOCK_N keys); kernels that
+            want another ask ``plan.tiles(bm, bn)``.
+        device: where the plan is built and lives (None: CPU). The lowering runs there with
+            vectorised torch operations; on a GPU K is kept at its static bound so that the
+            build does not synchronise with the host.
+        cache: reuse a plan compiled for the same (mask, lengths, sizes, tiles, device).
+
+    Returns:
+        A :class:`MaskPlan`.
+
+    Raises:
+        CompileMaskError: bad lengths, a length the mask does not accept, an inconsistent
+            layout, a batch/heads that contradicts a per_batch/per_head mask.
+
+    Example::
+
+        >>> import compilemask as cm
+        >>> plan = cm.compile(cm.masks.sliding_window(256), 1024, block_m=64, block_n=64)
+        >>> plan.stats()["tiles_full"] > 0
+        True
+    """
+    if not isinstance(mask, Mask):
+        raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}")
+    q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
+    batch, heads = dependence(mask, batch, heads)
+    block_m, block_n = _tile_size(block_m, "block_m"), _tile_size(block_n, "block_n")
+    device = torch.device(device if device is not None else "cpu")
+    key = (str(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
+    if cache and key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    host = device.type == "cpu"
+    lo, hi, count = lower(mask, q_len, kv_len, device, trim=host)
+    m = lo.shape[0] * lo.shape[1]
+    lo = lo.reshape(m, q_len, -1).contiguous()
+    hi = hi.reshape(m, q_len, -1).contiguous()
+    count = count.reshape(m, q_len).contiguous()
+    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host)
+    plan = MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=key[0])
+    if cache:
+        _CACHE[key] = plan
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return plan
+
+
+def clear_cache() -> None:
+    """Forget every cached plan."""
+    _CACHE.clear()

@@ -1,0 +1,220 @@
+"""``MaskPlan``: the compiled, device-resident descriptor that attention kernels read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import CompileMaskError
+from .intervals import dense_rows
+from .tiles import EMPTY, FULL, PARTIAL, PARTIAL_BITS, TileSchedule, build_tiles
+from .transpose import column_intervals
+
+
+@dataclass(frozen=True, eq=False)
+class MaskPlan:
+    """The exact visible key intervals of every query row, plus tile schedules.
+
+    Legend: ``M`` masks = ``(batch or 1) * (heads or 1)`` (mask index
+    ``m = b' * (heads or 1) + h'`` with ``b' = b`` if the plan depends on the batch row else 0,
+    and likewise ``h'`` for the query head); ``Nq``/``Nk`` query/key lengths in tokens; ``K``
+    interval slots per row; ``Kc`` slots per key column.
+
+    Attributes:
+        q_len, kv_len: ``Nq``, ``Nk`` (tokens).
+        batch, heads: the batch / head count the mask depends on, or None when it is shared by
+            every batch row / head (then it broadcasts over any B / Hq).
+        row_lo, row_hi: int32 ``[M, Nq, K]``: row ``q`` sees keys ``[row_lo[m, q, j],
+            row_hi[m, q, j])`` for every slot ``j``; the first ``row_count[m, q]`` slots hold
+            sorted, disjoint, non-touching intervals inside ``[0, Nk)``; the rest are empty
+            (``lo == hi == Nk``).
+        row_count: int32 ``[M, Nq]``.
+        schedule: the :class:`TileSchedule` at ``block_m x block_n`` (``plan.tiles(bm, bn)``
+            derives and caches others from the same intervals).
+        col_lo, col_hi, col_count: the same for key columns (which query rows see key ``k``),
+            ``[M, Nk, Kc]``, computed on first use by a sweep (the kernels do not need them).
+        source: the mask text (or ``"from_dense"`` / ``"from_mask_mod"``).
+
+    The dense mask is rebuilt as ``visible[m, q, k] = any(row_lo[m, q, j] <= k < row_hi[m, q, j])``
+    (:meth:`to_dense`).
+    """
+
+    q_len: int
+    kv_len: int
+    batch: int | None
+    heads: int | None
+    row_lo: torch.Tensor
+    row_hi: torch.Tensor
+    row_count: torch.Tensor
+    schedule: TileSchedule
+    source: str = ""
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ basic facts
+    @property
+    def device(self) -> torch.device:
+        return self.row_lo.device
+
+    @property
+    def block_m(self) -> int:
+        return self.schedule.block_m
+
+    @property
+    def block_n(self) -> int:
+        return self.schedule.block_n
+
+    @property
+    def num_masks(self) -> int:
+        return self.row_lo.shape[0]
+
+    @property
+    def max_intervals(self) -> int:
+        return self.row_lo.shape[-1]
+
+    def mask_index(self, b: int, h: int) -> int:
+        """Mask index ``m`` of batch row ``b`` and query head ``h``."""
+        return (b if self.batch else 0) * (self.heads or 1) + (h if self.heads else 0)
+
+    # ------------------------------------------------------------------ derived views
+    def tiles(self, block_m: int, block_n: int) -> TileSchedule:
+        """The tile schedule for ``block_m x block_n`` tiles (derived from the intervals, cached)."""
+        if (block_m, block_n) == (self.block_m, self.block_n):
+            return self.schedule
+        for name, v in (("block_m", block_m), ("block_n", block_n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
+        key = ("tiles", block_m, block_n)
+        if key not in self._cache:
+            self._cache[key] = build_tiles(
+                self.row_lo, self.row_hi, self.row_count, self.q_len, self.kv_len,
+                block_m, block_n, use_bits=self.device.type == "cpu",
+            )
+        return self._cache[key]
+
+    def _columns(self):
+        if "cols" not in self._cache:
+            self._cache["cols"] = column_intervals(self.row_lo, self.row_hi, self.q_len, self.kv_len)
+        return self._cache["cols"]
+
+    @property
+    def col_lo(self) -> torch.Tensor:
+        return self._columns()[0]
+
+    @property
+    def col_hi(self) -> torch.Tensor:
+        return self._columns()[1]
+
+    @property
+    def col_count(self) -> torch.Tensor:
+        return self._columns()[2]
+
+    def dense_rows(self, start: int, end: int) -> torch.Tensor:
+        """Boolean mask of query rows ``[start, end)``: ``[M, end - start, Nk]``."""
+        return dense_rows(self.row_lo[:, start:end], self.row_hi[:, start:end], self.kv_len)
+
+    def to_dense(self) -> torch.Tensor:
+        """Boolean ``[Nq, Nk]`` when the plan broadcasts, else ``[B or 1, H or 1, Nq, Nk]``.
+        Memory O(Nq * Nk): for tests and pictures at small sizes."""
+        d = self.dense_rows(0, self.q_len)
+        if self.batch is None and self.heads is None:
+            return d[0]
+        return d.view(self.batch or 1, self.heads or 1, self.q_len, self.kv_len)
+
+    # ------------------------------------------------------------------ reports
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors kernels read: row intervals and the default tile schedule."""
+        t = (self.row_lo, self.row_hi, self.row_count)
+        return sum(x.numel() * x.element_size() for x in t) + self.schedule.nbytes
+
+    def stats(self) -> dict:
+        """Density, intervals per row (max, mean), tile counts, tile efficiency, bytes.
+
+        Tile efficiency = visible pairs / pairs inside touched tiles (clipped to the lengths)."""
+        s = self.schedule
+        visible = int(self.row_count.numel() and (self.row_hi - self.row_lo).sum())
+        total = self.num_masks * self.q_len * self.kv_len
+        rows = (self.q_len - torch.arange(s.num_q_tiles, device=self.device) * s.block_m).clamp(
+            max=s.block_m
+        )
+        cols = (self.kv_len - torch.arange(s.num_kv_tiles, device=self.device) * s.block_n).clamp(
+            max=s.block_n
+        )
+        box = rows[:, None] * cols[None, :]
+        touched_pairs = int((box[None] * (s.kind > EMPTY)).sum())
+        counts = s.counts()
+        return {
+            "q_len": self.q_len,
+            "kv_len": self.kv_len,
+            "masks": self.num_masks,
+            "density": visible / total if total else 0.0,
+            "visible_pairs": visible,
+            "intervals_per_row_max": int(self.row_count.max()) if self.row_count.numel() else 0,
+            "intervals_per_row_mean": float(self.row_count.float().mean()),
+            "block_m": s.block_m,
+            "block_n": s.block_n,
+            "tiles_full": counts["full"],
+            "tiles_partial": counts["partial"],
+            "tiles_partial_bits": counts["partial_bits"],
+            "tiles_empty": counts["empty"],
+            "tile_efficiency": visible / touched_pairs if touched_pairs else 1.0,
+            "bytes": self.nbytes,
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        dep = []
+        if self.batch:
+            dep.append(f"batch={self.batch}")
+        if self.heads:
+            dep.append(f"heads={self.heads}")
+        src = self.source if len(self.source) <= 60 else self.source[:57] + "..."
+        return (
+            f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}{', ' if dep else ''}{', '.join(dep)}, "
+            f"device={self.device}, density={s['density']:.4f}, intervals/row<={s['intervals_per_row_max']}, "
+            f"tiles {s['block_m']}x{s['block_n']}: full={s['tiles_full']} partial={s['tiles_partial']} "
+            f"empty={s['tiles_empty']}, {s['bytes'] / 1024:.1f} KiB, mask={src!r})"
+        )
+
+    # ------------------------------------------------------------------ checks and moves
+    def to(self, device) -> MaskPlan:
+        """The same plan with every tensor on ``device``."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return MaskPlan(
+            self.q_len, self.kv_len, self.batch, self.heads, self.row_lo.to(device),
+            self.row_hi.to(device), self.row_count.to(device), self.schedule.to(device), self.source,
+        )
+
+    def verify(self) -> None:
+        """Check every invariant (intervals sorted, disjoint, in bounds; tile classes and lists
+        consistent with the intervals). Raises :class:`CompileMaskError` on the first violation.
+        Cost O(N*K + Tq*Tk)."""
+        lo, hi, cnt = self.row_lo, self.row_hi, self.row_count
+        m, n, k = lo.shape
+        _require(n == self.q_len and lo.shape == hi.shape, "row interval shapes")
+        _require(lo.dtype == torch.int32 and hi.dtype == torch.int32, "row intervals must be int32")
+        slot = torch.arange(k, device=lo.device)
+        used = slot < cnt[..., None]
+        _require(bool(((lo < hi) == used).all()), "used slots non-empty, unused slots empty")
+        _require(bool((lo[used] >= 0).all() and (hi[used] <= self.kv_len).all()), "in bounds")
+        if k > 1:
+            gap = used[..., 1:]
+            _require(bool((hi[..., :-1][gap] < lo[..., 1:][gap]).all()), "sorted, disjoint")
+        s = self.schedule
+        fresh = build_tiles(lo, hi, cnt, self.q_len, self.kv_len, s.block_m, s.block_n,
+                            use_bits=bool((s.kind == PARTIAL_BITS).any()))
+        _require(torch.equal(fresh.pairs, s.pairs), "tile pair counts")
+        _require(torch.equal(fresh.kind > EMPTY, s.kind > EMPTY), "touched tiles")
+        _require(torch.equal(fresh.kind == FULL, s.kind == FULL), "FULL tiles")
+        _require(torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
+                 "tile lists")
+        bad = (s.kind == PARTIAL) & ((s.jlo > fresh.jlo) | (s.jhi < fresh.jhi))
+        _require(not bool(bad.any()), "PARTIAL slot ranges")
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise CompileMaskError(f"MaskPlan.verify failed: {what}")

@@ -1,0 +1,564 @@
+"""The dense evaluator: the specification of every mask.
+
+Every mask means one boolean predicate ``visible(q, k)`` on absolute token positions (query ``i``
+is position ``i``; ``tree`` defines its own coordinates). This module states that predicate as
+plainly as possible, with torch broadcasting, and builds dense masks from it. It is slow
+(``O(Nq * Nk)``) and deliberately independent of the compiler: it shares nothing with the
+lowering except :mod:`.resolve` (where the layout's segments lie), so every compiler stage can be
+property-tested against it.
+
+Semantics (from ``WORKLOADS.md`` and ``DESIGN.md`` section 1):
+
+* catalogue builtins -- exactly the table of ``WORKLOADS.md`` (one ``_builtin_*`` function each);
+* :class:`RuleMask` -- the union of its rules; a rule ``Q -> K : REL`` pairs the parts of ``Q``
+  and ``K`` (part ``p`` with part ``p`` when both carry the same index variable, every part with
+  every range otherwise) and, inside a pair, compares ``q' = q - q_start`` with
+  ``k' = k - k_start``;
+* :class:`Combine` -- ``|`` union, ``&`` intersection, ``-`` difference;
+* :class:`PerHead` / :class:`PerBatch` -- ``masks[h]`` / ``masks[b]``.
+
+Only rows ``0 <= q < q_len`` and keys ``0 <= k < kv_len`` exist; ``visible`` is False elsewhere.
+
+Example::
+
+    >>> from compilemask import masks
+    >>> dense(masks.sliding_window(2), 4).int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+
+import torch
+
+from ..errors import CompileMaskError, LayoutError, LengthError
+from .ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask
+from .resolve import check_rules, fixed_length, resolve, span_ranges
+
+__all__ = ["accepted_lengths", "visible", "dense"]
+
+# Builtins that fix the axis length (q_len == kv_len == that length), by name -> length of args.
+_FIXED_LENGTH = {
+    "document": lambda lens, causal: sum(lens),
+    "shared_prompt": lambda prompts, resps: sum(prompts) + sum(sum(r) for r in resps),
+    "hstu": lambda lens, targets, contextual: sum(lens),
+    "clear": lambda grid, radius, text_len: text_len + grid[0] * grid[1],
+    "natten2d": lambda grid, kernel: grid[0] * grid[1],
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Lengths
+# --------------------------------------------------------------------------------------------
+
+
+def accepted_lengths(mask: Mask, q_len: int, kv_len: int | None = None) -> tuple[int, int]:
+    """Validate the lengths a mask is evaluated (or compiled) at.
+
+    Args:
+        mask: any mask.
+        q_len: number of query rows ``Nq`` (an int >= 1).
+        kv_len: number of keys ``Nk`` (an int >= 1), or None for the mask's own key length when
+            it fixes one (``document``, ``tree``, a layout without ``rest:*``, ...), else ``q_len``.
+
+    Returns:
+        ``(q_len, kv_len)`` as ints.
+
+    Raises:
+        LengthError: a length is not an int >= 1, or the mask does not accept these lengths
+            (a length-fixing mask at another length, ``tree`` with ``q_len != len(parents)``,
+            children of a combination that fix different lengths, a global token outside the
+            axis, a layout longer than the axis).
+        LayoutError: a RuleMask's layout or rules are inconsistent.
+
+    Example::
+
+        >>> from compilemask import masks
+        >>> accepted_lengths(masks.tree([-1, 0, 0], prefix_len=4), 3)
+        (3, 7)
+    """
+    if not isinstance(mask, Mask):
+        raise CompileMaskError(f"expected a mask, got {type(mask).__name__}")
+    q_len = _length(q_len, "q_len")
+    if kv_len is None:
+        own = _own_kv_len(mask, q_len)
+        kv_len = q_len if own is None else own
+    else:
+        kv_len = _length(kv_len, "kv_len")
+    _check_lengths(mask, q_len, kv_len)
+    return q_len, kv_len
+
+
+def _length(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise LengthError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise LengthError(f"{name} must be an int >= 1, got {value}")
+    return int(value)
+
+
+def _describe(mask: Mask) -> str:
+    """A short name for error messages (independent of the printer)."""
+    if isinstance(mask, Builtin):
+        return f"{mask.name}{mask.args}"
+    if isinstance(mask, RuleMask):
+        return "layout mask (" + " ".join(s.name for s in mask.layout) + ")"
+    if isinstance(mask, Combine):
+        return f"({_describe(mask.left)} {mask.op} {_describe(mask.right)})"
+    return type(mask).__name__
+
+
+def _own_kv_len(mask: Mask, q_len: int) -> int | None:
+    """The key length a mask fixes by itself (None when it accepts any)."""
+    if isinstance(mask, Builtin):
+        if mask.name in _FIXED_LENGTH:
+            return _FIXED_LENGTH[mask.name](*mask.args)
+        if mask.name == "tree":
+            parents, prefix_len = mask.args
+            return prefix_len + len(parents)
+        return None
+    if isinstance(mask, RuleMask):
+        return fixed_length(mask.layout)
+    owners = [(c, _own_kv_len(c, q_len)) for c in mask.children()]
+    owners = [(c, n) for c, n in owners if n is not None]
+    if len({n for _, n in owners}) > 1:
+        detail = ", ".join(f"{_describe(c)} fixes {n}" for c, n in owners)
+        raise LengthError(f"combined masks fix different key lengths: {detail}")
+    return owners[0][1] if owners else None
+
+
+def _check_lengths(mask: Mask, q_len: int, kv_len: int) -> None:
+    if isinstance(mask, Builtin):
+        _check_builtin_lengths(mask, q_len, kv_len)
+    elif isinstance(mask, RuleMask):
+        check_rules(mask)
+        fixed = fixed_length(mask.layout)
+        if fixed is not None and not q_len == kv_len == fixed:
+            raise LengthError(
+                f"the layout fixes the length to {fixed} tokens (q_len = kv_len = {fixed}), "
+                f"got q_len={q_len}, kv_len={kv_len}"
+            )
+        resolve(mask.layout, max(q_len, kv_len))  # raises when the layout does not fit
+    elif isinstance(mask, (Combine, PerHead, PerBatch)):
+        for i, child in enumerate(mask.children()):
+            try:
+                _check_lengths(child, q_len, kv_len)
+            except LengthError as err:
+                raise LengthError(
+                    f"part {i} of a {type(mask).__name__} ({_describe(child)}) does not accept "
+                    f"q_len={q_len}, kv_len={kv_len}: {err}"
+                ) from None
+    else:
+        raise CompileMaskError(f"unknown mask node {type(mask).__name__}")
+
+
+def _check_builtin_lengths(mask: Builtin, q_len: int, kv_len: int) -> None:
+    name, args = mask.name, mask.args
+    if name in _FIXED_LENGTH:
+        fixed = _FIXED_LENGTH[name](*args)
+        if not q_len == kv_len == fixed:
+            raise LengthError(
+                f"{name} fixes the length to {fixed} tokens (q_len = kv_len = {fixed}), "
+                f"got q_len={q_len}, kv_len={kv_len}"
+            )
+    elif name == "tree":
+        parents, prefix_len = args
+        n = len(parents)
+        if q_len != n or kv_len != prefix_len + n:
+            raise LengthError(
+                f"tree of {n} nodes with prefix_len={prefix_len} needs q_len={n} and "
+                f"kv_len={prefix_len + n}, got q_len={q_len}, kv_len={kv_len}"
+            )
+    elif name == "global_local":
+        _, global_tokens = args
+        axis_len = max(q_len, kv_len)
+        outside = [g for g in global_tokens if g >= axis_len]
+        if outside:
+            raise LengthError(
+                f"global_local: global tokens {outside} lie outside the axis of "
+                f"max(q_len, kv_len) = {axis_len} tokens"
+            )
+    elif name not in _BUILTINS:
+        raise CompileMaskError(f"unknown catalogue mask {name!r}; known: {sorted(_BUILTINS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# visible / dense
+# --------------------------------------------------------------------------------------------
+
+
+def visible(
+    mask: Mask,
+    q_idx: torch.Tensor | int,
+    k_idx: torch.Tensor | int,
+    *,
+    q_len: int,
+    kv_len: int | None = None,
+    b: int = 0,
+    h: int = 0,
+) -> torch.Tensor:
+    """Whether query position ``q_idx`` sees key position ``k_idx`` (the specification).
+
+    Args:
+        mask: any mask.
+        q_idx, k_idx: broadcastable int64 tensors (or ints) of absolute positions.
+        q_len, kv_len: the lengths (validated by :func:`accepted_lengths`).
+        b, h: batch row and query head; used by ``per_batch`` / ``per_head`` masks only.
+
+    Returns:
+        bool tensor of the broadcast shape of ``q_idx`` and ``k_idx``; False for positions
+        outside ``[0, q_len) x [0, kv_len)``.
+
+    Raises:
+        CompileMaskError: bad lengths (see :func:`accepted_lengths`), or ``b`` / ``h`` outside
+            the mask's batch / head count.
+
+    Example::
+
+        >>> from compilemask import masks
+        >>> visible(masks.causal(), torch.tensor([3]), torch.tensor([2, 3, 4]), q_len=5)
+        tensor([ True,  True, False])
+    """
+    q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
+    q = torch.as_tensor(q_idx, dtype=torch.int64)
+    k = torch.as_tensor(k_idx, dtype=torch.int64)
+    q, k = torch.broadcast_tensors(q, k)
+    exists = (q >= 0) & (q < q_len) & (k >= 0) & (k < kv_len)
+    return exists & _visible(mask, q, k, q_len, kv_len, _index(b, "b"), _index(h, "h"))
+
+
+def dense(
+    mask: Mask,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+) -> torch.Tensor:
+    """The dense boolean mask, built by calling :func:`visible` on index grids.
+
+    Args:
+        mask: any mask.
+        q_len, kv_len: lengths (``kv_len`` None: the mask's own key length, else ``q_len``).
+        batch, heads: sizes; they must equal ``mask.batch_count`` / ``mask.head_count`` when the
+            mask depends on the batch row / head, and are ignored otherwise (it broadcasts).
+
+    Returns:
+        bool ``[Nq, Nk]`` when the mask depends on neither batch row nor head, else
+        ``[B or 1, H or 1, Nq, Nk]`` (``B = mask.batch_count``, ``H = mask.head_count``).
+
+    Raises:
+        CompileMaskError: bad lengths, or ``batch`` / ``heads`` that contradict the mask.
+
+    Example::
+
+        >>> from compilemask import masks
+        >>> dense(masks.per_head([masks.causal(), masks.dilated(1, 1)]), 3, heads=2).shape
+        torch.Size([1, 2, 3, 3])
+    """
+    q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
+    B, H = mask.batch_count, mask.head_count
+    _check_size(batch, B, "batch", "per_batch")
+    _check_size(heads, H, "heads", "per_head")
+    q = torch.arange(q_len).view(-1, 1)
+    k = torch.arange(kv_len).view(1, -1)
+    if B is None and H is None:
+        return visible(mask, q, k, q_len=q_len, kv_len=kv_len)
+    return torch.stack(
+        [
+            torch.stack(
+                [visible(mask, q, k, q_len=q_len, kv_len=kv_len, b=b, h=h) for h in range(H or 1)]
+            )
+            for b in range(B or 1)
+        ]
+    )
+
+
+def _check_size(given: int | None, count: int | None, name: str, kind: str) -> None:
+    if given is None:
+        return
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 1:
+        raise CompileMaskError(f"{name} must be an int >= 1 or None, got {given!r}")
+    if count is not None and given != count:
+        raise CompileMaskError(f"the mask is a {kind} mask of {count}, but {name}={given}")
+
+
+def _index(value: object, name: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise CompileMaskError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def _visible(mask: Mask, q, k, q_len: int, kv_len: int, b: int, h: int) -> torch.Tensor:
+    """``visible`` without validation; ``q`` and ``k`` have the same shape."""
+    if isinstance(mask, Builtin):
+        return _BUILTINS[mask.name](q, k, *mask.args)
+    if isinstance(mask, RuleMask):
+        return _rule_mask_visible(mask, q, k, q_len, kv_len)
+    if isinstance(mask, Combine):
+        left = _visible(mask.left, q, k, q_len, kv_len, b, h)
+        right = _visible(mask.right, q, k, q_len, kv_len, b, h)
+        if mask.op == "|":
+            return left | right
+        if mask.op == "&":
+            return left & right
+        if mask.op == "-":
+            return left & ~right
+        raise CompileMaskError(f"unknown combination operator {mask.op!r}")
+    if isinstance(mask, PerHead):
+        if h >= len(mask.masks):
+            raise CompileMaskError(
+                f"head h={h} is out of range for a per_head of {len(mask.masks)}"
+            )
+        return _visible(mask.masks[h], q, k, q_len, kv_len, b, h)
+    if isinstance(mask, PerBatch):
+        if b >= len(mask.masks):
+            raise CompileMaskError(
+                f"batch row b={b} is out of range for a per_batch of {len(mask.masks)}"
+            )
+        return _visible(mask.masks[b], q, k, q_len, kv_len, b, h)
+    raise CompileMaskError(f"unknown mask node {type(mask).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# The catalogue (WORKLOADS.md, "The catalogue"), one function per constructor.
+# ``q`` and ``k`` are int64 position tensors of one shape. Per-position tables (document id,
+# user, role, ...) are looked up at clamped indices; positions outside the axis are masked off by
+# ``visible``.
+# --------------------------------------------------------------------------------------------
+
+
+def _lookup(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return table[pos.clamp(0, len(table) - 1)]
+
+
+def _ids(lengths) -> torch.Tensor:
+    """``ids[p]`` = which of the consecutive runs of ``lengths`` position ``p`` falls in."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def _builtin_causal(q, k):
+    return k <= q
+
+
+def _builtin_sliding_window(q, k, window):
+    return (k <= q) & (q - k < window)
+
+
+def _builtin_document(q, k, lengths, causal):
+    doc = _ids(lengths)
+    same = _lookup(doc, q) == _lookup(doc, k)
+    return same & (k <= q) if causal else same
+
+
+def _builtin_prefix_lm(q, k, prefix_len):
+    return (k < prefix_len) | (k <= q)
+
+
+def _builtin_chunked(q, k, chunk):
+    return (q // chunk == k // chunk) & (k <= q)
+
+
+def _builtin_block_causal(q, k, block):
+    return k // block <= q // block
+
+
+def _builtin_shared_prompt(q, k, prompts, responses):
+    # Per position: its group, whether it is a prompt token, and a response id (unique over the
+    # whole axis; -1 for prompt tokens).
+    group, is_prompt, response = [], [], []
+    next_response = 0
+    for g, (p, rs) in enumerate(zip(prompts, responses, strict=True)):
+        group += [g] * (p + sum(rs))
+        is_prompt += [True] * p + [False] * sum(rs)
+        response += [-1] * p
+        for r in rs:
+            response += [next_response] * r
+            next_response += 1
+    group, is_prompt, response = map(torch.tensor, (group, is_prompt, response))
+    same_group = _lookup(group, q) == _lookup(group, k)
+    k_in_prompt = _lookup(is_prompt, k)
+    k_in_q_response = (_lookup(response, k) == _lookup(response, q)) & ~k_in_prompt
+    return (k <= q) & same_group & (k_in_prompt | k_in_q_response)
+
+
+def _builtin_hstu(q, k, lengths, num_targets, contextual):
+    # Per position: its user, whether it is a history token, whether it is a contextual row.
+    user, is_history, is_contextual = [], [], []
+    for u, (n, t) in enumerate(zip(lengths, num_targets, strict=True)):
+        history = n - t
+        c = min(contextual, history)
+        user += [u] * n
+        is_history += [True] * history + [False] * t
+        is_contextual += [True] * c + [False] * (n - c)
+    user, is_history, is_contextual = map(torch.tensor, (user, is_history, is_contextual))
+    same_user = _lookup(user, q) == _lookup(user, k)
+    q_history, q_contextual = _lookup(is_history, q), _lookup(is_contextual, q)
+    k_history = _lookup(is_history, k)
+    q_target = ~q_history
+    # history row: history keys k <= q; contextual row: all history keys;
+    # target row: all history keys and itself.
+    sees = k_history & ((q_history & (k <= q)) | q_contextual | q_target)
+    return same_user & (sees | (q_target & (k == q)))
+
+
+def _builtin_clear(q, k, grid, radius, text_len):
+    h, w = grid
+    q_text, k_text = q < text_len, k < text_len
+    qi, ki = q - text_len, k - text_len  # image token index (row-major)
+    dy = qi // w - ki // w
+    dx = qi % w - ki % w
+    near = ~q_text & ~k_text & (dy * dy + dx * dx < radius * radius)
+    return q_text | k_text | near
+
+
+def _builtin_global_local(q, k, window, global_tokens):
+    g = torch.tensor(global_tokens, dtype=torch.int64)
+    return ((q - k).abs() <= window) | torch.isin(q, g) | torch.isin(k, g)
+
+
+def _builtin_tree(q, k, parents, prefix_len):
+    n = len(parents)
+    # ancestor_or_self[i, j]: node j is node i or one of its ancestors (parents[i] < i, so one
+    # pass in index order sees every parent's row complete).
+    ancestor_or_self = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            ancestor_or_self[i] |= ancestor_or_self[p]
+    node = k - prefix_len
+    on_path = ancestor_or_self[q.clamp(0, n - 1), node.clamp(0, n - 1)]
+    return (k < prefix_len) | ((node >= 0) & (node < n) & on_path)
+
+
+def _natten_axis(c_q, c_k, kernel: int, extent: int):
+    """NATTEN along one axis: the window of ``kernel`` cells centred on the query, shifted inward
+    at the borders so it always holds ``kernel`` cells."""
+    r = kernel // 2
+    centre = c_q.clamp(r, extent - 1 - r)
+    return (centre - c_k).abs() <= r
+
+
+def _builtin_natten2d(q, k, grid, kernel):
+    h, w = grid
+    kh, kw = kernel
+    return _natten_axis(q // w, k // w, kh, h) & _natten_axis(q % w, k % w, kw, w)
+
+
+def _builtin_dilated(q, k, window, dilation):
+    d = q - k
+    return (d.abs() <= window) & (d % dilation == 0)
+
+
+_BUILTINS = {
+    "causal": _builtin_causal,
+    "sliding_window": _builtin_sliding_window,
+    "document": _builtin_document,
+    "prefix_lm": _builtin_prefix_lm,
+    "chunked": _builtin_chunked,
+    "block_causal": _builtin_block_causal,
+    "shared_prompt": _builtin_shared_prompt,
+    "hstu": _builtin_hstu,
+    "clear": _builtin_clear,
+    "global_local": _builtin_global_local,
+    "tree": _builtin_tree,
+    "natten2d": _builtin_natten2d,
+    "dilated": _builtin_dilated,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Rule masks (DESIGN.md section 1)
+# --------------------------------------------------------------------------------------------
+
+
+def _rule_mask_visible(mask: RuleMask, q, k, q_len: int, kv_len: int) -> torch.Tensor:
+    axis_len = max(q_len, kv_len)
+    segs = resolve(mask.layout, axis_len)
+    out = torch.zeros_like(q, dtype=torch.bool)
+    for rule in mask.rules:
+        for (qs, ql, qg), (ks, kl, kg) in _rule_pairs(rule, segs, axis_len):
+            in_pair = (q >= qs) & (q < qs + ql) & (k >= ks) & (k < ks + kl)
+            out |= in_pair & _relation(rule.relation, q - qs, k - ks, qg, kg)
+    return out
+
+
+def _rule_pairs(rule, segs, axis_len: int):
+    """The (query range, key range) pairs of a rule, each ``(start, length, grid)``, after the
+    checks of DESIGN.md: contiguous spans for relations other than ``full``, equal part lengths
+    for an indexed pair, and matching grids for grid relations."""
+    kind = rule.relation.kind
+    q_parts = span_ranges(rule.query, segs, axis_len)
+    k_parts = span_ranges(rule.key, segs, axis_len)
+    for span, parts in ((rule.query, q_parts), (rule.key, k_parts)):
+        if kind != "full" and span.index is None and len(parts) > 1:
+            raise LayoutError(
+                f"relation {kind} needs contiguous spans, but {'|'.join(span.names)} covers "
+                f"{len(parts)} separate ranges (only 'full' may use it)"
+            )
+    variable = rule.query.index if isinstance(rule.query.index, str) else None
+    if variable is not None and rule.key.index == variable:
+        if len(q_parts) != len(k_parts):
+            raise LayoutError(
+                f"{rule.query.names[0]}[{variable}] has {len(q_parts)} parts but "
+                f"{rule.key.names[0]}[{variable}] has {len(k_parts)}"
+            )
+        pairs = list(zip(q_parts, k_parts, strict=True))
+        if kind != "full":
+            for p, ((_, ql, _), (_, kl, _)) in enumerate(pairs):
+                if ql != kl:
+                    raise LayoutError(
+                        f"relation {kind} pairs spans of equal length, but part {p} of "
+                        f"{rule.query.names[0]}[{variable}] has {ql} tokens and of "
+                        f"{rule.key.names[0]}[{variable}] {kl}"
+                    )
+    else:
+        pairs = list(itertools.product(q_parts, k_parts))
+    if kind in ("disc", "box", "natten"):
+        for (_, _, qg), (_, _, kg) in pairs:
+            if qg is None or kg is None or qg != kg:
+                raise LayoutError(
+                    f"relation {kind} needs a grid query span and a grid key span of the same "
+                    f"shape, got {qg} and {kg}"
+                )
+            if kind == "natten" and (
+                rule.relation.params[0] > qg[0] or rule.relation.params[1] > qg[1]
+            ):
+                raise LayoutError(f"natten{rule.relation.params} is larger than the grid {qg}")
+    return pairs
+
+
+def _relation(relation, qp, kp, q_grid, k_grid) -> torch.Tensor:
+    """A relation on span-relative positions ``q'`` and ``k'`` (meaningful inside the pair)."""
+    kind, params = relation.kind, relation.params
+    if kind == "full":
+        return torch.ones_like(qp, dtype=torch.bool)
+    if kind == "causal":
+        return kp <= qp
+    if kind == "diag":
+        return kp == qp
+    if kind == "band":
+        lo, hi = params
+        return (qp + lo <= kp) & (kp <= qp + hi)
+    if kind == "chunk":
+        (c,) = params
+        return qp // c == kp // c
+    # grid relations: (y, x) = cell of a token in the row-major grid (q_grid == k_grid)
+    gh, gw = q_grid
+    yq, xq, yk, xk = qp // gw, qp % gw, kp // gw, kp % gw
+    if kind == "disc":
+        (r,) = params
+        return (yq - yk) ** 2 + (xq - xk) ** 2 < r * r
+    if kind == "box":
+        bh, bw = params
+        return ((yq - yk).abs() <= bh // 2) & ((xq - xk).abs() <= bw // 2)
+    if kind == "natten":
+        kh, kw = params
+        return _natten_axis(yq, yk, kh, gh) & _natten_axis(xq, xk, kw, gw)
+    raise LayoutError(f"unknown relation {kind!r}")

@@ -1,0 +1,201 @@
+"""The mask catalogue: one constructor per named pattern (semantics: ../shared/WORKLOADS.md).
+
+Every constructor validates its parameters (raising :class:`CompileMaskError` that names the
+parameter) and returns a :class:`~compilemask.language.ast.Builtin`, which prints as text that
+:func:`compilemask.parse` reads back (``str(sliding_window(1024)) == "sliding_window(1024)"``).
+
+Example::
+
+    >>> import compilemask as cm
+    >>> m = cm.masks.document([3, 5]) | cm.masks.prefix_lm(2)
+    >>> cm.parse(str(m)) == m
+    True
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+from .errors import CompileMaskError
+from .language.ast import Builtin, Mask, PerBatch, PerHead
+
+
+def _int(value: object, name: str, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CompileMaskError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise CompileMaskError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _ints(values: object, name: str, minimum: int | None = None) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        try:
+            import torch
+
+            if isinstance(values, torch.Tensor):
+                values = values.tolist()
+            else:
+                raise TypeError
+        except TypeError:
+            raise CompileMaskError(f"{name} must be a list of integers, got {values!r}") from None
+    return tuple(_int(v, f"{name}[{i}]", minimum) for i, v in enumerate(values))
+
+
+def _pair(value: object, name: str, minimum: int = 1) -> tuple[int, int]:
+    vals = _ints(value, name, minimum)
+    if len(vals) != 2:
+        raise CompileMaskError(f"{name} must be a pair (h, w), got {value!r}")
+    return vals  # type: ignore[return-value]
+
+
+def causal() -> Mask:
+    """``k <= q``."""
+    return Builtin("causal", ())
+
+
+def sliding_window(window: int) -> Mask:
+    """``k <= q and q - k < window``; ``window >= 1`` keys seen including itself (HF convention)."""
+    return Builtin("sliding_window", (_int(window, "window", 1),))
+
+
+def document(lengths: Sequence[int], causal: bool = True) -> Mask:
+    """Packed documents: same document and (``k <= q`` if ``causal``). Fixes the length."""
+    lens = _ints(lengths, "lengths", 1)
+    if not lens:
+        raise CompileMaskError("lengths must hold at least one document")
+    if not isinstance(causal, bool):
+        raise CompileMaskError(f"causal must be a bool, got {causal!r}")
+    return Builtin("document", (lens, causal))
+
+
+def prefix_lm(prefix_len: int) -> Mask:
+    """``k < prefix_len or k <= q``; ``prefix_len >= 0`` (may exceed the length)."""
+    return Builtin("prefix_lm", (_int(prefix_len, "prefix_len", 0),))
+
+
+def chunked(chunk: int) -> Mask:
+    """``q // chunk == k // chunk and k <= q``."""
+    return Builtin("chunked", (_int(chunk, "chunk", 1),))
+
+
+def block_causal(block: int) -> Mask:
+    """``k // block <= q // block``."""
+    return Builtin("block_causal", (_int(block, "block", 1),))
+
+
+def shared_prompt(prompt_len, response_lens) -> Mask:
+    """One prompt, several responses: ``k <= q and same group and (k in the group's prompt or k in
+    q's response)``. One group: ``prompt_len`` an int and ``response_lens`` a list; several packed
+    groups: a list of ints and a list of lists. Fixes the length."""
+    if isinstance(prompt_len, numbers.Integral) and not isinstance(prompt_len, bool):
+        prompts = (_int(prompt_len, "prompt_len", 0),)
+        groups = (response_lens,)
+    else:
+        prompts = _ints(prompt_len, "prompt_len", 0)
+        if isinstance(response_lens, (str, bytes)) or not isinstance(response_lens, Sequence):
+            raise CompileMaskError("response_lens must be a list of lists with several groups")
+        groups = tuple(response_lens)
+        if len(groups) != len(prompts):
+            raise CompileMaskError(
+                f"response_lens has {len(groups)} groups but prompt_len has {len(prompts)}"
+            )
+    if not prompts:
+        raise CompileMaskError("shared_prompt needs at least one group")
+    resp = tuple(_ints(r, f"response_lens[{g}]", 1) for g, r in enumerate(groups))
+    for g, r in enumerate(resp):
+        if not r:
+            raise CompileMaskError(f"response_lens[{g}] must hold at least one response")
+    return Builtin("shared_prompt", (prompts, resp))
+
+
+def hstu(lengths: Sequence[int], num_targets: Sequence[int], contextual: int = 0) -> Mask:
+    """HSTU recommender mask, per user (lists per user). ``0 <= num_targets < length``;
+    ``contextual`` is clipped to each user's history. Fixes the length."""
+    lens = _ints(lengths, "lengths", 1)
+    targets = _ints(num_targets, "num_targets", 0)
+    if not lens:
+        raise CompileMaskError("lengths must hold at least one user")
+    if len(targets) != len(lens):
+        raise CompileMaskError(
+            f"num_targets has {len(targets)} entries but lengths has {len(lens)} users"
+        )
+    for u, (n, t) in enumerate(zip(lens, targets)):
+        if t >= n:
+            raise CompileMaskError(f"num_targets[{u}] = {t} must be < lengths[{u}] = {n}")
+    return Builtin("hstu", (lens, targets, _int(contextual, "contextual", 0)))
+
+
+def clear(grid: tuple[int, int], radius: int, text_len: int) -> Mask:
+    """CLEAR: ``[text | image grid h x w row-major]``; ``q is text or k is text or
+    dy^2 + dx^2 < radius^2``. Fixes the length (``text_len + h * w``)."""
+    return Builtin(
+        "clear", (_pair(grid, "grid"), _int(radius, "radius", 1), _int(text_len, "text_len", 0))
+    )
+
+
+def global_local(window: int, global_tokens: Sequence[int]) -> Mask:
+    """``|q - k| <= window or q in G or k in G`` (bidirectional; ``window >= 0`` is a radius;
+    ``G`` distinct positions, may be empty)."""
+    g = _ints(global_tokens, "global_tokens", 0)
+    if len(set(g)) != len(g):
+        raise CompileMaskError(f"global_tokens must be distinct positions, got {list(g)}")
+    return Builtin("global_local", (_int(window, "window", 0), tuple(sorted(g))))
+
+
+def tree(parents: Sequence[int], prefix_len: int) -> Mask:
+    """Tree drafts (speculative decoding): query ``i`` is node ``i`` at key position
+    ``prefix_len + i``; it sees the prefix, itself and its ancestors. ``parents[i] < i``; roots
+    have -1. ``q_len = len(parents)``, ``kv_len = prefix_len + len(parents)``."""
+    par = _ints(parents, "parents", -1)
+    if not par:
+        raise CompileMaskError("parents must hold at least one node")
+    for i, p in enumerate(par):
+        if p >= i:
+            raise CompileMaskError(f"parents[{i}] = {p} must be < {i} (or -1 for a root)")
+    return Builtin("tree", (par, _int(prefix_len, "prefix_len", 0)))
+
+
+def natten2d(grid: tuple[int, int], kernel: tuple[int, int]) -> Mask:
+    """NATTEN 2-D neighbourhood attention on a row-major ``h x w`` grid with a ``kh x kw`` window
+    that shifts inward at borders. ``kernel`` odd and ``<= grid`` per axis. Fixes the length."""
+    g = _pair(grid, "grid")
+    k = _pair(kernel, "kernel")
+    for axis, (kk, e) in enumerate(zip(k, g)):
+        if kk % 2 == 0:
+            raise CompileMaskError(f"kernel[{axis}] = {kk} must be odd")
+        if kk > e:
+            raise CompileMaskError(f"kernel[{axis}] = {kk} must be <= grid[{axis}] = {e}")
+    return Builtin("natten2d", (g, k))
+
+
+def dilated(window: int, dilation: int) -> Mask:
+    """``|q - k| <= window and (q - k) % dilation == 0`` (bidirectional)."""
+    return Builtin("dilated", (_int(window, "window", 0), _int(dilation, "dilation", 1)))
+
+
+def per_head(masks: Sequence[Mask]) -> Mask:
+    """``masks[h]`` for query head ``h`` (compile with ``heads=len(masks)``)."""
+    ms = tuple(masks)
+    if not ms or not all(isinstance(m, Mask) for m in ms):
+        raise CompileMaskError("per_head needs a non-empty list of masks")
+    return PerHead(ms)
+
+
+def per_batch(masks: Sequence[Mask]) -> Mask:
+    """``masks[b]`` for batch row ``b`` (compile with ``batch=len(masks)``)."""
+    ms = tuple(masks)
+    if not ms or not all(isinstance(m, Mask) for m in ms):
+        raise CompileMaskError("per_batch needs a non-empty list of masks")
+    return PerBatch(ms)
+
+
+CATALOGUE = {
+    f.__name__: f
+    for f in (
+        causal, sliding_window, document, prefix_lm, chunked, block_causal, shared_prompt, hstu,
+        clear, global_local, tree, natten2d, dilated,
+    )
+}
