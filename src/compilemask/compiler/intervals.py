@@ -66,6 +66,16 @@ def compact_sorted(
     return out_lo, out_hi, count
 
 
+def finish_compact(lo, hi, pad: int, *, trim: bool = True):
+    """Canonical form of intervals that are compact already (used slots first, sorted, not
+    touching): set unused slots to ``pad`` and count. Returns ``(lo, hi, count)``."""
+    valid = lo < hi
+    count = valid.sum(-1, dtype=torch.int32)
+    k_out = _bound_k(count, lo.shape[-1], trim)
+    lo, hi, valid = lo[..., :k_out], hi[..., :k_out], valid[..., :k_out]
+    return torch.where(valid, lo, pad), torch.where(valid, hi, pad), count
+
+
 def sweep(
     sets: list[tuple[torch.Tensor, torch.Tensor]],
     weights: list[int],

@@ -11,6 +11,7 @@ lowering (``language.semantics.accepted_lengths``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,13 @@ from ..language.resolve import resolve, span_ranges
 from . import intervals as iv
 
 I32 = torch.int32
+
+
+class _Canonical(NamedTuple):
+    """Intervals a closed form built canonical already (but for the padding of unused slots)."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
 
 
 def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
@@ -39,9 +47,12 @@ class _Ctx:
     def lower(self, mask: Mask):
         pad = self.kv_len
         if isinstance(mask, Builtin):
-            lo, hi = getattr(self, "_b_" + mask.name)(*mask.args)
-            lo, hi = iv.clip(lo, hi, self.kv_len)
-            lo, hi, cnt = iv.compact_sorted(lo, hi, pad, trim=self.trim)
+            out = getattr(self, "_b_" + mask.name)(*mask.args)
+            if isinstance(out, _Canonical):  # compact and in bounds by construction
+                lo, hi, cnt = iv.finish_compact(out.lo, out.hi, pad, trim=self.trim)
+            else:
+                lo, hi = iv.clip(*out, self.kv_len)
+                lo, hi, cnt = iv.compact_sorted(lo, hi, pad, trim=self.trim)
             return lo[None, None], hi[None, None], cnt[None, None]
         if isinstance(mask, RuleMask):
             lo, hi, cnt = self._rules(mask)
@@ -58,7 +69,13 @@ class _Ctx:
             k = max(p[0].shape[-1] for p in parts)
             padded = [iv.pad_k(p[0], p[1], k, pad) + (p[2],) for p in parts]
             axis = 1 if isinstance(mask, PerHead) else 0
-            return tuple(torch.cat([p[i] for p in padded], dim=axis) for i in range(3))
+            other = max(p[0].shape[1 - axis] for p in padded)  # broadcast the other axis
+            shape = [-1, -1]
+            shape[1 - axis] = other
+            return tuple(
+                torch.cat([p[i].expand(*shape, *p[i].shape[2:]) for p in padded], dim=axis)
+                for i in range(3)
+            )
         raise LayoutError(f"cannot lower {type(mask).__name__}")
 
     # ----------------------------------------------------------------- catalogue (closed forms)
@@ -128,7 +145,15 @@ class _Ctx:
         is_text = (self.q < text_len)[:, None]
         lo, hi = torch.where(is_text, 0, lo), torch.where(is_text, 0, hi)
         text_hi = torch.where(is_text, self.kv_len, text_len).to(I32)
-        return torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
+        if text_len == 0 or _grid_may_touch(grid, "disc", (radius,)):
+            return torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
+        # canonical directly: merge the text interval with a first disc row that touches it
+        merge = (lo[:, :1] == text_len) & (hi[:, :1] > lo[:, :1])
+        text_hi = torch.where(merge, hi[:, :1], text_hi)
+        zero = torch.zeros_like(lo[:, :1])
+        lo = torch.where(merge, torch.cat([lo[:, 1:], zero], -1), lo)
+        hi = torch.where(merge, torch.cat([hi[:, 1:], zero], -1), hi)
+        return _Canonical(torch.cat([zero, lo], -1), torch.cat([text_hi, hi], -1))
 
     def _b_global_local(self, window, global_tokens):
         q = self.q[:, None]
@@ -160,7 +185,7 @@ class _Ctx:
 
     def _b_natten2d(self, grid, kernel):
         lo, hi = _grid_window(self.q, 0, grid, "natten", kernel, self.t)
-        return lo, hi
+        return (lo, hi) if _grid_may_touch(grid, "natten", kernel) else _Canonical(lo, hi)
 
     def _b_dilated(self, window, dilation):
         steps = window // dilation
@@ -252,37 +277,48 @@ class _Ctx:
 
 def _grid_window(local, key_start, grid, kind, params, t):
     """Intervals of a 2-D window for query cells ``local`` (row-major index in an h x w grid)
-    over a key grid of the same shape starting at token ``key_start``. One interval per key row.
+    over a key grid of the same shape starting at token ``key_start``: one interval per key row
+    the window touches, already compact (used slots first, ascending; unused slots ``[0, 0)``).
     """
     h, w = grid
     local = local.clamp(0, h * w - 1)
     y, x = local // w, local % w
     dev = local.device
-    if kind == "disc":
-        r = params[0]
-        reach = min(r - 1, h - 1)
-        offs = torch.arange(-reach, reach + 1, device=dev, dtype=I32)
-        half = t([math.isqrt(r * r - d * d - 1) for d in range(-reach, reach + 1)])[None, :]
-        yk = y[:, None] + offs[None, :]
-        xl, xh = x[:, None] - half, x[:, None] + half
-    elif kind == "box":
-        bh, bw = params
-        reach = min(bh // 2, h - 1)
-        offs = torch.arange(-reach, reach + 1, device=dev, dtype=I32)
-        yk = y[:, None] + offs[None, :]
-        xl, xh = x[:, None] - bw // 2, x[:, None] + bw // 2
-    else:  # natten
+    if kind == "natten":
         kh, kw = params
         if kh > h or kw > w:
             raise LayoutError(f"natten({kh}, {kw}) is larger than the {h}x{w} grid")
-        cy = y.clamp(kh // 2, h - 1 - kh // 2)
+        y0 = y.clamp(kh // 2, h - 1 - kh // 2) - kh // 2
         cx = x.clamp(kw // 2, w - 1 - kw // 2)
-        offs = torch.arange(-(kh // 2), kh // 2 + 1, device=dev, dtype=I32)
-        yk = cy[:, None] + offs[None, :]
-        xl, xh = (cx - kw // 2)[:, None], (cx + kw // 2)[:, None]
-    ok = (yk >= 0) & (yk < h)
+        slots = torch.arange(kh, device=dev, dtype=I32)
+        yk = y0[:, None] + slots[None, :]
+        lo = key_start + yk * w + (cx - kw // 2)[:, None]
+        return lo, lo + kw
+    if kind == "disc":
+        r = params[0]
+        reach = min(r - 1, h - 1)
+        halves = [math.isqrt(r * r - d * d - 1) for d in range(-reach, reach + 1)]
+    else:  # box
+        bh, bw = params
+        reach = min(bh // 2, h - 1)
+        halves = [bw // 2] * (2 * reach + 1)
+    slots = torch.arange(2 * reach + 1, device=dev, dtype=I32)
+    y0 = (y - reach).clamp(min=0)
+    yk = y0[:, None] + slots[None, :]
+    ok = yk <= (y + reach).clamp(max=h - 1)[:, None]
+    half = t(halves)[(yk - y[:, None] + reach).clamp(0, 2 * reach)]
     base = key_start + yk * w
-    lo = base + xl.clamp(min=0)
-    hi = base + xh.clamp(max=w - 1) + 1
-    zero = torch.zeros_like(lo)
-    return torch.where(ok, lo, zero).to(I32), torch.where(ok, hi, zero).to(I32)
+    lo = base + (x[:, None] - half).clamp(min=0)
+    hi = base + (x[:, None] + half).clamp(max=w - 1) + 1
+    return torch.where(ok, lo, 0), torch.where(ok, hi, 0)
+
+
+def _grid_may_touch(grid, kind, params) -> bool:
+    """Whether a window row can span the whole grid width (then rows touch and must merge)."""
+    h, w = grid
+    if kind == "natten":
+        return params[1] >= w
+    if kind == "box":
+        return params[1] >= w
+    r = params[0]
+    return 2 * math.isqrt(r * r - 1) + 1 >= w

@@ -1,0 +1,364 @@
+"""The compiler against the specification (the dense evaluator), by property tests.
+
+For random masks (catalogue, rule blocks over random layouts, combinations, per-head and
+per-batch), random lengths (not multiples of the tile, q_len != kv_len where the mask allows it)
+and random tile sizes: ``plan.to_dense()`` equals ``semantics.dense``; the column intervals are
+the transpose; the tile classes, pair counts, slot ranges, bitmasks and both tile lists agree
+with the dense mask cut into tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.compiler.intervals import dense_rows
+from compilemask.compiler.tiles import EMPTY, FULL, PARTIAL, PARTIAL_BITS
+from compilemask.errors import CompileMaskError, LayoutError
+from compilemask.language.ast import Relation, Rule, RuleMask, Segment, Span
+from compilemask.language.semantics import dense
+
+PROFILE = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+# ----------------------------------------------------------------------------- strategies
+@st.composite
+def partition(draw, total: int, min_part: int = 1, max_parts: int = 4):
+    """A list of ints >= min_part summing to total."""
+    parts = []
+    left = total
+    while left > 0 and len(parts) < max_parts - 1:
+        n = draw(st.integers(min_part, max(min_part, left)))
+        if n > left:
+            break
+        parts.append(n)
+        left -= n
+    if left:
+        parts.append(left)
+    return parts
+
+
+@st.composite
+def free_masks(draw, n: int):
+    """Masks that accept any length (so q_len != kv_len is allowed)."""
+    return draw(
+        st.one_of(
+            st.just(masks.causal()),
+            st.builds(masks.sliding_window, st.integers(1, n + 2)),
+            st.builds(masks.prefix_lm, st.integers(0, n + 3)),
+            st.builds(masks.chunked, st.integers(1, n + 1)),
+            st.builds(masks.block_causal, st.integers(1, n + 1)),
+            st.builds(masks.dilated, st.integers(0, n), st.integers(1, 5)),
+            st.builds(
+                masks.global_local,
+                st.integers(0, 6),
+                st.lists(st.integers(0, n - 1), max_size=3, unique=True),
+            ),
+            rule_masks(n, open_ended=True),
+        )
+    )
+
+
+@st.composite
+def fixed_masks(draw, n: int):
+    """Masks whose layout fixes the length to n."""
+    kind = draw(st.sampled_from(["document", "shared", "hstu", "clear", "natten", "rules"]))
+    if kind == "document":
+        return masks.document(draw(partition(n)), draw(st.booleans()))
+    if kind == "shared":
+        groups = draw(partition(n, 2, 3))
+        prompts, resps = [], []
+        for g in groups:
+            p = draw(st.integers(0, g - 1))
+            prompts.append(p)
+            resps.append(draw(partition(g - p, 1, 4)))
+        return masks.shared_prompt(prompts, resps)
+    if kind == "hstu":
+        users = draw(partition(n, 1, 4))
+        targets = [draw(st.integers(0, u - 1)) for u in users]
+        return masks.hstu(users, targets, draw(st.integers(0, 8)))
+    if kind == "clear":
+        h = draw(st.integers(1, max(1, n // 2)))
+        w = draw(st.integers(1, max(1, n // h)))
+        return masks.clear((h, w), draw(st.integers(1, 6)), n - h * w)
+    if kind == "natten":
+        h = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+        w = n // h
+        kh = draw(st.sampled_from([k for k in range(1, h + 1, 2)]))
+        kw = draw(st.sampled_from([k for k in range(1, w + 1, 2)]))
+        return masks.natten2d((h, w), (kh, kw))
+    return draw(rule_masks(n, open_ended=False))
+
+
+RELATIONS = st.one_of(
+    st.sampled_from([Relation("full"), Relation("causal"), Relation("diag")]),
+    st.tuples(st.integers(-8, 4), st.integers(0, 8)).map(
+        lambda t: Relation("band", (min(t), max(t)))
+    ),
+    st.integers(1, 9).map(lambda c: Relation("chunk", (c,))),
+    st.integers(1, 5).map(lambda r: Relation("disc", (r,))),
+    st.tuples(st.sampled_from([1, 3, 5]), st.sampled_from([1, 3])).map(
+        lambda t: Relation("box", t)
+    ),
+    st.tuples(st.sampled_from([1, 3]), st.sampled_from([1, 3])).map(
+        lambda t: Relation("natten", t)
+    ),
+)
+
+
+@st.composite
+def rule_masks(draw, n: int, open_ended: bool):
+    names = ["a", "b", "c"][: draw(st.integers(1, 3))]
+    budget = n
+    layout = []
+    for i, name in enumerate(names):
+        last = i == len(names) - 1
+        if last and open_ended:
+            layout.append(Segment(name, None))
+            break
+        style = draw(st.sampled_from(["plain", "family", "grid"]))
+        if last:
+            size = budget
+        else:
+            size = draw(st.integers(0, budget))
+        budget -= size
+        if style == "family" and size >= 2:
+            layout.append(Segment(name, tuple(draw(partition(size, 1, 3)))))
+        elif style == "grid" and size >= 1:
+            h = draw(st.sampled_from([d for d in range(1, size + 1) if size % d == 0]))
+            layout.append(Segment(name, (size,), (h, size // h)))
+        else:
+            layout.append(Segment(name, (size,)))
+    rules = []
+    for _ in range(draw(st.integers(0, 3))):
+        qn = draw(st.sampled_from(names + ["*"]))
+        kn = draw(st.sampled_from(names + ["*"]))
+        qi = draw(st.sampled_from([None, "i", 0])) if qn != "*" else None
+        ki = None
+        if kn != "*":
+            ki = draw(st.sampled_from([None, qi if isinstance(qi, str) else None, 0]))
+        q = Span((qn,), qi)
+        k = Span((kn,), ki)
+        if draw(st.booleans()) and len(names) > 1 and qi is None and qn != "*":
+            q = Span(tuple(sorted({qn, draw(st.sampled_from(names))})), None)
+        rules.append(Rule(q, k, draw(RELATIONS)))
+    return RuleMask(tuple(layout), tuple(rules))
+
+
+@st.composite
+def cases(draw):
+    """(mask, q_len, kv_len, block_m, block_n)."""
+    n = draw(st.integers(1, 70))
+    free = draw(st.booleans())
+    gen = free_masks if free else fixed_masks
+    mask = draw(gen(n))
+    for _ in range(draw(st.integers(0, 2))):
+        op = draw(st.sampled_from(["|", "&", "-", "head", "batch"]))
+        other = draw(gen(n))
+        if op == "|":
+            mask = mask | other
+        elif op == "&":
+            mask = mask & other
+        elif op == "-":
+            mask = mask - other
+        elif op == "head" and mask.head_count is None:
+            mask = masks.per_head([mask, other])
+        elif op == "batch" and mask.batch_count is None:
+            mask = masks.per_batch([other, mask, other])
+    kv = draw(st.integers(1, 80)) if free and draw(st.booleans()) else None
+    bm = draw(st.sampled_from([8, 16, 32]))
+    bn = draw(st.sampled_from([8, 16, 32, 64]))
+    return mask, n, kv, bm, bn
+
+
+# ----------------------------------------------------------------------------- checks
+def tile_view(d: torch.Tensor, bm: int, bn: int):
+    """[M, Tq, Tk, bm, bn] view of a dense [M, Nq, Nk] mask padded with False."""
+    m, nq, nk = d.shape
+    tq, tk = -(-nq // bm), -(-nk // bn)
+    pad = torch.zeros(m, tq * bm, tk * bn, dtype=torch.bool)
+    pad[:, :nq, :nk] = d
+    return pad.view(m, tq, bm, tk, bn).permute(0, 1, 3, 2, 4)
+
+
+def check_plan(plan: cm.MaskPlan, expected: torch.Tensor) -> None:
+    d = plan.to_dense()
+    assert d.shape == expected.shape
+    assert torch.equal(d, expected), "plan.to_dense() differs from the dense evaluator"
+    plan.verify()
+    flat = d.reshape(-1, plan.q_len, plan.kv_len)
+    cols = dense_rows(plan.col_lo, plan.col_hi, plan.q_len)
+    assert torch.equal(cols, flat.transpose(1, 2)), "column intervals are not the transpose"
+    s = plan.schedule
+    tiles = tile_view(flat, s.block_m, s.block_n)
+    any_ = tiles.flatten(3).any(-1)
+    m, tq, tk = any_.shape
+    rows = torch.tensor([min(s.block_m, plan.q_len - i * s.block_m) for i in range(tq)])
+    colsz = torch.tensor([min(s.block_n, plan.kv_len - j * s.block_n) for j in range(tk)])
+    whole = (rows[:, None] == s.block_m) & (colsz[None, :] == s.block_n)
+    full = tiles.flatten(3).all(-1) & whole
+    assert torch.equal(s.kind == FULL, full)
+    assert torch.equal(s.kind == EMPTY, ~any_)
+    assert torch.equal(s.pairs, tiles.flatten(3).sum(-1).to(torch.int32))
+    for mi, qt, kt in (s.kind >= PARTIAL).nonzero().tolist():
+        block = tiles[mi, qt, kt]
+        if s.kind[mi, qt, kt] == PARTIAL:
+            r = torch.arange(qt * s.block_m, min(plan.q_len, (qt + 1) * s.block_m))
+            j = slice(int(s.jlo[mi, qt, kt]), int(s.jhi[mi, qt, kt]))
+            lo, hi = plan.row_lo[mi, r][:, j], plan.row_hi[mi, r][:, j]
+            c = torch.arange(kt * s.block_n, (kt + 1) * s.block_n)
+            vis = ((c[None, :, None] >= lo[:, None]) & (c[None, :, None] < hi[:, None])).any(-1)
+            assert torch.equal(vis, block[: len(r)]), "slot range misses an interval"
+        else:
+            words = s.bits[int(s.bits_index[mi, qt, kt])]
+            c = torch.arange(s.block_n)
+            vis = ((words[:, c // 32] >> (c % 32)) & 1).bool()
+            assert torch.equal(vis, block)
+    for mi in range(m):
+        for qt in range(tq):
+            want = any_[mi, qt].nonzero().flatten().tolist()
+            got = s.q_list[mi, qt, : int(s.q_count[mi, qt])].tolist()
+            assert got == want
+        for kt in range(tk):
+            want = any_[mi, :, kt].nonzero().flatten().tolist()
+            got = s.kv_list[mi, kt, : int(s.kv_count[mi, kt])].tolist()
+            assert got == want
+        w = s.q_count[mi]
+        order = s.q_order[mi].tolist()
+        assert sorted(order) == list(range(tq))
+        assert all(
+            (w[a] > w[b]) or (w[a] == w[b] and a < b) for a, b in zip(order, order[1:])
+        ), "q-tiles are not heaviest first"
+
+
+@PROFILE
+@given(cases())
+def test_plan_matches_dense_evaluator(case):
+    mask, n, kv, bm, bn = case
+    try:
+        expected = dense(mask, n, kv)
+    except LayoutError:
+        with pytest.raises(LayoutError):
+            cm.compile(mask, n, kv, block_m=bm, block_n=bn, cache=False)
+        return
+    plan = cm.compile(mask, n, kv, block_m=bm, block_n=bn, cache=False)
+    check_plan(plan, expected)
+    other = plan.tiles(16, 32)
+    assert torch.equal(other.pairs.sum(), plan.schedule.pairs.sum())
+
+
+CATALOGUE_CASES = [
+    (masks.causal(), 200, 150),
+    (masks.sliding_window(40), 200, 260),
+    (masks.document([30, 70, 100]), 200, None),
+    (masks.document([30, 70, 100], causal=False), 200, None),
+    (masks.prefix_lm(300), 200, None),
+    (masks.chunked(48), 200, None),
+    (masks.block_causal(48), 200, None),
+    (masks.shared_prompt(40, [60, 60, 40]), 200, None),
+    (masks.shared_prompt([20, 30], [[50, 10], [40, 50]]), 200, None),
+    (masks.hstu([120, 80], [20, 1], 6), 200, None),
+    (masks.clear((12, 14), 5, 32), 200, None),
+    (masks.global_local(3, [0, 99]), 200, None),
+    (masks.tree([-1, 0, 0, 1, 1, 2, -1, 6], 60), 8, None),
+    (masks.natten2d((10, 20), (3, 5)), 200, None),
+    (masks.dilated(64, 3), 200, 190),
+]
+
+
+@pytest.mark.parametrize("mask,n,kv", CATALOGUE_CASES, ids=lambda x: str(x)[:30])
+@pytest.mark.parametrize("bm,bn", [(32, 32), (16, 64)])
+def test_catalogue_compiles_exactly(mask, n, kv, bm, bn):
+    plan = cm.compile(mask, n, kv, block_m=bm, block_n=bn, cache=False)
+    check_plan(plan, dense(mask, n, kv))
+
+
+def test_text_and_builders_compile_the_same():
+    text = """
+    layout prompt:40 resp:4x40
+    prompt -> prompt : causal
+    resp[i] -> prompt : full
+    resp[i] -> resp[i] : causal
+    """
+    a = cm.compile(cm.parse(text), 200, cache=False)
+    b = cm.compile(masks.shared_prompt(40, [40] * 4), 200, cache=False)
+    assert torch.equal(a.to_dense(), b.to_dense())
+
+
+def test_per_head_and_per_batch_shapes():
+    m = masks.per_head([masks.causal(), masks.sliding_window(3)])
+    plan = cm.compile(m, 10, heads=2)
+    assert plan.heads == 2 and plan.batch is None
+    assert plan.to_dense().shape == (1, 2, 10, 10)
+    with pytest.raises(CompileMaskError, match="heads=3"):
+        cm.compile(m, 10, heads=3)
+    plan = cm.compile(masks.causal(), 10, batch=4, heads=8)
+    assert plan.batch is None and plan.heads is None and plan.to_dense().shape == (10, 10)
+
+
+def test_cache_and_device_move():
+    m = masks.causal()
+    assert cm.compile(m, 64) is cm.compile(m, 64)
+    assert cm.compile(m, 64, cache=False) is not cm.compile(m, 64)
+    p = cm.compile(m, 64).to("cpu")
+    assert p.device.type == "cpu"
+    assert "MaskPlan(" in repr(p) and "causal()" in repr(p)
+
+
+# ----------------------------------------------------------------------------- migration
+def test_from_dense_random_mask_uses_bitmasks():
+    g = torch.Generator().manual_seed(1)
+    d = torch.rand(150, 170, generator=g) < 0.5
+    d[7] = False  # a row that sees nothing
+    plan = cm.from_dense(d, block_m=32, block_n=64)
+    check_plan(plan, d)
+    assert plan.stats()["tiles_partial_bits"] > 0
+
+
+def test_from_dense_batch_head():
+    d = torch.rand(2, 1, 40, 30) < 0.3
+    plan = cm.from_dense(d, block_m=16, block_n=32)
+    assert plan.batch == 2 and plan.heads is None
+    check_plan(plan, d)
+
+
+def test_from_mask_mod_matches_flex_convention():
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx) < 5 + h)
+
+    plan = cm.from_mask_mod(mask_mod, 50, 60, heads=3, block_m=16, block_n=32)
+    q, k = torch.arange(50)[:, None], torch.arange(60)[None, :]
+    want = torch.stack([(k <= q) & (q - k < 5 + h) for h in range(3)])[None]
+    check_plan(plan, want)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: cm.compile(masks.causal(), -3), "q_len"),
+        (lambda: cm.compile(masks.causal(), 2.5), "q_len"),
+        (lambda: cm.compile(masks.causal(), 8, 0), "kv_len"),
+        (lambda: cm.compile(masks.document([3, 4]), 8), "7"),
+        (lambda: cm.compile(masks.tree([-1, 0], 3), 2, 4), "kv_len"),
+        (lambda: cm.compile(cm.parse("layout a:4 b:*\na -> c : full"), 8), "unknown span"),
+        (lambda: cm.compile("causal", 8), "Mask"),
+        (lambda: cm.compile(masks.causal(), 8, block_m=0), "block_m"),
+        (lambda: cm.compile(masks.global_local(1, [20]), 8), "20"),
+        (lambda: cm.from_dense(torch.ones(3, 3)), "bool"),
+        (lambda: cm.from_dense(torch.ones(3, dtype=torch.bool)), "Nq, Nk"),
+        (lambda: cm.from_mask_mod(lambda b, h, q, k: q / 0 + undefined, 8), "mask_mod raised"),  # noqa: F821
+        (lambda: cm.from_mask_mod(lambda b, h, q, k: q - k, 8), "bool"),
+        (lambda: masks.sliding_window(0), "window"),
+        (lambda: masks.natten2d((4, 4), (2, 3)), "kernel"),
+        (lambda: masks.hstu([4], [4]), "num_targets"),
+    ],
+)
+def test_bad_input_raises_clear_errors(call, match):
+    with pytest.raises(CompileMaskError, match=match):
+        call()
