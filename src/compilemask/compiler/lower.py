@@ -141,19 +141,22 @@ class _Ctx:
         return lo, hi
 
     def _b_clear(self, grid, radius, text_len):
-        lo, hi = _grid_window(self.q - text_len, text_len, grid, "disc", (radius,), self.t)
-        is_text = (self.q < text_len)[:, None]
-        lo, hi = torch.where(is_text, 0, lo), torch.where(is_text, 0, hi)
-        text_hi = torch.where(is_text, self.kv_len, text_len).to(I32)
+        is_text = self.q < text_len
+        lo, hi = _grid_window(
+            self.q - text_len, text_len, grid, "disc", (radius,), self.t, skip=is_text
+        )
+        text_hi = torch.where(is_text, self.kv_len, text_len).to(I32)[:, None]
         if text_len == 0 or _grid_may_touch(grid, "disc", (radius,)):
             return torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
         # canonical directly: merge the text interval with a first disc row that touches it
-        merge = (lo[:, :1] == text_len) & (hi[:, :1] > lo[:, :1])
-        text_hi = torch.where(merge, hi[:, :1], text_hi)
-        zero = torch.zeros_like(lo[:, :1])
-        lo = torch.where(merge, torch.cat([lo[:, 1:], zero], -1), lo)
-        hi = torch.where(merge, torch.cat([hi[:, 1:], zero], -1), hi)
-        return _Canonical(torch.cat([zero, lo], -1), torch.cat([text_hi, hi], -1))
+        # (only rows in the first grid rows can; shift just those rows)
+        first = int(min(self.q_len, text_len + radius * grid[1]))
+        merge = (lo[:first, :1] == text_len) & (hi[:first, :1] > text_len)
+        text_hi[:first] = torch.where(merge, hi[:first, :1], text_hi[:first])
+        zero = torch.zeros_like(lo[:first, :1])
+        lo[:first] = torch.where(merge, torch.cat([lo[:first, 1:], zero], -1), lo[:first])
+        hi[:first] = torch.where(merge, torch.cat([hi[:first, 1:], zero], -1), hi[:first])
+        return _Canonical(torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1))
 
     def _b_global_local(self, window, global_tokens):
         q = self.q[:, None]
@@ -234,7 +237,7 @@ class _Ctx:
         else:
             table = [list(kparts) for _ in qparts]
         if rel.kind in GRID_RELATIONS:
-            (qs, ql, qg), = qparts if len(qparts) == 1 else (None,)
+            qs, ql, qg = qparts[0]
             if len(qparts) != 1 or len(kparts) != 1 or qg is None or kparts[0][2] != qg:
                 raise LayoutError(
                     f"relation {rel.kind} needs a query grid and a key grid of the same shape"
@@ -275,10 +278,11 @@ class _Ctx:
         return iv.clip(a.to(I32), b.to(I32), self.kv_len)
 
 
-def _grid_window(local, key_start, grid, kind, params, t):
+def _grid_window(local, key_start, grid, kind, params, t, skip=None):
     """Intervals of a 2-D window for query cells ``local`` (row-major index in an h x w grid)
     over a key grid of the same shape starting at token ``key_start``: one interval per key row
     the window touches, already compact (used slots first, ascending; unused slots ``[0, 0)``).
+    Rows where ``skip`` holds get no interval.
     """
     h, w = grid
     local = local.clamp(0, h * w - 1)
@@ -290,9 +294,8 @@ def _grid_window(local, key_start, grid, kind, params, t):
             raise LayoutError(f"natten({kh}, {kw}) is larger than the {h}x{w} grid")
         y0 = y.clamp(kh // 2, h - 1 - kh // 2) - kh // 2
         cx = x.clamp(kw // 2, w - 1 - kw // 2)
-        slots = torch.arange(kh, device=dev, dtype=I32)
-        yk = y0[:, None] + slots[None, :]
-        lo = key_start + yk * w + (cx - kw // 2)[:, None]
+        slots = torch.arange(kh, device=dev, dtype=I32) * w
+        lo = (key_start + y0 * w + cx - kw // 2)[:, None] + slots[None, :]
         return lo, lo + kw
     if kind == "disc":
         r = params[0]
@@ -304,13 +307,15 @@ def _grid_window(local, key_start, grid, kind, params, t):
         halves = [bw // 2] * (2 * reach + 1)
     slots = torch.arange(2 * reach + 1, device=dev, dtype=I32)
     y0 = (y - reach).clamp(min=0)
-    yk = y0[:, None] + slots[None, :]
-    ok = yk <= (y + reach).clamp(max=h - 1)[:, None]
-    half = t(halves)[(yk - y[:, None] + reach).clamp(0, 2 * reach)]
-    base = key_start + yk * w
-    lo = base + (x[:, None] - half).clamp(min=0)
-    hi = base + (x[:, None] + half).clamp(max=w - 1) + 1
-    return torch.where(ok, lo, 0), torch.where(ok, hi, 0)
+    rows_used = (y + reach).clamp(max=h - 1) - y0 + 1
+    if skip is not None:
+        rows_used = torch.where(skip, 0, rows_used)
+    ok = slots[None, :] < rows_used[:, None]
+    half = t(halves + [0] * (2 * reach + 1))[(y0 - y + reach)[:, None] + slots[None, :]]
+    base = (key_start + y0 * w)[:, None] + (slots * w)[None, :]
+    lo = (x[:, None] - half).clamp_(min=0).add_(base)
+    hi = (x[:, None] + 1 + half).clamp_(max=w).add_(base)
+    return lo.masked_fill_(~ok, 0), hi.masked_fill_(~ok, 0)
 
 
 def _grid_may_touch(grid, kind, params) -> bool:

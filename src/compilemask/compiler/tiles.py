@@ -30,7 +30,6 @@ import torch
 
 EMPTY, FULL, PARTIAL, PARTIAL_BITS = 0, 1, 2, 3
 BITS_MIN_SPAN = 9  # a PARTIAL tile whose slot range is wider than this is stored as bits
-_BIG = torch.iinfo(torch.int32).max
 
 
 @dataclass(frozen=True)
@@ -116,52 +115,50 @@ _INTS = ("block_m", "block_n", "q_len", "kv_len")
 
 
 def _pairs_per_tile(lo, hi, tq: int, tk: int, block_m: int, block_n: int) -> torch.Tensor:
-    """Visible pairs per (q-tile, kv-tile): ``[M, Tq, Tk]`` int32."""
+    """Visible pairs per (q-tile, kv-tile): ``[M, Tq, Tk]`` int32.
+
+    Per q-tile, ``D(x) = sum over rows and intervals of clamp(x - lo, 0, hi - lo)`` is
+    ``x * S0(x) - S1(x)`` with ``S0`` / ``S1`` the sums of ``+1, -1`` / ``+lo, -hi`` over the
+    interval ends left of ``x``; binning the ends by kv-tile and taking cumulative sums gives
+    ``D`` at every tile boundary. Empty slots (``lo == hi``) cancel out by themselves.
+    """
     m, n, k = lo.shape
     dev = lo.device
-    row_tile = (torch.arange(n, device=dev) // block_m).view(1, n, 1)
-    mask_base = (torch.arange(m, device=dev) * tq).view(m, 1, 1)
     stride = tk + 1
-    flat = []
-    vals0 = []
-    vals1 = []
-    for pos, sign in ((lo, 1), (hi, -1)):
-        pos64 = pos.to(torch.int64)
-        live = (lo < hi).to(torch.int64) * sign
-        bin_ = torch.clamp(pos64 // block_n + 1, max=tk)
-        flat.append(((mask_base + row_tile) * stride + bin_).reshape(-1))
-        vals0.append(live.reshape(-1))
-        vals1.append((live * pos64).reshape(-1))
-    idx = torch.cat(flat)
-    s0 = torch.zeros(m * tq * stride, dtype=torch.int64, device=dev)
-    s1 = torch.zeros_like(s0)
-    s0.index_add_(0, idx, torch.cat(vals0))
-    s1.index_add_(0, idx, torch.cat(vals1))
+    rows = torch.arange(n, device=dev, dtype=torch.int32)
+    base = ((torch.arange(m, device=dev, dtype=torch.int32) * tq).view(m, 1) + rows // block_m)
+    base = (base * stride + 1).view(m, n, 1)
+    size = m * tq * stride
+    s0 = torch.zeros(size, dtype=torch.float64, device=dev)
+    s1 = torch.zeros(size, dtype=torch.float64, device=dev)
+    for pos, sign in ((lo, 1.0), (hi, -1.0)):
+        idx = (torch.clamp(pos // block_n, max=tk - 1) + base).view(-1).to(torch.int64)
+        s0 += sign * torch.bincount(idx, minlength=size)
+        s1 += sign * torch.bincount(idx, weights=pos.view(-1).to(torch.float64), minlength=size)
     s0 = torch.cumsum(s0.view(m, tq, stride), -1)
     s1 = torch.cumsum(s1.view(m, tq, stride), -1)
-    x = (torch.arange(stride, device=dev, dtype=torch.int64) * block_n).view(1, 1, stride)
-    d = x * s0 - s1  # D at each kv-tile boundary
-    return (d[..., 1:] - d[..., :-1]).to(torch.int32)
+    x = (torch.arange(stride, device=dev, dtype=torch.float64) * block_n).view(1, 1, stride)
+    d = x * s0 - s1  # D at each kv-tile boundary (exact: integers below 2**53)
+    return (d[..., 1:] - d[..., :-1]).round().to(torch.int32)
 
 
-def _slot_ranges(lo, hi, count, tq: int, tk: int, block_m: int, block_n: int):
-    """``jlo, jhi`` ``[M, Tq, Tk]`` (see module docstring)."""
+def _slot_ranges(lo, hi, count, tq: int, tk: int, block_m: int, block_n: int, kv_len: int):
+    """``jlo, jhi`` ``[M, Tq, Tk]`` (see module docstring). Unused slots hold ``kv_len``, which
+    acts as +inf for both bounds since tile starts are ``< kv_len``."""
     m, n, k = lo.shape
     dev = lo.device
-    n_pad = tq * block_m
-    slot = torch.arange(k, device=dev).view(1, 1, k)
-    used = slot < count[..., None]
-    big = torch.full_like(lo, _BIG)
-    h = torch.where(used, hi, big)
-    low = torch.where(used, lo, big)
-    if n_pad > n:  # rows past the end constrain nothing
-        h = torch.cat([h, torch.full((m, n_pad - n, k), -1, dtype=h.dtype, device=dev)], 1)
-        low = torch.cat([low, torch.full((m, n_pad - n, k), _BIG, dtype=h.dtype, device=dev)], 1)
-    h_max = h.view(m, tq, block_m, k).amax(2).contiguous()
-    l_min = low.view(m, tq, block_m, k).amin(2).contiguous()
-    starts = (torch.arange(tk, device=dev, dtype=torch.int32) * block_n).expand(m, tq, tk)
-    jlo = torch.searchsorted(h_max, starts.contiguous(), right=True)
-    jhi = torch.searchsorted(l_min, (starts + block_n).contiguous(), right=False)
+    whole = n // block_m
+    h_max = [hi[:, : whole * block_m].view(m, whole, block_m, k).amax(2)]
+    l_min = [lo[:, : whole * block_m].view(m, whole, block_m, k).amin(2)]
+    if whole < tq:  # the last, partial q-tile
+        h_max.append(hi[:, whole * block_m :].amax(1, keepdim=True))
+        l_min.append(lo[:, whole * block_m :].amin(1, keepdim=True))
+    h_max = torch.cat(h_max, 1).contiguous() if len(h_max) > 1 else h_max[0].contiguous()
+    l_min = torch.cat(l_min, 1).contiguous() if len(l_min) > 1 else l_min[0].contiguous()
+    starts = torch.arange(tk, device=dev, dtype=torch.int32) * block_n
+    ends = torch.clamp(starts + block_n, max=kv_len)
+    jlo = torch.searchsorted(h_max, starts.expand(m, tq, tk).contiguous(), right=True)
+    jhi = torch.searchsorted(l_min, ends.expand(m, tq, tk).contiguous(), right=False)
     return jlo.to(torch.int32), torch.maximum(jhi, jlo).to(torch.int32)
 
 
@@ -228,7 +225,7 @@ def build_tiles(
     kind = torch.where(
         full, FULL, torch.where(pairs > 0, PARTIAL, EMPTY)
     ).to(torch.int32)
-    jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, block_m, block_n)
+    jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, block_m, block_n, kv_len)
     bits_index = torch.full_like(kind, -1)
     bits = torch.zeros((0, block_m, block_n // 32), dtype=torch.int32, device=dev)
     if use_bits and block_n % 32 == 0 and lo.shape[-1] > BITS_MIN_SPAN:
