@@ -143,7 +143,7 @@ class _Ctx:
     def _b_clear(self, grid, radius, text_len):
         is_text = self.q < text_len
         lo, hi = _grid_window(
-            self.q - text_len, text_len, grid, "disc", (radius,), self.t, skip=is_text
+            self.q, text_len, text_len, grid, "disc", (radius,), self.t, skip=is_text
         )
         text_hi = torch.where(is_text, self.kv_len, text_len).to(I32)[:, None]
         if text_len == 0 or _grid_may_touch(grid, "disc", (radius,)):
@@ -187,7 +187,7 @@ class _Ctx:
         return torch.cat([prefix[0], lo], -1), torch.cat([prefix[1], hi], -1)
 
     def _b_natten2d(self, grid, kernel):
-        lo, hi = _grid_window(self.q, 0, grid, "natten", kernel, self.t)
+        lo, hi = _grid_window(self.q, 0, 0, grid, "natten", kernel, self.t)
         return (lo, hi) if _grid_may_touch(grid, "natten", kernel) else _Canonical(lo, hi)
 
     def _b_dilated(self, window, dilation):
@@ -245,7 +245,7 @@ class _Ctx:
             ks = kparts[0][0]
             q = self.q
             inside = (q >= qs) & (q < qs + ql)
-            lo, hi = _grid_window(q - qs, ks, qg, rel.kind, rel.params, self.t)
+            lo, hi = _grid_window(q, qs, ks, qg, rel.kind, rel.params, self.t)
             zero = torch.zeros_like(lo)
             lo, hi = torch.where(inside[:, None], lo, zero), torch.where(inside[:, None], hi, zero)
             return iv.clip(lo, hi, self.kv_len)
@@ -278,14 +278,15 @@ class _Ctx:
         return iv.clip(a.to(I32), b.to(I32), self.kv_len)
 
 
-def _grid_window(local, key_start, grid, kind, params, t, skip=None):
-    """Intervals of a 2-D window for query cells ``local`` (row-major index in an h x w grid)
-    over a key grid of the same shape starting at token ``key_start``: one interval per key row
-    the window touches, already compact (used slots first, ascending; unused slots ``[0, 0)``).
-    Rows where ``skip`` holds get no interval.
+def _grid_window(q, q_start, key_start, grid, kind, params, t, skip=None):
+    """Intervals of a 2-D window for query rows ``q`` of a grid (h x w, row-major) that starts at
+    token ``q_start`` over a key grid of the same shape starting at token ``key_start``: one
+    interval per key row the window touches, already compact (used slots first, ascending;
+    unused slots ``[0, 0)``). Rows where ``skip`` holds get no interval; rows outside the query
+    grid get some window (callers mask them).
     """
     h, w = grid
-    local = local.clamp(0, h * w - 1)
+    local = (q - q_start).clamp(0, h * w - 1)
     y, x = local // w, local % w
     dev = local.device
     if kind == "natten":
@@ -311,7 +312,14 @@ def _grid_window(local, key_start, grid, kind, params, t, skip=None):
     if skip is not None:
         rows_used = torch.where(skip, 0, rows_used)
     ok = slots[None, :] < rows_used[:, None]
-    half = t(halves + [0] * (2 * reach + 1))[(y0 - y + reach)[:, None] + slots[None, :]]
+    # the half-width of slot s is halves[s + shift] with shift = y0 - y + reach, which is 0
+    # except for query rows in the first `reach` grid rows: look up only those
+    table = t(halves + [0] * (2 * reach + 1))
+    half = table[: 2 * reach + 1][None, :].expand(y.shape[0], -1)
+    top = int(min(y.shape[0], max(0, q_start + reach * w))) if kind == "disc" else 0
+    if top:  # rows q < top hold every cell with y < reach (local is monotone in q)
+        half = half.clone()
+        half[:top] = table[(y0 - y + reach)[:top, None] + slots[None, :]]
     base = (key_start + y0 * w)[:, None] + (slots * w)[None, :]
     lo = (x[:, None] - half).clamp_(min=0).add_(base)
     hi = (x[:, None] + 1 + half).clamp_(max=w).add_(base)

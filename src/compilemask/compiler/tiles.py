@@ -126,20 +126,31 @@ def _pairs_per_tile(lo, hi, tq: int, tk: int, block_m: int, block_n: int) -> tor
     dev = lo.device
     stride = tk + 1
     rows = torch.arange(n, device=dev, dtype=torch.int32)
-    base = ((torch.arange(m, device=dev, dtype=torch.int32) * tq).view(m, 1) + rows // block_m)
+    base = (torch.arange(m, device=dev, dtype=torch.int32) * tq).view(m, 1) + _div(rows, block_m)
     base = (base * stride + 1).view(m, n, 1)
     size = m * tq * stride
-    s0 = torch.zeros(size, dtype=torch.float64, device=dev)
-    s1 = torch.zeros(size, dtype=torch.float64, device=dev)
-    for pos, sign in ((lo, 1.0), (hi, -1.0)):
-        idx = (torch.clamp(pos // block_n, max=tk - 1) + base).view(-1).to(torch.int64)
-        s0 += sign * torch.bincount(idx, minlength=size)
-        s1 += sign * torch.bincount(idx, weights=pos.view(-1).to(torch.float64), minlength=size)
-    s0 = torch.cumsum(s0.view(m, tq, stride), -1)
-    s1 = torch.cumsum(s1.view(m, tq, stride), -1)
-    x = (torch.arange(stride, device=dev, dtype=torch.float64) * block_n).view(1, 1, stride)
-    d = x * s0 - s1  # D at each kv-tile boundary (exact: integers below 2**53)
-    return (d[..., 1:] - d[..., :-1]).round().to(torch.int32)
+    # S1 per q-tile is at most block_m * K * kv_len: int32 when that fits, else int64
+    acc = torch.int32 if block_m * k * (tq * block_n) < 2**31 else torch.int64
+    s0 = torch.zeros(size, dtype=torch.int32, device=dev)
+    s1 = torch.zeros(size, dtype=acc, device=dev)
+    ones = torch.ones(1, dtype=torch.int32, device=dev).expand(m * n * k)
+    for pos, sign in ((lo, 1), (hi, -1)):
+        idx = (torch.clamp(_div(pos, block_n), max=tk - 1) + base).view(-1)
+        vals = pos.reshape(-1) if sign > 0 else -pos.reshape(-1)
+        s0.index_add_(0, idx, ones, alpha=sign)
+        s1.index_add_(0, idx, vals.to(acc))
+    s0 = torch.cumsum(s0.view(m, tq, stride), -1, dtype=torch.int64)
+    s1 = torch.cumsum(s1.view(m, tq, stride), -1, dtype=torch.int64)
+    x = (torch.arange(stride, device=dev, dtype=torch.int64) * block_n).view(1, 1, stride)
+    d = x * s0 - s1  # D at each kv-tile boundary
+    return (d[..., 1:] - d[..., :-1]).to(torch.int32)
+
+
+def _div(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x // d`` for non-negative ``x`` (a shift when ``d`` is a power of two)."""
+    if d & (d - 1) == 0:
+        return x >> (d.bit_length() - 1)
+    return x // d
 
 
 def _slot_ranges(lo, hi, count, tq: int, tk: int, block_m: int, block_n: int, kv_len: int):
