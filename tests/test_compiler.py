@@ -362,3 +362,18 @@ def test_from_mask_mod_matches_flex_convention():
 def test_bad_input_raises_clear_errors(call, match):
     with pytest.raises(CompileMaskError, match=match):
         call()
+
+
+def test_from_dense_bits_only_when_smaller():
+    g = torch.Generator().manual_seed(2)
+    d = torch.rand(130, 256, generator=g) < 0.5
+    d[:, :64] = True
+    d[3] = False
+    plan = cm.from_dense(d, block_m=32, block_n=64)
+    assert plan.encoding == "bits"
+    assert plan.nbytes < d.numel() // 2
+    check_plan(plan, d)
+    s = plan.stats()
+    assert s["tiles_full"] > 0 and s["intervals_per_row_max"] > 20
+    other = plan.tiles(16, 32)
+    assert int(other.pairs.sum()) == int(d.sum())

@@ -1,8 +1,11 @@
 """Plans from a dense boolean mask or a FlexAttention ``mask_mod`` (migration helpers).
 
 Both evaluate in chunks of query rows, so at most ``_CHUNK_ELEMS`` (query, key) pairs exist at
-once, turn each chunk into intervals (maximal runs of visible keys), and build the tile schedule
-from the intervals; tiles whose rows hold many intervals are stored as bitmasks. These plans are
+once (a mask_mod is evaluated twice: once to count each row's intervals, once to build), turn
+each chunk into intervals (maximal runs of visible keys) and build the tile schedule from the
+intervals; tiles whose rows hold many intervals are stored as bitmasks, and when the intervals
+of the whole plan would be larger than a bitmask of every tile, the plan keeps bitmasks only
+(``plan.encoding == "bits"``). These plans are
 never cached: a closure's captured tensors can change between calls.
 """
 
@@ -13,7 +16,7 @@ import torch
 from ..errors import CompileMaskError
 from . import intervals as iv
 from .plan import MaskPlan
-from .tiles import build_tiles
+from .tiles import build_tiles, build_tiles_from_dense
 
 _CHUNK_ELEMS = 1 << 22
 
@@ -25,22 +28,48 @@ def _size(value, name: str) -> int:
 
 
 def _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source) -> MaskPlan:
-    """``chunks``: per mask, a list of boolean row blocks ``[rows, Nk]`` (generated lazily)."""
+    """``chunks()``: a fresh iterator, per mask, of boolean row blocks ``[rows, Nk]`` (rows a
+    multiple of ``block_m`` but the last). Two passes: the first counts each row's intervals;
+    the plan stores intervals unless per-tile bitmasks are smaller."""
+    runs = torch.stack(
+        [torch.cat([_runs(r.to(device)) for r in mask_chunks]) for mask_chunks in chunks()]
+    )
+    m = runs.shape[0]
+    k_max = max(1, int(runs.max()))
+    if 8 * k_max > -(-kv_len // 8) and block_n % 32 == 0:  # intervals > bits per row
+        schedule = build_tiles_from_dense(
+            (torch.stack(rows).to(device) for rows in zip(*chunks())), m, q_len, kv_len,
+            block_m, block_n,
+        )
+        empty = torch.full((m, q_len, 1), kv_len, dtype=torch.int32, device=device)
+        return MaskPlan(
+            q_len, kv_len, batch, heads, empty, empty.clone(), torch.zeros_like(runs), schedule,
+            source=source, encoding="bits", row_runs=runs,
+        )
     los, his, cnts = [], [], []
-    for mask_chunks in chunks:
+    for mask_chunks in chunks():
         parts = [iv.from_dense_rows(rows.to(device), kv_len) for rows in mask_chunks]
-        k = max(p[0].shape[-1] for p in parts)
-        padded = [iv.pad_k(p[0], p[1], k, kv_len) for p in parts]
+        padded = [iv.pad_k(p[0], p[1], k_max, kv_len) for p in parts]
         los.append(torch.cat([p[0] for p in padded]))
         his.append(torch.cat([p[1] for p in padded]))
         cnts.append(torch.cat([p[2] for p in parts]))
-    k = max(x.shape[-1] for x in los)
-    padded = [iv.pad_k(a, b, k, kv_len) for a, b in zip(los, his)]
-    lo = torch.stack([p[0] for p in padded]).contiguous()
-    hi = torch.stack([p[1] for p in padded]).contiguous()
+    lo = torch.stack(los).contiguous()
+    hi = torch.stack(his).contiguous()
     count = torch.stack(cnts).contiguous()
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
     return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
+
+
+def _runs(rows: torch.Tensor) -> torch.Tensor:
+    """Number of maximal runs of True per row."""
+    starts = rows.clone()
+    starts[:, 1:] &= ~rows[:, :-1]
+    return starts.sum(-1, dtype=torch.int32)
+
+
+def _chunk_rows(nk: int, block_m: int) -> int:
+    rows = max(1, _CHUNK_ELEMS // nk)
+    return max(block_m, rows // block_m * block_m)
 
 
 def from_dense(
@@ -76,10 +105,14 @@ def from_dense(
     device = torch.device(device) if device is not None else mask.device
     m4 = mask if mask.dim() == 4 else mask[None, None]
     b, h, nq, nk = m4.shape
-    rows = max(1, _CHUNK_ELEMS // nk)
-    chunks = (
-        (m4[bi, hi_, r : r + rows] for r in range(0, nq, rows)) for bi in range(b) for hi_ in range(h)
-    )
+    rows = _chunk_rows(nk, block_m)
+
+    def one(bi: int, hi_: int):
+        return (m4[bi, hi_, r : r + rows] for r in range(0, nq, rows))
+
+    def chunks():
+        return (one(bi, hi_) for bi in range(b) for hi_ in range(h))
+
     batch = b if b > 1 else None
     heads = h if h > 1 else None
     return _build(chunks, nq, nk, batch, heads, block_m, block_n, device, "from_dense")
@@ -119,7 +152,7 @@ def from_mask_mod(
         if v is not None:
             _size(v, name)
     device = torch.device(device if device is not None else "cpu")
-    rows = max(1, _CHUNK_ELEMS // kv_len)
+    rows = _chunk_rows(kv_len, block_m)
     kv_idx = torch.arange(kv_len, device=device)[None, :]
 
     def evaluate(b: int, h: int, r: int):
@@ -141,9 +174,10 @@ def from_mask_mod(
                 f"{(q_idx.shape[0], kv_len)}"
             ) from None
 
-    chunks = (
-        (evaluate(b, h, r) for r in range(0, q_len, rows))
-        for b in range(batch or 1)
-        for h in range(heads or 1)
-    )
+    def one(b: int, h: int):
+        return (evaluate(b, h, r) for r in range(0, q_len, rows))
+
+    def chunks():
+        return (one(b, h) for b in range(batch or 1) for h in range(heads or 1))
+
     return _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, "from_mask_mod")

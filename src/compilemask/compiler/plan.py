@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CompileMaskError
-from .intervals import dense_rows
-from .tiles import EMPTY, FULL, PARTIAL, PARTIAL_BITS, TileSchedule, build_tiles
+from .intervals import dense_rows, from_dense_rows
+from .tiles import (
+    EMPTY, FULL, PARTIAL, PARTIAL_BITS, TileSchedule, build_tiles, build_tiles_from_dense,
+    dense_from_tiles,
+)
 from .transpose import column_intervals
 
 
@@ -35,6 +38,10 @@ class MaskPlan:
         col_lo, col_hi, col_count: the same for key columns (which query rows see key ``k``),
             ``[M, Nk, Kc]``, computed on first use by a sweep (the kernels do not need them).
         source: the mask text (or ``"from_dense"`` / ``"from_mask_mod"``).
+        encoding: ``"intervals"`` (the default), or ``"bits"`` for plans from ``from_dense`` /
+            ``from_mask_mod`` whose rows hold so many intervals that per-tile bitmasks are
+            smaller: then every PARTIAL tile is a PARTIAL_BITS tile, ``row_lo``/``row_hi`` hold
+            one empty slot per row, and ``row_runs`` [M, Nq] counts each row's intervals.
 
     The dense mask is rebuilt as ``visible[m, q, k] = any(row_lo[m, q, j] <= k < row_hi[m, q, j])``
     (:meth:`to_dense`).
@@ -49,6 +56,8 @@ class MaskPlan:
     row_count: torch.Tensor
     schedule: TileSchedule
     source: str = ""
+    encoding: str = "intervals"
+    row_runs: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ basic facts
@@ -85,6 +94,12 @@ class MaskPlan:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
         key = ("tiles", block_m, block_n)
+        if key not in self._cache and self.encoding == "bits":
+            rows = max(1, (1 << 22) // self.kv_len) // block_m * block_m or block_m
+            chunks = (self.dense_rows(r, min(self.q_len, r + rows)) for r in range(0, self.q_len, rows))
+            self._cache[key] = build_tiles_from_dense(
+                chunks, self.num_masks, self.q_len, self.kv_len, block_m, block_n
+            )
         if key not in self._cache:
             self._cache[key] = build_tiles(
                 self.row_lo, self.row_hi, self.row_count, self.q_len, self.kv_len,
@@ -93,6 +108,9 @@ class MaskPlan:
         return self._cache[key]
 
     def _columns(self):
+        if "cols" not in self._cache and self.encoding == "bits":  # O(Nq * Nk) for bits plans
+            cols = self.dense_rows(0, self.q_len).transpose(1, 2)
+            self._cache["cols"] = from_dense_rows(cols, self.q_len)
         if "cols" not in self._cache:
             self._cache["cols"] = column_intervals(self.row_lo, self.row_hi, self.q_len, self.kv_len)
         return self._cache["cols"]
@@ -111,6 +129,8 @@ class MaskPlan:
 
     def dense_rows(self, start: int, end: int) -> torch.Tensor:
         """Boolean mask of query rows ``[start, end)``: ``[M, end - start, Nk]``."""
+        if self.encoding == "bits":
+            return dense_from_tiles(self.schedule, start, end)
         return dense_rows(self.row_lo[:, start:end], self.row_hi[:, start:end], self.kv_len)
 
     def to_dense(self) -> torch.Tensor:
@@ -133,7 +153,8 @@ class MaskPlan:
 
         Tile efficiency = visible pairs / pairs inside touched tiles (clipped to the lengths)."""
         s = self.schedule
-        visible = int(self.row_count.numel() and (self.row_hi - self.row_lo).sum())
+        visible = int(s.pairs.sum())
+        runs = self.row_runs if self.encoding == "bits" else self.row_count
         total = self.num_masks * self.q_len * self.kv_len
         rows = (self.q_len - torch.arange(s.num_q_tiles, device=self.device) * s.block_m).clamp(
             max=s.block_m
@@ -150,8 +171,9 @@ class MaskPlan:
             "masks": self.num_masks,
             "density": visible / total if total else 0.0,
             "visible_pairs": visible,
-            "intervals_per_row_max": int(self.row_count.max()) if self.row_count.numel() else 0,
-            "intervals_per_row_mean": float(self.row_count.float().mean()),
+            "intervals_per_row_max": int(runs.max()),
+            "intervals_per_row_mean": float(runs.float().mean()),
+            "encoding": self.encoding,
             "block_m": s.block_m,
             "block_n": s.block_n,
             "tiles_full": counts["full"],
@@ -186,12 +208,15 @@ class MaskPlan:
         return MaskPlan(
             self.q_len, self.kv_len, self.batch, self.heads, self.row_lo.to(device),
             self.row_hi.to(device), self.row_count.to(device), self.schedule.to(device), self.source,
+            self.encoding, None if self.row_runs is None else self.row_runs.to(device),
         )
 
     def verify(self) -> None:
         """Check every invariant (intervals sorted, disjoint, in bounds; tile classes and lists
         consistent with the intervals). Raises :class:`CompileMaskError` on the first violation.
         Cost O(N*K + Tq*Tk)."""
+        if self.encoding == "bits":
+            return self._verify_bits()
         lo, hi, cnt = self.row_lo, self.row_hi, self.row_count
         m, n, k = lo.shape
         _require(n == self.q_len and lo.shape == hi.shape, "row interval shapes")
@@ -213,6 +238,18 @@ class MaskPlan:
                  "tile lists")
         bad = (s.kind == PARTIAL) & ((s.jlo > fresh.jlo) | (s.jhi < fresh.jhi))
         _require(not bool(bad.any()), "PARTIAL slot ranges")
+
+
+    def _verify_bits(self) -> None:
+        s = self.schedule
+        _require(not bool((s.kind == PARTIAL).any()), "bits plans have no interval tiles")
+        rows = max(1, (1 << 22) // self.kv_len) // s.block_m * s.block_m or s.block_m
+        chunks = (self.dense_rows(r, min(self.q_len, r + rows)) for r in range(0, self.q_len, rows))
+        fresh = build_tiles_from_dense(chunks, self.num_masks, self.q_len, self.kv_len, s.block_m, s.block_n)
+        _require(torch.equal(fresh.pairs, s.pairs), "tile pair counts")
+        _require(torch.equal(fresh.kind, s.kind), "tile kinds")
+        _require(torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
+                 "tile lists")
 
 
 def _require(ok: bool, what: str) -> None:

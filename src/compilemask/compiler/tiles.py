@@ -192,12 +192,7 @@ def _tile_bits(lo, hi, tiles, jlo, jhi, block_m: int, block_n: int, q_len: int) 
     diff = torch.zeros((tiles.shape[0], block_m, block_n + 1), dtype=torch.int32, device=dev)
     diff.scatter_add_(2, a.to(torch.int64), live)
     diff.scatter_add_(2, b.to(torch.int64), -live)
-    vis = torch.cumsum(diff[..., :block_n], -1) > 0
-    words = vis.view(tiles.shape[0], block_m, block_n // 32, 32).to(torch.int64)
-    shifts = torch.arange(32, device=dev, dtype=torch.int64)
-    packed = (words << shifts).sum(-1)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
+    return pack_bits(torch.cumsum(diff[..., :block_n], -1) > 0)
 
 
 def _lists(touched: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,6 +242,10 @@ def build_tiles(
             bits_index[wide] = torch.arange(tiles.shape[0], device=dev, dtype=torch.int32)
             sel = tiles.unbind(1)
             bits = _tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], block_m, block_n, q_len)
+    return _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits)
+
+
+def _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits):
     touched = kind > EMPTY
     q_count, q_list, q_order = _lists(touched)
     kv_count, kv_list, kv_order = _lists(touched.transpose(1, 2))
@@ -254,3 +253,64 @@ def build_tiles(
         block_m, block_n, q_len, kv_len, kind.contiguous(), pairs, jlo, jhi, bits_index,
         bits, q_count, q_list, kv_count, kv_list, q_order, kv_order,
     )
+
+
+def pack_bits(vis: torch.Tensor) -> torch.Tensor:
+    """Pack bool ``[..., block_n]`` (``block_n % 32 == 0``) into int32 words ``[..., block_n // 32]``."""
+    words = vis.reshape(*vis.shape[:-1], vis.shape[-1] // 32, 32).to(torch.int64)
+    packed = (words << torch.arange(32, device=vis.device, dtype=torch.int64)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_bits(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: int32 ``[..., W]`` -> bool ``[..., 32 * W]``."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    return ((words[..., None] >> shifts) & 1).bool().flatten(-2)
+
+
+def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int, block_n: int):
+    """A :class:`TileSchedule` whose PARTIAL tiles are all bitmasks, from dense boolean row
+    chunks ``[M, rows, Nk]`` (each chunk's rows a multiple of ``block_m`` but the last), for
+    plans whose rows hold too many intervals to store them (``block_n % 32 == 0``)."""
+    tk = math.ceil(kv_len / block_n)
+    kinds, pairs, bits = [], [], []
+    n_bits = 0
+    for rows in chunks:
+        r = rows.shape[1]
+        tq_c = math.ceil(r / block_m)
+        pad = torch.zeros((m, tq_c * block_m, tk * block_n), dtype=torch.bool, device=rows.device)
+        pad[:, :r, :kv_len] = rows
+        tiles = pad.view(m, tq_c, block_m, tk, block_n).permute(0, 1, 3, 2, 4)
+        cnt = tiles.sum((-1, -2), dtype=torch.int32)
+        full = cnt == block_m * block_n
+        kind = torch.where(full, FULL, torch.where(cnt > 0, PARTIAL_BITS, EMPTY)).to(torch.int32)
+        part = kind == PARTIAL_BITS
+        idx = torch.full_like(kind, -1)
+        n_part = int(part.sum())
+        idx[part] = torch.arange(n_bits, n_bits + n_part, device=rows.device, dtype=torch.int32)
+        n_bits += n_part
+        bits.append(pack_bits(tiles[part]))
+        kinds.append((kind, idx))
+        pairs.append(cnt)
+    kind = torch.cat([k for k, _ in kinds], 1)
+    bits_index = torch.cat([i for _, i in kinds], 1)
+    zero = torch.zeros_like(kind)
+    return _schedule(
+        block_m, block_n, q_len, kv_len, kind, torch.cat(pairs, 1), zero, zero.clone(),
+        bits_index, torch.cat(bits, 0),
+    )
+
+
+def dense_from_tiles(s: TileSchedule, start: int, end: int) -> torch.Tensor:
+    """Boolean rows ``[M, end - start, Nk]`` rebuilt from a schedule without PARTIAL (interval)
+    tiles: FULL tiles and bitmask tiles."""
+    t0, t1 = start // s.block_m, math.ceil(end / s.block_m)
+    kind = s.kind[:, t0:t1]
+    m, tq, tk = kind.shape
+    tiles = torch.zeros((m, tq, tk, s.block_m, s.block_n), dtype=torch.bool, device=kind.device)
+    tiles[kind == FULL] = True
+    sel = kind == PARTIAL_BITS
+    tiles[sel] = unpack_bits(s.bits[s.bits_index[:, t0:t1][sel].long()])
+    dense = tiles.permute(0, 1, 3, 2, 4).reshape(m, tq * s.block_m, tk * s.block_n)
+    off = start - t0 * s.block_m
+    return dense[:, off : off + end - start, : s.kv_len]

@@ -1,0 +1,416 @@
+"""The ``compilemask`` command line (also ``python -m compilemask``).
+
+Commands::
+
+    compilemask demo   [--size N0] [--out-dir out]     compile the seed workloads, table + PNGs
+    compilemask show   MASK -o out.png                 picture of the mask and its tiles
+    compilemask stats  MASK                            numbers about the compiled plan
+    compilemask check  MASK                            plan.to_dense() vs the dense evaluator
+    compilemask bench                                  GPU benchmark (needs a CUDA GPU)
+
+``MASK`` is a seed workload name (``causal``, ``hstu``, ``shared_prompt``, ``clear``; size from
+``--size N0``, the nominal size), a path to a mask text file, or mask text itself
+(``"sliding_window(128)"``); text masks take ``--q-len`` / ``--kv-len`` (default: the mask's
+own length when it fixes one). User errors print one clean message and exit with status 2.
+
+Example::
+
+    $ compilemask stats hstu --size 1024
+    $ compilemask show examples/clear.txt -o out/clear.png
+    $ compilemask check "document([300, 724]) | prefix_lm(16)"
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from .. import workloads as wl
+from ..errors import CompileMaskError
+from ..language.ast import Builtin, Mask
+from . import progress
+
+MAX_CHECK_PAIRS = 1 << 28  # `check` builds two dense masks; refuse beyond 2^28 pairs per mask
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A mask resolved from the command line, with the lengths to compile it at."""
+
+    label: str
+    mask: Mask
+    q_len: int
+    kv_len: int | None
+    B: int | None = None  # batch rows of a seed workload (informational)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _clean_errors(fn):
+    """Turn CompileMaskError into one line on stderr and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CompileMaskError as err:
+            click.echo(f"error: {err}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _mask_options(fn):
+    fn = click.option(
+        "--block-n", type=int, default=128, show_default=True, help="kv-tile size BLOCK_N (tokens)."
+    )(fn)
+    fn = click.option(
+        "--block-m", type=int, default=128, show_default=True, help="q-tile size BLOCK_M (tokens)."
+    )(fn)
+    fn = click.option(
+        "--size",
+        "size",
+        type=int,
+        default=4096,
+        show_default=True,
+        help="Nominal size N0 of a seed workload.",
+    )(fn)
+    fn = click.option(
+        "--kv-len",
+        type=int,
+        default=None,
+        help="Key length of a text mask (default: its own, else --q-len).",
+    )(fn)
+    fn = click.option(
+        "--q-len",
+        type=int,
+        default=None,
+        help="Query length of a text mask (default: the length it fixes).",
+    )(fn)
+    return click.argument("mask")(fn)
+
+
+def mask_text(mask: Mask) -> str:
+    """The mask as text (falls back to ``repr`` while the printer cannot print it)."""
+    try:
+        return str(mask)
+    except Exception:  # noqa: BLE001 - a picture title must not fail on a missing printer
+        return repr(mask)
+
+
+def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) -> MaskSpec:
+    """Turn the MASK argument into a mask and its lengths (see the module docstring)."""
+    path = Path(spec)
+    if spec in wl.SEED_WORKLOADS and not path.is_file():
+        w = wl.workload(spec, size)
+        return MaskSpec(f"{spec}@{size}", w.mask, w.N, w.N, w.B)
+    if path.is_file():
+        text, label = path.read_text(), path.name
+    elif any(c in spec for c in "(\n{") or spec.startswith("layout"):
+        text, label = spec, "mask"
+    else:
+        raise CompileMaskError(
+            f"MASK {spec!r} is neither a file nor a seed workload "
+            f"({', '.join(wl.SEED_WORKLOADS)}) nor mask text"
+        )
+    from ..language.parser import parse
+
+    mask = parse(text)
+    if q_len is None:
+        q_len = _natural_q_len(mask)
+        if q_len is None:
+            raise CompileMaskError(f"{label} accepts any length: give --q-len")
+    return MaskSpec(label, mask, q_len, kv_len)
+
+
+def _natural_q_len(mask: Mask) -> int | None:
+    """The query length a mask fixes by itself, or None when it accepts any."""
+    if isinstance(mask, Builtin) and mask.name == "tree":
+        return len(mask.args[0])
+    from ..language import semantics
+
+    own = getattr(semantics, "natural_lengths", None)
+    if own is not None:
+        return own(mask)[0]
+    return semantics._own_kv_len(mask, 1)  # TODO(lead): expose a public "own length" helper
+
+
+def compile_fn():
+    """The compiler's ``compile`` (raises a clean error while the compiler is missing)."""
+    try:
+        from ..compiler.pipeline import compile as cm_compile
+    except ImportError as err:
+        raise CompileMaskError(f"the compiler is not importable: {err}") from None
+    return cm_compile
+
+
+def compile_spec(spec: MaskSpec, block_m: int, block_n: int, *, cache: bool = True):
+    """Compile ``spec`` and build its tiles; returns ``(plan, milliseconds)``."""
+    cm_compile = compile_fn()
+    kwargs = dict(
+        batch=spec.mask.batch_count, heads=spec.mask.head_count, block_m=block_m, block_n=block_n
+    )
+    if "cache" in inspect.signature(cm_compile).parameters:
+        kwargs["cache"] = cache
+    t0 = time.perf_counter()
+    plan = cm_compile(spec.mask, spec.q_len, spec.kv_len, **kwargs)
+    plan.tiles(block_m, block_n)
+    return plan, (time.perf_counter() - t0) * 1e3
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def print_table(rows: list[dict]) -> None:
+    """Print dicts as an aligned text table (columns in the first row's key order)."""
+    if not rows:
+        return
+    cols = list(rows[0])
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    click.echo("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        click.echo("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+# ----------------------------------------------------------------------------------- commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """CompileMask: compile attention masks written as regions into per-row key intervals
+    and a tile schedule."""
+
+
+@cli.command()
+@_mask_options
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="PNG to write (default: out/<mask>.png).",
+)
+@click.option("--max-pixels", type=int, default=1024, show_default=True)
+@_clean_errors
+def show(mask, q_len, kv_len, size, block_m, block_n, output, max_pixels):
+    """Write a PNG of MASK and its tile classes."""
+    from .visualize import plot_mask
+
+    spec = resolve_mask(mask, q_len, kv_len, size)
+    plan, _ = compile_spec(spec, block_m, block_n)
+    output = output or f"out/{Path(spec.label).stem.replace('@', '-')}.png"
+    path = plot_mask(plan, output, max_pixels=max_pixels, title=mask_text(spec.mask))
+    click.echo(f"wrote {path}")
+
+
+@cli.command()
+@_mask_options
+@_clean_errors
+def stats(mask, q_len, kv_len, size, block_m, block_n):
+    """Print numbers about the compiled plan of MASK."""
+    from .visualize import summarize
+
+    spec = resolve_mask(mask, q_len, kv_len, size)
+    plan, ms = compile_spec(spec, block_m, block_n, cache=False)
+    stats_fn = getattr(plan, "stats", None)
+    numbers = stats_fn() if stats_fn is not None else summarize(plan)
+    info = {"mask": _short(mask_text(spec.mask)), **numbers, "compile_ms": ms}
+    if spec.B is not None:
+        info["B"] = spec.B
+    width = max(map(len, info))
+    for key, value in info.items():
+        click.echo(f"{key.ljust(width)}  {_fmt(value)}")
+
+
+@cli.command()
+@_mask_options
+@_clean_errors
+def check(mask, q_len, kv_len, size, block_m, block_n):
+    """Compile MASK and compare plan.to_dense() with the dense evaluator (exit 1 on mismatch)."""
+    from ..language.semantics import accepted_lengths, dense
+
+    spec = resolve_mask(mask, q_len, kv_len, size)
+    nq, nk = accepted_lengths(spec.mask, spec.q_len, spec.kv_len)
+    if nq * nk > MAX_CHECK_PAIRS:
+        raise CompileMaskError(
+            f"check builds dense masks: {nq} x {nk} is too large (at most {MAX_CHECK_PAIRS} "
+            "pairs); use a smaller --size / --q-len"
+        )
+    plan, _ = compile_spec(spec, block_m, block_n, cache=False)
+    verify = getattr(plan, "verify", None)
+    if verify is not None:
+        verify()
+    want = dense(
+        spec.mask,
+        spec.q_len,
+        spec.kv_len,
+        batch=spec.mask.batch_count,
+        heads=spec.mask.head_count,
+    )
+    got = plan.to_dense().to(want.device)
+    if got.shape != want.shape:
+        click.echo(
+            f"mismatch: plan.to_dense() has shape {tuple(got.shape)}, "
+            f"the evaluator {tuple(want.shape)}"
+        )
+        sys.exit(1)
+    bad = int((got != want).sum())
+    if bad:
+        click.echo(f"mismatch: {bad} of {want.numel()} pairs differ ({spec.label}, {nq}x{nk})")
+        sys.exit(1)
+    click.echo(f"OK: {spec.label} {nq}x{nk}, {int(want.sum())} visible pairs match")
+
+
+@cli.command()
+@click.option(
+    "--size",
+    type=int,
+    default=4096,
+    show_default=True,
+    help="Nominal size N0 of the seed workloads.",
+)
+@click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False),
+    default="out",
+    show_default=True,
+    help="Folder for the pictures.",
+)
+@click.option("--block-m", type=int, default=128, show_default=True)
+@click.option("--block-n", type=int, default=128, show_default=True)
+@click.option("--no-pictures", is_flag=True, help="Skip writing PNGs.")
+@click.option("--no-attention", is_flag=True, help="Skip the attention checks.")
+@_clean_errors
+def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
+    """Compile the four seed workloads, print a table and write their pictures."""
+    from .visualize import plot_mask, summarize
+
+    rows, plans = [], []
+    for name in progress.progress(wl.SEED_WORKLOADS, desc="compile"):
+        w = wl.workload(name, size)
+        spec = MaskSpec(name, w.mask, w.N, w.N, w.B)
+        plan, ms = compile_spec(spec, block_m, block_n, cache=False)
+        info = summarize(plan, block_m, block_n)
+        plans.append((w, plan))
+        rows.append(
+            {
+                "workload": name,
+                "N": w.N,
+                "B": w.B,
+                "density": info["density"],
+                "ivl/row max": info["intervals_max"],
+                "FULL": info["tiles_full"],
+                "PARTIAL": info["tiles_partial"],
+                "tile eff": info["tile_efficiency"],
+                "plan KiB": round(info["plan_bytes"] / 1024, 1),
+                "compile ms": round(ms, 1),
+            }
+        )
+        if not no_pictures:
+            plot_mask(plan, Path(out_dir) / f"{name}-{size}.png", title=mask_text(w.mask))
+    click.echo(f"seed workloads at nominal size {size} (tiles {block_m}x{block_n}, CPU):")
+    print_table(rows)
+    if not no_pictures:
+        click.echo(f"pictures in {out_dir}/")
+    if not no_attention:
+        results = run_attention_checks(plans)
+        if results:
+            click.echo("attention (reference backend) vs dense softmax on the same mask:")
+            print_table(results)
+            if any(r["status"] == "FAIL" for r in results):
+                sys.exit(1)
+
+
+@cli.command()
+def bench():
+    """Time CompileMask and its peers on the GPU (see GPU.md)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        click.echo(
+            "bench needs a CUDA GPU (none found); on the GPU machine run "
+            "`PYTHONPATH=src python3 -m compilemask bench`. Plan building on the CPU: "
+            "python benchmarks/bench_compile.py"
+        )
+        sys.exit(1)
+    click.echo("bench: not implemented yet")  # TODO(lead): GPU benchmark (tools/bench.py)
+    sys.exit(1)
+
+
+# ------------------------------------------------------------------- attention (lead: fill in)
+
+ATTENTION_CHECK_MAX_TOK = 4096
+ATTENTION_CHECK_HEADS = 2
+ATTENTION_CHECK_HEAD_DIM = 64
+
+
+def run_attention_checks(plans) -> list[dict]:
+    """Run attention on each (workload, plan) of the demo and check it against the reference.
+
+    TODO(lead): this is the hook for the attention steps of the demo. For now it calls
+    ``compilemask.api.functional.attention(..., backend="reference")`` on small fp32 inputs
+    (B = 1, 2 heads, head_dim 64) and compares with softmax attention under the plan's dense mask
+    (float64); it returns no rows (the demo prints nothing) while the api module is missing.
+
+    Returns:
+        One dict per workload: ``workload, N, status ("ok" / "FAIL" / "skipped: why"), rel_err``.
+    """
+    try:
+        from ..api.functional import attention
+    except ImportError:
+        return []
+    import torch
+
+    results = []
+    g = torch.Generator().manual_seed(0)
+    for w, plan in plans:
+        row = {"workload": w.name, "N": w.N, "status": "", "rel_err": float("nan")}
+        results.append(row)
+        if w.N > ATTENTION_CHECK_MAX_TOK:
+            row["status"] = f"skipped: N > {ATTENTION_CHECK_MAX_TOK} on the CPU"
+            continue
+        shape = (1, ATTENTION_CHECK_HEADS, w.N, ATTENTION_CHECK_HEAD_DIM)
+        q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+        try:
+            out = attention(q, k, v, plan, backend="reference")
+        except CompileMaskError as err:
+            row["status"] = f"skipped: {err}"
+            continue
+        ref = _dense_attention(q.double(), k.double(), v.double(), plan.to_dense())
+        err = float((out.double() - ref).norm() / ref.norm())
+        row["rel_err"] = err
+        row["status"] = "ok" if err <= 1e-5 else "FAIL"
+    return results
+
+
+def _dense_attention(q, k, v, visible):
+    """softmax(q k^T / sqrt(D)) v over visible keys; rows that see no key give 0."""
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = scores.softmax(-1).nan_to_num(0.0)
+    return p @ v
+
+
+def _short(text: str, n: int = 70) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (``compilemask``, ``python -m compilemask``)."""
+    cli.main(args=argv, prog_name="compilemask")
+
+
+if __name__ == "__main__":
+    main()
