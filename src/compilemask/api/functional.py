@@ -1,0 +1,160 @@
+"""``compilemask.attention``: masked attention driven by a compiled :class:`MaskPlan`.
+
+The Triton kernel is called through the torch custom op ``compilemask::attention_fwd`` (with a
+fake implementation), so ``attention`` runs inside ``torch.compile(fullgraph=True)`` without
+graph breaks. The op returns ``(out, lse)`` and takes q, k, v and every plan tensor a backward
+needs, so a backward can be attached with ``torch.library.register_autograd`` (saving q, k, v,
+out, lse and the schedule tensors from the op's inputs).
+
+Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D head_dim.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..compiler.plan import MaskPlan
+from ..kernels.reference import reference_attention
+from ..kernels.triton.configs import FwdConfig, forward_config
+from ..kernels.triton.schedule import FWD_SCHEDULE_FIELDS, forward_schedule
+from . import validate
+
+
+@torch.library.custom_op("compilemask::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    row_lo: torch.Tensor,
+    row_hi: torch.Tensor,
+    schedule: list[torch.Tensor],
+    bwd_schedule: list[torch.Tensor],
+    scale: float,
+    mask_stride_b: int,
+    mask_stride_h: int,
+    config: list[int],
+    bwd_config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: ``(out [B, Hq, Nq, D] in q's dtype, lse float32 [B, Hq, Nq])``.
+
+    Args:
+        q, k, v: [B, Hq, Nq, D], [B, Hkv, Nk, D] (validated by ``attention``).
+        row_lo, row_hi: the plan's int32 [M, Nq, K] row intervals.
+        schedule: the forward schedule tensors, in the order of :data:`FWD_SCHEDULE_FIELDS`
+            (from ``kernels.triton.forward.forward_schedule``).
+        bwd_schedule, bwd_config: tensors and ints reserved for the backward (the tilings it
+            runs at); not read by the forward; empty lists until a backward is registered.
+        scale: softmax scale.
+        mask_stride_b, mask_stride_h: mask index ``m = b * mask_stride_b + h * mask_stride_h``.
+        config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages]``.
+    """
+    from ..kernels.triton.forward import attention_forward
+
+    cfg = FwdConfig(*config)
+    return attention_forward(
+        q, k, v, row_lo, row_hi, dict(zip(FWD_SCHEDULE_FIELDS, schedule)), scale=scale,
+        mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h, cfg=cfg,
+    )  # fmt: skip
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(
+    q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, mask_stride_b, mask_stride_h,
+    config, bwd_config,
+):  # fmt: skip
+    B, Hq, Nq, D = q.shape
+    out = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+# Forward schedules (FULL tiles first) per TileSchedule object, kept while it lives. Eager only:
+# under torch.compile the few tensor ops that build them are traced into the graph.
+_FWD_SCHEDULES: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
+
+
+def _forward_schedule(plan: MaskPlan, cfg: FwdConfig) -> list[torch.Tensor]:
+    sched = plan.tiles(cfg.block_m, cfg.block_n)
+    if torch.compiler.is_compiling():
+        return list(forward_schedule(plan, cfg.block_m, cfg.block_n).values())
+    hit = _FWD_SCHEDULES.get(id(sched))
+    if hit is not None and hit[0]() is sched:
+        return hit[1]
+    tensors = list(forward_schedule(plan, cfg.block_m, cfg.block_n).values())
+    key = id(sched)
+    ref = weakref.ref(sched, lambda _, key=key: _FWD_SCHEDULES.pop(key, None))
+    _FWD_SCHEDULES[key] = (ref, tensors)
+    return tensors
+
+
+def _backward_inputs(plan: MaskPlan, q: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+    """The backward's schedule tensors and ints (none until a backward is registered)."""
+    return [], []
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Masked attention ``softmax(scale * q @ k^T + mask) @ v`` with the mask of ``plan``.
+
+    Each query row attends exactly to the key intervals the plan compiled for it; rows that see
+    no key give output 0 (and LSE -inf), never NaN. Heads are grouped (GQA / MQA): query head h
+    reads key/value head ``h // (Hq // Hkv)``.
+
+    Args:
+        q: [B, Hq, Nq, D] float16 or bfloat16 (float32 also works; float64 on the reference).
+        k, v: [B, Hkv, Nk, D], same dtype and device as q, Hq % Hkv == 0.
+            D (head_dim) is one of 32, 64, 96, 128, 256. Any strides.
+        plan: a :class:`MaskPlan` compiled for (Nq, Nk), on q's device, and for this B / Hq
+            when its mask depends on the batch row / head.
+        scale: softmax scale, default 1 / sqrt(D).
+        return_lse: also return the log-sum-exp of each row's scaled scores.
+        backend: "auto" (Triton on CUDA, or on the CPU when TRITON_INTERPRET=1; else the
+            reference), "triton" or "reference".
+
+    Returns:
+        out [B, Hq, Nq, D] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32
+        [B, Hq, Nq] (natural log; -inf for rows that see no key).
+
+    Raises:
+        InputError: mismatching shapes, dtypes or devices, unsupported head_dim, a plan built
+            for other lengths / batch / heads or on another device, an unavailable backend.
+
+    Example::
+
+        >>> plan = cm.compile(cm.masks.sliding_window(256), 4096, device="cuda")
+        >>> out = cm.attention(q, k, v, plan)  # q, k, v: [2, 16, 4096, 128] bf16 on CUDA
+
+    Source: FlashAttention-2 (Dao, 2023) over the plan's tile lists.
+    """
+    validate.check_tensors(q, k, v)
+    validate.check_plan(q, k, plan)
+    scale = validate.check_scale(scale, q.shape[-1])
+    backend = validate.resolve_backend(backend, q)
+
+    if backend == "reference":
+        out, lse = reference_attention(q, k, v, plan, scale)
+        out = out.to(q.dtype)
+        lse = lse.to(torch.float32)
+    else:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        cfg = forward_config(q.shape[-1], q.dtype, q.device)
+        heads = plan.heads or 1
+        mask_stride_b = heads if plan.batch else 0
+        mask_stride_h = 1 if plan.heads else 0
+        bwd_schedule, bwd_config = _backward_inputs(plan, q)
+        out, lse = torch.ops.compilemask.attention_fwd(
+            q, k, v, plan.row_lo, plan.row_hi, _forward_schedule(plan, cfg), bwd_schedule,
+            scale, mask_stride_b, mask_stride_h,
+            [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages], bwd_config,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out

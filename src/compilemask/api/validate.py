@@ -1,0 +1,154 @@
+"""Input validation of :func:`compilemask.attention`: every user mistake becomes an
+:class:`~compilemask.errors.InputError` with a precise message (never an ``assert``, never wrong
+numbers). All checks read shapes, dtypes and devices only, so they cost nothing under
+``torch.compile``.
+
+Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D head_dim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+
+from ..compiler.plan import MaskPlan
+from ..errors import InputError
+from ..kernels.triton.configs import SUPPORTED_HEAD_DIMS
+
+BACKENDS = ("auto", "reference", "triton")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Looked up once at import (not imported: importing compilemask never loads Triton; and
+# torch.compile cannot trace importlib).
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_tensors(q: object, k: object, v: object) -> None:
+    """Shapes, dtypes and devices of q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D]."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(
+                f"{name} must have 4 dims [B, H, N, D], got {t.dim()} dims with shape {_shape(t)}"
+            )
+    if k.shape != v.shape:
+        raise InputError(
+            f"k and v must have the same shape [B, Hkv, Nk, D], got k {_shape(k)} and v {_shape(v)}"
+        )
+    B, Hq, _, D = q.shape
+    if k.shape[0] != B:
+        raise InputError(
+            f"batch size differs: q {_shape(q)} has B={B}, k {_shape(k)} has B={k.shape[0]}"
+        )
+    if k.shape[3] != D:
+        raise InputError(
+            f"head_dim differs: q {_shape(q)} has D={D}, k {_shape(k)} has D={k.shape[3]}"
+        )
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise InputError(
+            f"query heads Hq={Hq} must be a multiple of key/value heads Hkv={Hkv} (GQA/MQA); "
+            f"q {_shape(q)}, k {_shape(k)}"
+        )
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise InputError(
+            f"head_dim={D} is not supported (q {_shape(q)}); supported head_dim values are "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputError(
+            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise InputError(
+            f"q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}"
+        )
+
+
+def check_plan(q: torch.Tensor, k: torch.Tensor, plan: object) -> None:
+    """The plan was built for these lengths, this batch / head count, and q's device."""
+    if not isinstance(plan, MaskPlan):
+        raise InputError(
+            f"plan must be a compilemask.MaskPlan (from compilemask.compile or from_dense), "
+            f"got {type(plan).__name__}"
+        )
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if plan.q_len != Nq or plan.kv_len != Nk:
+        raise InputError(
+            f"the plan was compiled for q_len={plan.q_len}, kv_len={plan.kv_len} but the inputs "
+            f"have Nq={Nq} (q {_shape(q)}) and Nk={Nk} (k {_shape(k)}); compile the mask for "
+            f"these lengths"
+        )
+    if plan.batch is not None and plan.batch != B:
+        raise InputError(
+            f"the plan's mask depends on the batch row and was compiled for batch={plan.batch}, "
+            f"but q {_shape(q)} has B={B}"
+        )
+    if plan.heads is not None and plan.heads != Hq:
+        raise InputError(
+            f"the plan's mask depends on the query head and was compiled for heads={plan.heads}, "
+            f"but q {_shape(q)} has Hq={Hq}"
+        )
+    if plan.device != q.device:
+        raise InputError(
+            f"the plan is on {plan.device} but q is on {q.device}; move it with plan.to(q.device)"
+        )
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale as a finite float (default 1 / sqrt(head_dim))."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InputError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise InputError(f"scale must be a positive finite float, got {scale}")
+    return scale
+
+
+def triton_usable(device: torch.device) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on ``device``, and why not."""
+    if not _TRITON_INSTALLED:
+        return False, "triton is not installed"
+    if device.type == "cuda":
+        return True, ""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return True, ""
+    return False, (
+        f"the Triton kernels run on CUDA tensors (or on the CPU with TRITON_INTERPRET=1), "
+        f"got tensors on {device}"
+    )
+
+
+def resolve_backend(backend: object, q: torch.Tensor) -> str:
+    """Map ``backend`` ("auto", "reference", "triton") to the one that runs."""
+    if backend not in BACKENDS:
+        choices = ", ".join(map(repr, BACKENDS))
+        raise InputError(f"backend must be one of {choices}, got {backend!r}")
+    if backend == "auto":
+        usable, _ = triton_usable(q.device)
+        backend = "triton" if usable and q.dtype in TRITON_DTYPES else "reference"
+    if backend == "triton":
+        usable, why = triton_usable(q.device)
+        if not usable:
+            raise InputError(f'backend="triton" is unavailable: {why}')
+        if q.dtype not in TRITON_DTYPES:
+            raise InputError(
+                f'backend="triton" supports float16, bfloat16 and float32 inputs, got {q.dtype}'
+            )
+    elif q.dtype not in REFERENCE_DTYPES:
+        raise InputError(
+            f"attention supports float16, bfloat16, float32 (and float64 on the reference), "
+            f"got {q.dtype}"
+        )
+    return backend

@@ -1,0 +1,230 @@
+"""Reference attention over a :class:`MaskPlan` in plain PyTorch: the correctness oracle.
+
+Computes ``softmax(scale * q @ k^T + mask) @ v`` row chunk by row chunk (memory stays bounded:
+about 2^26 score elements per chunk), with the mask of each chunk from ``plan.dense_rows`` (row
+intervals, or tile bitmasks for bits-encoded plans). Runs on any device, in any float dtype,
+differentiably (chunks are recomputed in the backward, so the backward's memory is bounded
+too), and traces under ``torch.compile`` without graph breaks for interval-encoded plans
+(static shapes, no host synchronisation).
+
+Two uses (DESIGN.md section 3):
+
+- the float64 oracle: ``reference_attention(q, k, v, plan, compute_dtype=torch.float64)``;
+- the same-dtype reference: ``compute_dtype=torch.float32, matmul_dtype=q.dtype`` (matmuls in
+  the kernel's dtype, softmax in float32, output rounded to q's dtype).
+
+Rows that see no key give output 0 and LSE -inf.
+
+Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D head_dim,
+M = number of masks in the plan (1, B, Hq or B * Hq), K = interval slots per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.utils.checkpoint
+
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _mask_for_chunk(plan, start: int, end: int, B: int, Hq: int, Hkv: int) -> torch.Tensor:
+    """bool [B or 1, Hkv or 1, G or 1, rows, Nk], broadcastable against grouped scores."""
+    rows = plan.dense_rows(start, end)
+    mb = plan.batch if plan.batch else 1
+    mh = plan.heads if plan.heads else 1
+    rows = rows.view(mb, mh, end - start, plan.kv_len)
+    if mh == 1:
+        return rows[:, :, None]
+    return rows.view(mb, Hkv, Hq // Hkv, end - start, plan.kv_len)
+
+
+def _chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype,
+    matmul_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped chunk: q [B, Hkv, G, n, D], k / v [B, Hkv, 1, Nk, D]; out in compute_dtype."""
+    scores = torch.matmul(q.to(matmul_dtype), k.to(matmul_dtype).transpose(-1, -2))
+    scores = scores.to(compute_dtype) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - row_max)
+    denom = p.sum(-1, keepdim=True)
+    out = torch.matmul(p.to(matmul_dtype), v.to(matmul_dtype)).to(compute_dtype)
+    out = out / torch.where(denom == 0, torch.ones_like(denom), denom)
+    lse = (row_max + torch.log(denom)).squeeze(-1)
+    return out, lse
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan,
+    scale: float | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    matmul_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention by the definition, chunked over query rows.
+
+    Args:
+        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 (GQA / MQA). Inputs are
+            assumed validated (``compilemask.attention`` validates).
+        plan: a ``MaskPlan`` for (Nq, Nk) on q's device.
+        scale: softmax scale, default 1 / sqrt(D).
+        compute_dtype: dtype of the softmax and accumulation: float32 or float64 (default:
+            float64 for float64 inputs, else float32).
+        matmul_dtype: dtype the two matmuls run in; default ``compute_dtype``. Pass q.dtype
+            for the same-dtype reference.
+
+    Returns:
+        (out, lse): out [B, Hq, Nq, D] in q's dtype, or float64 when ``compute_dtype`` is
+        float64 (the oracle keeps full precision); lse [B, Hq, Nq] in compute_dtype, natural
+        log. Rows that see no key: out 0, lse -inf.
+
+    Example::
+
+        >>> ref64, _ = reference_attention(q, k, v, plan, compute_dtype=torch.float64)
+        >>> same, _ = reference_attention(q, k, v, plan, compute_dtype=torch.float32,
+        ...                               matmul_dtype=q.dtype)
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    matmul_dtype = matmul_dtype or compute_dtype
+    out_dtype = torch.float64 if compute_dtype == torch.float64 else q.dtype
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+    qg = q.view(B, Hkv, G, Nq, D) if q.is_contiguous() else q.reshape(B, Hkv, G, Nq, D)
+    kg, vg = k[:, :, None], v[:, :, None]
+    slots = max(plan.row_lo.shape[-1], 1)
+    per_row = max(B * Hq * max(Nk, 1), plan.num_masks * (max(Nk, 1) + slots))
+    chunk = max(1, min(Nq, _CHUNK_ELEMENTS // per_row))
+    use_checkpoint = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+    )
+
+    outs, lses = [], []
+    for start in range(0, Nq, chunk):
+        end = min(Nq, start + chunk)
+        visible = _mask_for_chunk(plan, start, end, B, Hq, Hkv)
+        args = (qg[:, :, :, start:end], kg, vg, visible, scale, compute_dtype, matmul_dtype)
+        if use_checkpoint:
+            o, lse = torch.utils.checkpoint.checkpoint(_chunk_attention, *args, use_reentrant=False)
+        else:
+            o, lse = _chunk_attention(*args)
+        outs.append(o)
+        lses.append(lse)
+    if Nq == 0:
+        out = q.new_zeros((B, Hq, 0, D), dtype=out_dtype)
+        return out, q.new_zeros((B, Hq, 0), dtype=compute_dtype)
+    out = torch.cat(outs, dim=3).reshape(B, Hq, Nq, D).to(out_dtype)
+    lse = torch.cat(lses, dim=3).reshape(B, Hq, Nq)
+    return out, lse
+
+
+def reference_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan,
+    do: torch.Tensor,
+    scale: float | None = None,
+    *,
+    dlse: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+    matmul_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact gradients of masked softmax attention, recomputed chunk by chunk of query rows.
+
+    With ``S = scale * q k^T`` (masked), ``P = softmax(S)``, ``out = P v``,
+    ``lse = logsumexp(S)`` and upstream gradients ``do`` (of out) and ``dlse`` (of lse)::
+
+        dv = P^T do        dP = do v^T        delta = rowsum(P * dP) - dlse
+        dS = P * (dP - delta)        dq = scale * dS k        dk = scale * dS^T q
+
+    (``rowsum(P * dP) = rowsum(do * out)``)
+
+    (``d lse_i / d S_ij = P_ij``). Grouped heads (GQA / MQA) sum dk, dv over the query heads
+    of a group. Rows that see no key have P = 0 and contribute nothing; keys no row sees get
+    dk = dv = 0. Memory stays bounded: a chunk holds about 2^26 score elements (never
+    [B, Hq, Nq, Nk] at once for large N) plus the [B, Hkv, Nk, D] dk, dv accumulators.
+
+    Args:
+        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; do: [B, Hq, Nq, D].
+        plan: a ``MaskPlan`` for (Nq, Nk) on q's device.
+        scale: softmax scale, default 1 / sqrt(D).
+        dlse: optional [B, Hq, Nq] gradient of the LSE output (None: zero).
+        compute_dtype: dtype of the softmax and the accumulation (float32 or float64; default
+            float64 for float64 inputs, else float32).
+        matmul_dtype: dtype of the matmuls (default ``compute_dtype``); pass q.dtype for the
+            same-dtype reference of DESIGN.md section 3 (P and dS are rounded to it before
+            their matmuls, as a kernel does).
+
+    Returns:
+        (dq, dk, dv) shaped like q, k, v; float64 when ``compute_dtype`` is float64, else in
+        q's dtype.
+
+    Example::
+
+        >>> dq64, dk64, dv64 = reference_attention_backward(q, k, v, plan, do,
+        ...                                                 compute_dtype=torch.float64)
+
+    Source: the FlashAttention-2 backward (Dao, 2023), without tiling.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    mm = matmul_dtype or compute_dtype
+    out_dtype = torch.float64 if compute_dtype == torch.float64 else q.dtype
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+    qg = q.reshape(B, Hkv, G, Nq, D).to(mm)
+    dog = do.reshape(B, Hkv, G, Nq, D).to(mm)
+    dlse_g = None if dlse is None else dlse.reshape(B, Hkv, G, Nq).to(compute_dtype)
+    kg, vg = k.to(mm)[:, :, None], v.to(mm)[:, :, None]
+    slots = max(plan.row_lo.shape[-1], 1)
+    per_row = max(B * Hq * max(Nk, 1), plan.num_masks * (max(Nk, 1) + slots))
+    chunk = max(1, min(Nq, _CHUNK_ELEMENTS // per_row))
+
+    dk = torch.zeros((B, Hkv, Nk, D), dtype=compute_dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    dqs = []
+    for start in range(0, Nq, chunk):
+        end = min(Nq, start + chunk)
+        visible = _mask_for_chunk(plan, start, end, B, Hq, Hkv)
+        qc, doc = qg[:, :, :, start:end], dog[:, :, :, start:end]
+        scores = torch.matmul(qc, kg.transpose(-1, -2)).to(compute_dtype) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        row_max = scores.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        p = torch.exp(scores - row_max)
+        del scores
+        denom = p.sum(-1, keepdim=True)
+        p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
+        dv += torch.matmul(p.to(mm).transpose(-1, -2), doc).to(compute_dtype).sum(2)
+        dp = torch.matmul(doc, vg.transpose(-1, -2)).to(compute_dtype)
+        delta = (p * dp).sum(-1, keepdim=True)
+        if dlse_g is not None:
+            delta = delta - dlse_g[:, :, :, start:end, None]
+        ds = (p * (dp - delta)).to(mm)
+        del p, dp
+        dqs.append(torch.matmul(ds, kg).to(compute_dtype) * scale)
+        dk += torch.matmul(ds.transpose(-1, -2), qc).to(compute_dtype).sum(2) * scale
+    if Nq == 0:
+        dq = torch.zeros((B, Hq, 0, D), dtype=out_dtype, device=q.device)
+    else:
+        dq = torch.cat(dqs, dim=3).reshape(B, Hq, Nq, D).to(out_dtype)
+    return dq, dk.to(out_dtype), dv.to(out_dtype)

@@ -1,0 +1,586 @@
+"""Triton backward attention over a :class:`MaskPlan` (FlashAttention-2 style, deterministic).
+
+Three kernels, each output element written by exactly one program (no atomics, so two runs are
+bit-identical):
+
+1. ``_attn_bwd_preprocess``, grid (cdiv(Nq, BLOCK), B * Hq): per query row
+   ``delta = rowsum(dO * O) - dlse`` and ``lse2 = lse * log2(e)`` (+inf for rows that see no
+   key, so that ``exp2(s - lse2) = 0`` there: no ``-inf - -inf`` NaN), both fp32 [B, Hq, Nq].
+2. ``_attn_bwd_dkdv``, grid (B * Hkv, Tk): axis 1 is the rank of the kv-tile in ``kv_order``
+   (heaviest first). The program keeps K, V of its BLOCK_N keys and fp32 dK, dV accumulators
+   on chip and, for every query head h of its GQA group, walks the kv-tile's q-tile list
+   ``kv_list[m(b, h), kt]``: FULL q-tiles in an unmasked loop, then PARTIAL ones masked with the
+   same tile data as the forward, read transposed ([keys, queries], ``common.*_t``). It
+   recomputes ``P^T = exp2(K Q^T * scale * log2 e - lse2)`` and accumulates
+   ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``; it writes dK, dV
+   once (zero for keys nobody sees).
+3. ``_attn_bwd_dq``, grid (B * Hq, Tq) over ``q_order``: keeps Q, dO, dQ of its q-tile and walks
+   ``q_list`` (FULL first, then PARTIAL): ``dQ += dS K``; writes dQ once (zero for rows that
+   see nothing).
+
+The two kernels use their own tilings (``BwdConfig``): dK/dV streams small query tiles past a
+large key tile, dQ the opposite. Gradient of the LSE output: ``d lse_i / d s_ij = P_ij``, so
+``dS = P * (dP - delta + dlse)``, i.e. dlse is folded into delta by the preprocess kernel.
+
+Legend: B batch, Hq / Hkv query / key-value heads (G = Hq / Hkv), Nq / Nk query / key length,
+D head_dim, M = number of masks in the plan, Tq / Tk = number of q- / kv-tiles.
+
+Source: Dao, "FlashAttention-2" (2023), section 3.1.2 (backward pass); structure of Triton's
+fused-attention tutorial (preprocess, dK/dV, dQ kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import partial_tile_mask, partial_tile_mask_t
+from .configs import BwdConfig, check_head_dim, padded_head_dim
+
+_LOG2E = 1.4426950408889634
+_PRE_BLOCK = 64
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    Out, DO, Lse, DLse, Delta, Lse2,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    Hq, Nq,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):  # fmt: skip
+    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_ok = offs_m < Nq
+    ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(
+        Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        + rows * stride_om + offs_d[None, :] * stride_od,
+        mask=ok, other=0.0,
+    )  # fmt: skip
+    do = tl.load(
+        DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        + rows * stride_dom + offs_d[None, :] * stride_dod,
+        mask=ok, other=0.0,
+    )  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    row_ptr = pid_bh.to(tl.int64) * Nq + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_ptr, mask=m_ok, other=0.0)
+    lse = tl.load(Lse + row_ptr, mask=m_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(Delta + row_ptr, delta, mask=m_ok)
+    tl.store(Lse2 + row_ptr, lse2, mask=m_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    Q_head,
+    DO_head,
+    Lse2_head,
+    Delta_head,
+    stride_qm,
+    stride_qd,
+    stride_dom,
+    stride_dod,
+    TileList,
+    Kind,
+    Jlo,
+    Jhi,
+    BitsIndex,
+    Bits,
+    stride_bits_p,
+    stride_bits_r,
+    tile_stride,
+    RowLo,
+    RowHi,
+    row_base,
+    offs_n,
+    Nq,
+    Nk,
+    n_slots,
+    list_start,
+    list_end,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LOAD_T: tl.constexpr,
+):
+    """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
+
+    ``Kind`` etc. point at this kv-tile's column of the [Tq, Tk] tile arrays (entry of q-tile qt
+    at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks).
+    """
+    offs_m_local = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    for i in range(list_start, list_end):
+        qt = tl.load(TileList + i)
+        start_m = qt * BLOCK_M
+        offs_m = start_m + offs_m_local
+        qT_ptrs = (
+            Q_head
+            + start_m.to(tl.int64) * stride_qm
+            + offs_m_local[None, :] * stride_qm
+            + offs_d[:, None] * stride_qd
+        )
+        do_ptrs = (
+            DO_head
+            + start_m.to(tl.int64) * stride_dom
+            + offs_m_local[:, None] * stride_dom
+            + offs_d[None, :] * stride_dod
+        )
+        if MASKED:
+            m_ok = offs_m < Nq
+            qT = tl.load(qT_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
+            lse2 = tl.load(Lse2_head + offs_m, mask=m_ok, other=float("inf"))
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            qT = tl.load(qT_ptrs)
+            lse2 = tl.load(Lse2_head + offs_m)
+        else:
+            qT = tl.load(qT_ptrs, mask=d_ok[:, None], other=0.0)
+            lse2 = tl.load(Lse2_head + offs_m)
+        qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if MASKED:
+            kind = tl.load(Kind + qt * tile_stride)
+            visible = partial_tile_mask_t(
+                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                tl.load(Jlo + qt * tile_stride), tl.load(Jhi + qt * tile_stride), Bits,
+                tl.load(BitsIndex + qt * tile_stride), stride_bits_p, stride_bits_r,
+                BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            pT = tl.where(visible, pT, 0.0)
+            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            delta = tl.load(Delta_head + offs_m, mask=m_ok, other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            do = tl.load(do_ptrs)
+            delta = tl.load(Delta_head + offs_m)
+        else:
+            do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+            delta = tl.load(Delta_head + offs_m)
+        if LOAD_T:  # fp32: a second load instead of a register transpose
+            doT_ptrs = (
+                DO_head
+                + start_m.to(tl.int64) * stride_dom
+                + offs_m_local[None, :] * stride_dom
+                + offs_d[:, None] * stride_dod
+            )
+            q_ptrs = (
+                Q_head
+                + start_m.to(tl.int64) * stride_qm
+                + offs_m_local[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd
+            )
+            if MASKED:
+                doT = tl.load(doT_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
+                q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            else:
+                doT = tl.load(doT_ptrs, mask=d_ok[:, None], other=0.0)
+                q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            doT = tl.trans(do)
+            q = tl.trans(qT)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, doT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, Lse2, Delta, DK, DV,
+    RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, KvCount, KvFullCount, KvList, KvOrder,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_bits_p, stride_bits_r,
+    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    scale, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LOAD_T: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    rank = tl.program_id(1)
+    off_b = pid_bh // Hkv
+    off_hkv = pid_bh % Hkv
+    h_first = off_hkv * gqa_group
+    first_mask = (off_b * mask_stride_b + h_first * mask_stride_h).to(tl.int64)
+    kt = tl.load(KvOrder + first_mask * Tk + rank)  # the group's first head orders the tiles
+
+    start_n = kt * BLOCK_N
+    offs_n_local = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_n_local
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    n_ok = offs_n < Nk
+    nd_ok = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(
+        K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+        + start_n.to(tl.int64) * stride_kn
+        + offs_n_local[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=nd_ok, other=0.0,
+    )  # fmt: skip
+    v = tl.load(
+        V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+        + start_n.to(tl.int64) * stride_vn
+        + offs_n_local[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=nd_ok, other=0.0,
+    )  # fmt: skip
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+
+    for g in range(0, gqa_group):
+        off_h = h_first + g
+        bh = off_b.to(tl.int64) * Hq + off_h
+        mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
+        col = mask_id * Tk + kt  # row of the [M, Tk, ...] per-kv-tile arrays
+        count = tl.load(KvCount + col)
+        full_count = tl.load(KvFullCount + col)
+        tile_list = KvList + col * Tq
+        tile_col = mask_id * Tq * Tk + kt  # (qt=0, kt) in the [M, Tq, Tk] tile arrays
+        row_base = mask_id * Nq * n_slots
+        Q_head = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        DO_head = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        # FULL q-tiles: no mask, no bounds checks.
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_head, DO_head, Lse2 + bh * Nq, Delta + bh * Nq,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+            Bits, stride_bits_p, stride_bits_r, Tk,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T,
+        )  # fmt: skip
+        # PARTIAL q-tiles: interval or bitmask masking, transposed.
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_head, DO_head, Lse2 + bh * Nq, Delta + bh * Nq,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+            Bits, stride_bits_p, stride_bits_r, Tk,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T,
+        )  # fmt: skip
+
+    dk = dk * scale
+    tl.store(
+        DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
+        + start_n.to(tl.int64) * stride_dkn
+        + offs_n_local[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+        dk.to(DK.dtype.element_ty), mask=nd_ok,
+    )  # fmt: skip
+    tl.store(
+        DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
+        + start_n.to(tl.int64) * stride_dvn
+        + offs_n_local[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty), mask=nd_ok,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    K_head,
+    V_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    TileList,
+    Kind,
+    Jlo,
+    Jhi,
+    BitsIndex,
+    Bits,
+    stride_bits_p,
+    stride_bits_r,
+    RowLo,
+    RowHi,
+    row_base,
+    offs_m,
+    Nq,
+    Nk,
+    n_slots,
+    list_start,
+    list_end,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LOAD_T: tl.constexpr,
+):
+    """Accumulate dQ of one q-tile over the kv-tiles ``TileList[list_start:list_end]``."""
+    offs_n_local = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    for i in range(list_start, list_end):
+        kt = tl.load(TileList + i)
+        start_n = kt * BLOCK_N
+        offs_n = start_n + offs_n_local
+        kT_ptrs = (
+            K_head
+            + start_n.to(tl.int64) * stride_kn
+            + offs_n_local[None, :] * stride_kn
+            + offs_d[:, None] * stride_kd
+        )
+        vT_ptrs = (
+            V_head
+            + start_n.to(tl.int64) * stride_vn
+            + offs_n_local[None, :] * stride_vn
+            + offs_d[:, None] * stride_vd
+        )
+        if MASKED:
+            n_ok = offs_n < Nk
+            kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            vT = tl.load(vT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            kT = tl.load(kT_ptrs)
+            vT = tl.load(vT_ptrs)
+        else:
+            kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
+            vT = tl.load(vT_ptrs, mask=d_ok[:, None], other=0.0)
+        qk = tl.dot(q, kT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            kind = tl.load(Kind + kt)
+            visible = partial_tile_mask(
+                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
+                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if LOAD_T:  # fp32: a second load instead of a register transpose
+            k_ptrs = (
+                K_head
+                + start_n.to(tl.int64) * stride_kn
+                + offs_n_local[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd
+            )
+            if MASKED:
+                k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            k = tl.trans(kT)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, Lse2, Delta, DQ,
+    RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_bits_p, stride_bits_r,
+    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    scale, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LOAD_T: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    rank = tl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    off_hkv = off_h // gqa_group
+    mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
+
+    qt = tl.load(QOrder + mask_id * Tq + rank)
+    tile_row = mask_id * Tq + qt
+    count = tl.load(QCount + tile_row)
+    full_count = tl.load(QFullCount + tile_row)
+    tile_list = QList + tile_row * Tk
+    kind_row = tile_row * Tk
+    row_base = mask_id * Nq * n_slots
+
+    start_m = qt * BLOCK_M
+    offs_m_local = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_m_local
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_ok = offs_m < Nq
+    md_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        + start_m.to(tl.int64) * stride_qm
+        + offs_m_local[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=md_ok, other=0.0,
+    )  # fmt: skip
+    do = tl.load(
+        DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        + start_m.to(tl.int64) * stride_dom
+        + offs_m_local[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+        mask=md_ok, other=0.0,
+    )  # fmt: skip
+    lse2 = tl.load(Lse2 + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=0.0)
+    K_head = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    V_head = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    # FULL kv-tiles: no mask, no bounds checks.
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
+        0, full_count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T,
+    )  # fmt: skip
+    # PARTIAL kv-tiles: interval or bitmask masking.
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
+        full_count, count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T,
+    )  # fmt: skip
+    dq = dq * scale
+    tl.store(
+        DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+        + start_m.to(tl.int64) * stride_dqm
+        + offs_m_local[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty), mask=md_ok,
+    )  # fmt: skip
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    row_lo: torch.Tensor,
+    row_hi: torch.Tensor,
+    dkdv_schedule: dict[str, torch.Tensor],
+    dq_schedule: dict[str, torch.Tensor],
+    *,
+    scale: float,
+    mask_stride_b: int,
+    mask_stride_h: int,
+    cfg: BwdConfig,
+    dlse: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels (internal: inputs are assumed validated).
+
+    Args:
+        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; any strides with unit last stride.
+        out: the forward output [B, Hq, Nq, D]; lse: its float32 [B, Hq, Nq] contiguous LSE
+            (natural log, -inf for rows that see nothing).
+        do: the gradient of ``out`` [B, Hq, Nq, D], any strides.
+        row_lo, row_hi: int32 [M, Nq, n_slots] contiguous, the plan's row intervals.
+        dkdv_schedule: :func:`~.schedule.dkdv_schedule` at (cfg.dkdv_block_m, cfg.dkdv_block_n).
+        dq_schedule: :func:`~.schedule.forward_schedule` at (cfg.dq_block_m, cfg.dq_block_n).
+        scale: softmax scale of the forward.
+        mask_stride_b, mask_stride_h: mask index m = b * mask_stride_b + h * mask_stride_h.
+        cfg: tile sizes and launch options.
+        dlse: optional float32 [B, Hq, Nq], the gradient of ``lse`` (None: zero).
+        dq, dk, dv: optional output buffers shaped like q, k, v (written in full).
+
+    Returns:
+        (dq, dk, dv) in the dtypes of q, k, v (or of the given buffers). Rows that see no key
+        get dq = 0; keys no row sees get dk = dv = 0.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    check_head_dim(D)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    if B * Hq * D == 0:
+        return dq, dk, dv
+    if Nq == 0 or Nk == 0:  # nothing is visible: every gradient is zero
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    if not lse.is_contiguous():
+        lse = lse.contiguous()
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    d_pad = padded_head_dim(D)
+    n_slots = row_lo.shape[-1]
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # Triton 3.6 fails to lower tl.trans of fp32 dot operands on sm_90: load both layouts.
+    load_t = q.dtype == torch.float32
+
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    _attn_bwd_preprocess[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
+        out, do, lse, dlse if dlse is not None else lse, delta, lse2,
+        *out.stride(), *do.stride(), Hq, Nq,
+        HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+
+    s = dkdv_schedule
+    Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
+    bits = s["bits"]
+    _attn_bwd_dkdv[(B * Hkv, Tk)](
+        q, k, v, do, lse2, delta, dk, dv,
+        row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
+        s["kv_count"], s["kv_full_count"], s["kv_list"], s["kv_order"],
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        bits.stride(0), bits.stride(1),
+        Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        scale, scale * _LOG2E,
+        HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+        DOT_PRECISION=dot_precision, LOAD_T=load_t,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )  # fmt: skip
+
+    s = dq_schedule
+    Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
+    bits = s["bits"]
+    _attn_bwd_dq[(B * Hq, Tq)](
+        q, k, v, do, lse2, delta, dq,
+        row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
+        s["q_count"], s["q_full_count"], s["q_list"], s["q_order"],
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        bits.stride(0), bits.stride(1),
+        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        scale, scale * _LOG2E,
+        HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        DOT_PRECISION=dot_precision, LOAD_T=load_t,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )  # fmt: skip
+    return dq, dk, dv

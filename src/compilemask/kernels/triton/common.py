@@ -1,0 +1,178 @@
+"""Masking helpers shared by the Triton forward and backward kernels.
+
+A tile is a BLOCK_M x BLOCK_N box of (query, key) pairs. The plan classifies every tile
+(``TileSchedule.kind``): FULL tiles are applied without a mask; PARTIAL tiles are masked by
+comparing key indices with the intervals ``[row_lo, row_hi)`` of each query row (slots
+``j in [jlo, jhi)`` of the tile); PARTIAL_BITS tiles read one bit per pair from a packed
+bitmask. The kernel branches per tile, never per element.
+
+Host side, ``schedule.split_full_first`` reorders each q-tile's kv-tile list so that the FULL tiles
+come first: the kernels then run an unmasked loop (software-pipelined) over
+``list[0:full_count]`` and a masked loop over ``list[full_count:count]`` (the structure of
+Triton's fused-attention tutorial, with the tile lists of the plan instead of a causal split).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Tile kinds of ``TileSchedule.kind`` (keep in sync with the compiler).
+KIND_EMPTY = tl.constexpr(0)
+KIND_FULL = tl.constexpr(1)
+KIND_PARTIAL = tl.constexpr(2)
+KIND_PARTIAL_BITS = tl.constexpr(3)
+
+
+@triton.jit
+def interval_tile_mask(
+    RowLo,
+    RowHi,
+    row_base,
+    offs_m,
+    offs_n,
+    Nq,
+    n_slots,
+    jlo,
+    jhi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """visible[r, c] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j].
+
+    ``row_base`` is the int64 offset of mask m's first row in RowLo/RowHi ([M, Nq, n_slots]);
+    ``offs_m`` / ``offs_n`` are absolute query / key indices. Rows >= Nq see nothing.
+    """
+    row_ok = offs_m < Nq
+    row_ptr = row_base + offs_m.to(tl.int64) * n_slots
+    visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
+    for j in range(jlo, jhi):
+        lo = tl.load(RowLo + row_ptr + j, mask=row_ok, other=0)
+        hi = tl.load(RowHi + row_ptr + j, mask=row_ok, other=0)
+        visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
+    return visible
+
+
+@triton.jit
+def bits_tile_mask(
+    Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """visible[r, c] = bit c % 32 of word c // 32 of row r of bitmask ``bits_idx``."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    ptrs = (
+        Bits
+        + bits_idx.to(tl.int64) * stride_bits_p
+        + rows[:, None] * stride_bits_r
+        + (cols // 32)[None, :]
+    )
+    words = tl.load(ptrs)
+    return ((words >> (cols % 32)[None, :]) & 1) != 0
+
+
+@triton.jit
+def partial_tile_mask(
+    kind,
+    RowLo,
+    RowHi,
+    row_base,
+    offs_m,
+    offs_n,
+    Nq,
+    Nk,
+    n_slots,
+    jlo,
+    jhi,
+    Bits,
+    bits_idx,
+    stride_bits_p,
+    stride_bits_r,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The visibility of a PARTIAL or PARTIAL_BITS tile (one branch per tile)."""
+    if kind == KIND_PARTIAL_BITS:
+        visible = bits_tile_mask(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
+        visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
+    else:
+        visible = interval_tile_mask(
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N
+        )
+    return visible
+
+
+# Transposed views, for the dK/dV kernel: the same tile data read as visible_t[key, query]
+# ([BLOCK_N, BLOCK_M]), so that no register transpose is needed.
+
+
+@triton.jit
+def interval_tile_mask_t(
+    RowLo,
+    RowHi,
+    row_base,
+    offs_m,
+    offs_n,
+    Nq,
+    n_slots,
+    jlo,
+    jhi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """visible_t[c, r] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j]."""
+    row_ok = offs_m < Nq
+    row_ptr = row_base + offs_m.to(tl.int64) * n_slots
+    visible = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int1)
+    for j in range(jlo, jhi):
+        lo = tl.load(RowLo + row_ptr + j, mask=row_ok, other=0)
+        hi = tl.load(RowHi + row_ptr + j, mask=row_ok, other=0)
+        visible = visible | ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :]))
+    return visible
+
+
+@triton.jit
+def bits_tile_mask_t(
+    Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """visible_t[c, r] = bit c % 32 of word c // 32 of row r of bitmask ``bits_idx``."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    ptrs = (
+        Bits
+        + bits_idx.to(tl.int64) * stride_bits_p
+        + rows[None, :] * stride_bits_r
+        + (cols // 32)[:, None]
+    )
+    words = tl.load(ptrs)
+    return ((words >> (cols % 32)[:, None]) & 1) != 0
+
+
+@triton.jit
+def partial_tile_mask_t(
+    kind,
+    RowLo,
+    RowHi,
+    row_base,
+    offs_m,
+    offs_n,
+    Nq,
+    Nk,
+    n_slots,
+    jlo,
+    jhi,
+    Bits,
+    bits_idx,
+    stride_bits_p,
+    stride_bits_r,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """:func:`partial_tile_mask` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x queries)."""
+    if kind == KIND_PARTIAL_BITS:
+        visible = bits_tile_mask_t(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
+        visible = visible & (offs_m[None, :] < Nq) & (offs_n[:, None] < Nk)
+    else:
+        visible = interval_tile_mask_t(
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N
+        )
+    return visible

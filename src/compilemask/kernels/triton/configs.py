@@ -1,0 +1,247 @@
+"""Launch configurations of the Triton attention kernels, one row per head_dim.
+
+The forward kernel asks the plan for the tiling it runs at (``plan.tiles(BLOCK_M, BLOCK_N)``),
+so tile sizes here are free per head_dim. The table is tuned for Hopper (sm_90, H200: 228 KiB of
+shared memory per SM) and stays valid elsewhere: on GPUs with less shared memory the number of
+pipeline stages is lowered (:func:`forward_config`), and fp32 inputs use smaller tiles.
+
+Shared memory of one program is about ``(BLOCK_M + 2 * num_stages * BLOCK_N) * D_pad * bytes``
+(Q once, K and V per stage): D=256 bf16 at 128x64, 2 stages: 192 KiB.
+
+Example::
+
+    >>> forward_config(128, torch.float16)
+    FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from ...errors import CompileMaskError
+
+#: head_dim values the kernels (and ``compilemask.attention``) accept.
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 256)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile sizes and launch options of the forward kernel.
+
+    Attributes:
+        block_m: query rows per program (BLOCK_M), a power of two >= 16.
+        block_n: keys per inner iteration (BLOCK_N), a power of two >= 16.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the K/V loads.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
+# document(8 x 1024)): 64x64 beats 128x128 at D=128 on masked work (less partial-tile waste)
+# and ties on causal; 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256.
+_FWD_16BIT: dict[int, FwdConfig] = {
+    32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    96: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),  # D padded to 128
+    128: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    256: FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+}
+
+# fp32 (tf32x3 dots, about fp32 accuracy): a correctness path, not a fast one; smaller tiles.
+_FWD_32BIT: dict[int, FwdConfig] = {
+    32: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    64: FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    96: FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    128: FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    256: FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1),
+}
+
+_HOPPER_SMEM_BYTES = 227 * 1024
+_OVERRIDE: list[FwdConfig] = []
+
+
+@contextlib.contextmanager
+def override_forward_config(cfg: FwdConfig) -> Iterator[None]:
+    """Use ``cfg`` for every forward launch inside the block (tests use small tiles so that
+    small sizes exercise many tiles).
+
+    Example::
+
+        >>> with override_forward_config(FwdConfig(16, 32, 4, 1)):
+        ...     out = cm.attention(q, k, v, plan)
+    """
+    _OVERRIDE.append(cfg)
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Raise :class:`CompileMaskError` naming head_dim unless the kernels support it."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise CompileMaskError(
+            f"head_dim={head_dim} is not supported; supported head_dim values are "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two the kernels use as the head_dim of their tiles (96 -> 128)."""
+    return 1 << (head_dim - 1).bit_length()
+
+
+def _shared_memory_bytes(cfg: FwdConfig, head_dim: int, elem_bytes: int) -> int:
+    d_pad = padded_head_dim(head_dim)
+    return (cfg.block_m + 2 * max(cfg.num_stages, 1) * cfg.block_n) * d_pad * elem_bytes
+
+
+def _device_smem_limit(device: torch.device | None) -> int:
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return _HOPPER_SMEM_BYTES
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", 0)
+    return int(limit) if limit else 48 * 1024
+
+
+def forward_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device | None = None
+) -> FwdConfig:
+    """The forward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
+
+    Raises:
+        CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
+    """
+    check_head_dim(head_dim)
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
+    cfg = table[head_dim]
+    elem_bytes = 4 if dtype == torch.float32 else 2
+    limit = _device_smem_limit(device)
+    while cfg.num_stages > 1 and _shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    while cfg.block_n > 16 and _shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
+        cfg = replace(cfg, block_n=cfg.block_n // 2)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- backward
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile sizes and launch options of the two backward kernels.
+
+    The dK/dV kernel keeps a BLOCK_N-key tile of K, V, dK, dV on chip and streams BLOCK_M-row
+    query tiles (``dkdv_block_m`` small, ``dkdv_block_n`` large); the dQ kernel keeps a
+    BLOCK_M-row tile of Q, dO, dQ and streams BLOCK_N-key tiles (``dq_block_m`` large,
+    ``dq_block_n`` small). Each kernel asks the plan for its own tiling. Both BLOCK_N must be
+    multiples of 32 (bitmask tiles, and plans stored only as bitmasks, need whole words).
+
+    Attributes:
+        dkdv_block_m, dkdv_block_n: query rows per inner step, keys per program (dK/dV).
+        dkdv_warps, dkdv_stages: warps and pipelining depth of the dK/dV kernel.
+        dq_block_m, dq_block_n: query rows per program, keys per inner step (dQ).
+        dq_warps, dq_stages: warps and pipelining depth of the dQ kernel.
+    """
+
+    dkdv_block_m: int
+    dkdv_block_n: int
+    dkdv_warps: int
+    dkdv_stages: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_warps: int
+    dq_stages: int
+
+    def as_list(self) -> list[int]:
+        """The eight ints in field order (the ``bwd_config`` argument of the custom op)."""
+        return [
+            self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
+            self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
+        ]  # fmt: skip
+
+
+# fp16 / bf16 on sm_90. Register budget of dK/dV: two fp32 [BLOCK_N, D] accumulators over
+# 32 * num_warps threads (D=128, BLOCK_N=128, 8 warps: 128 registers per thread).
+_BWD_16BIT: dict[int, BwdConfig] = {
+    32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
+    64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
+    96: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),  # D padded to 128
+    128: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),
+    256: BwdConfig(32, 64, 8, 2, 64, 32, 8, 2),
+}
+
+# fp32 (tf32x3 dots: about fp32 accuracy): a correctness path; smaller tiles.
+_BWD_32BIT: dict[int, BwdConfig] = {
+    32: BwdConfig(32, 64, 4, 2, 64, 32, 4, 2),
+    64: BwdConfig(32, 64, 4, 2, 64, 32, 4, 2),
+    96: BwdConfig(32, 64, 8, 1, 64, 32, 8, 1),
+    128: BwdConfig(32, 64, 8, 1, 64, 32, 8, 1),
+    256: BwdConfig(16, 32, 8, 1, 32, 32, 8, 1),
+}
+
+_BWD_OVERRIDE: list[BwdConfig] = []
+
+
+@contextlib.contextmanager
+def override_backward_config(cfg: BwdConfig) -> Iterator[None]:
+    """Use ``cfg`` for every backward launch configured inside the block (tests: small tiles).
+
+    The backward's tilings are chosen in the forward call (they travel with the autograd
+    graph), so the forward must run inside the block.
+    """
+    _BWD_OVERRIDE.append(cfg)
+    try:
+        yield
+    finally:
+        _BWD_OVERRIDE.pop()
+
+
+def _bwd_shared_memory_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int) -> int:
+    """The larger of the two kernels: resident tile (2 x D) plus streamed tiles per stage."""
+    d_pad = padded_head_dim(head_dim)
+    dkdv = (2 * cfg.dkdv_block_n + 2 * max(cfg.dkdv_stages, 1) * cfg.dkdv_block_m) * d_pad
+    dq = (2 * cfg.dq_block_m + 2 * max(cfg.dq_stages, 1) * cfg.dq_block_n) * d_pad
+    return max(dkdv, dq) * elem_bytes
+
+
+def backward_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device | None = None
+) -> BwdConfig:
+    """The backward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
+
+    Raises:
+        CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
+    """
+    check_head_dim(head_dim)
+    if _BWD_OVERRIDE:
+        return _BWD_OVERRIDE[-1]
+    table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
+    cfg = table[head_dim]
+    elem_bytes = 4 if dtype == torch.float32 else 2
+    limit = _device_smem_limit(device)
+    while _bwd_shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
+        if cfg.dkdv_stages > 1 or cfg.dq_stages > 1:
+            cfg = replace(
+                cfg, dkdv_stages=max(cfg.dkdv_stages - 1, 1), dq_stages=max(cfg.dq_stages - 1, 1)
+            )
+        elif cfg.dkdv_block_n > 32 or cfg.dq_block_m > 32:
+            cfg = replace(
+                cfg,
+                dkdv_block_n=max(cfg.dkdv_block_n // 2, 32),
+                dq_block_m=max(cfg.dq_block_m // 2, 32),
+            )
+        else:
+            break
+    return cfg

@@ -1,0 +1,287 @@
+"""Triton forward attention over a :class:`MaskPlan` (FlashAttention-2 style).
+
+One program computes one BLOCK_M-row q-tile of one (batch row, query head). Programs are laid
+out as a grid (B * Hq, Tq): axis 0 walks heads (GQA heads that share K/V run side by side),
+axis 1 is the rank of the q-tile in ``q_order`` (heaviest first, so long programs start early).
+The program walks its q-tile's kv-tile list, FULL tiles first in an unmasked loop, then the
+PARTIAL tiles in a masked loop (intervals or bitmask, see ``common.py``); online softmax in
+fp32 in base 2; it writes O and the natural-log LSE. Rows that see no key get O = 0 and
+LSE = -inf.
+
+Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D head_dim,
+M = number of masks in the plan, Tq / Tk = number of q- / kv-tiles.
+
+Source: Dao, "FlashAttention-2" (2023); structure of Triton's fused-attention tutorial.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import partial_tile_mask
+from .configs import FwdConfig, check_head_dim, padded_head_dim
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K_tile,
+    V_tile,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    TileList,
+    Kind,
+    Jlo,
+    Jhi,
+    BitsIndex,
+    Bits,
+    stride_bits_p,
+    stride_bits_r,
+    RowLo,
+    RowHi,
+    row_base,
+    offs_m,
+    Nq,
+    Nk,
+    n_slots,
+    list_start,
+    list_end,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
+
+    MASKED=False: the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no bounds
+    checks, no mask. MASKED=True: PARTIAL tiles; loads are bounds-checked and scores masked.
+    """
+    offs_n_local = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    for i in range(list_start, list_end):
+        kt = tl.load(TileList + i)
+        start_n = kt * BLOCK_N
+        offs_n = start_n + offs_n_local
+        k_ptrs = (
+            K_tile
+            + start_n.to(tl.int64) * stride_kn
+            + offs_n_local[None, :] * stride_kn
+            + offs_d[:, None] * stride_kd
+        )
+        v_ptrs = (
+            V_tile
+            + start_n.to(tl.int64) * stride_vn
+            + offs_n_local[:, None] * stride_vn
+            + offs_d[None, :] * stride_vd
+        )
+        if MASKED:
+            n_ok = offs_n < Nk
+            k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            kind = tl.load(Kind + kt)
+            visible = partial_tile_mask(
+                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
+                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen nothing yet keeps m = -inf: subtract 0 instead (p = 0).
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_new
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, Out, Lse,
+    RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_bits_p, stride_bits_r,
+    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    rank = tl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    off_hkv = off_h // gqa_group
+    mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
+
+    qt = tl.load(QOrder + mask_id * Tq + rank)
+    tile_row = mask_id * Tq + qt  # row of the [M, Tq, ...] schedule arrays
+    count = tl.load(QCount + tile_row)
+    full_count = tl.load(QFullCount + tile_row)
+    tile_list = QList + tile_row * Tk
+    kind_row = tile_row * Tk  # offset of kind / jlo / jhi / bits_index rows
+    row_base = mask_id * Nq * n_slots
+
+    start_m = qt * BLOCK_M
+    offs_m_local = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_m_local
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_ok = offs_m < Nq
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = (
+        Q
+        + off_b.to(tl.int64) * stride_qb
+        + off_h.to(tl.int64) * stride_qh
+        + start_m.to(tl.int64) * stride_qm
+        + offs_m_local[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    K_tile = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    V_tile = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # FULL tiles: no mask, no bounds checks.
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
+        0, full_count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION,
+    )  # fmt: skip
+    # PARTIAL tiles: interval or bitmask masking.
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
+        full_count, count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = (
+        Out
+        + off_b.to(tl.int64) * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + start_m.to(tl.int64) * stride_om
+        + offs_m_local[:, None] * stride_om
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    lse_ptrs = Lse + pid_bh.to(tl.int64) * Nq + offs_m
+    tl.store(lse_ptrs, lse, mask=m_ok)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    row_lo: torch.Tensor,
+    row_hi: torch.Tensor,
+    schedule: dict[str, torch.Tensor],
+    *,
+    scale: float,
+    mask_stride_b: int,
+    mask_stride_h: int,
+    cfg: FwdConfig,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel (internal: inputs are assumed validated).
+
+    Args:
+        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; any strides; fp16, bf16 or fp32.
+        row_lo, row_hi: int32 [M, Nq, n_slots] contiguous, the plan's row intervals.
+        schedule: from :func:`forward_schedule` for ``cfg``'s tiling.
+        scale: softmax scale.
+        mask_stride_b, mask_stride_h: mask index m = b * mask_stride_b + h * mask_stride_h.
+        cfg: tile sizes and launch options.
+        out: optional [B, Hq, Nq, D] buffer of q's dtype (written in full).
+        lse: optional float32 [B, Hq, Nq] contiguous buffer (written in full).
+
+    Returns:
+        (out, lse): out [B, Hq, Nq, D] in q's dtype; lse float32 [B, Hq, Nq], natural log.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    check_head_dim(D)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse is None:
+        lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    if not lse.is_contiguous():
+        raise ValueError("lse buffer must be contiguous")
+    n_slots = row_lo.shape[-1]
+    kind = schedule["kind"]
+    Tq, Tk = kind.shape[1], kind.shape[2]
+    if B * Hq * Nq == 0:
+        return out, lse
+    bits = schedule["bits"]
+    grid = (B * Hq, Tq)
+    _attn_fwd[grid](
+        q, k, v, out, lse,
+        row_lo, row_hi, kind, schedule["jlo"], schedule["jhi"], schedule["bits_index"], bits,
+        schedule["q_count"], schedule["q_full_count"], schedule["q_list"], schedule["q_order"],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        bits.stride(0), bits.stride(1),
+        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        scale * _LOG2E,
+        HEAD_DIM=D,
+        HEAD_DIM_PAD=padded_head_dim(D),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        # fp32: three TF32 MMAs per dot (about fp32 accuracy). "ieee" would take Triton's FMA
+        # dot path, which fails to compile this kernel on sm_90 with triton 3.6.
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def default_scale(head_dim: int) -> float:
+    """1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,111 @@
+"""The schedule tensors the Triton kernels read, derived from a plan's :class:`TileSchedule`.
+
+Pure tensor operations with static shapes on the plan's device (no Triton, no host
+synchronisation), so they run anywhere and trace under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...compiler.tiles import FULL
+
+#: Order of the forward schedule tensors (the ``schedule`` argument of the custom op).
+FWD_SCHEDULE_FIELDS = (
+    "kind", "jlo", "jhi", "bits_index", "bits", "q_count", "q_full_count", "q_list", "q_order",
+)  # fmt: skip
+
+
+def split_full_first(
+    kind: torch.Tensor, lists: torch.Tensor, counts: torch.Tensor, *, transposed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder tile lists so that FULL tiles come first (ascending within each group).
+
+    Args:
+        kind: int32 [M, Tq, Tk], the tile kinds.
+        lists: int32 [M, T, L], per tile the touched tiles of the other axis (``q_list``
+            [M, Tq, Tk] or, with ``transposed=True``, ``kv_list`` [M, Tk, Tq]); the first
+            ``counts`` entries are valid.
+        counts: int32 [M, T].
+
+    Returns:
+        (lists, full_counts): int32 [M, T, L] reordered contiguous lists (entries past
+        ``counts`` are 0) and int32 [M, T], how many leading entries are FULL tiles.
+
+    Pure tensor operations with static shapes on the plan's device: no host synchronisation,
+    traceable by ``torch.compile``.
+    """
+    length = lists.shape[-1]
+    valid = torch.arange(length, device=lists.device) < counts[..., None]
+    idx = torch.where(valid, lists, 0).long()
+    if length == 0:
+        return lists.contiguous(), torch.zeros_like(counts)
+    kinds = kind.transpose(1, 2) if transposed else kind
+    tile_kind = kinds.gather(-1, idx)
+    is_full = valid & (tile_kind == FULL)
+    key = torch.where(is_full, 0, torch.where(valid, 1, 2))
+    order = torch.sort(key, dim=-1, stable=True).indices
+    reordered = torch.where(valid, lists, 0).gather(-1, order)
+    return reordered.to(torch.int32).contiguous(), is_full.sum(-1).to(torch.int32)
+
+
+def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
+    """The forward kernel's schedule for ``plan`` tiled ``block_m x block_n``.
+
+    Returns:
+        int32 tensors on the plan's device, keyed by :data:`FWD_SCHEDULE_FIELDS`: the tile
+        schedule's ``kind, jlo, jhi, bits_index, q_count, q_order``; ``bits`` (a 1x1x1 dummy
+        when the tiling has no bitmask tiles); ``q_list`` reordered FULL tiles first and
+        ``q_full_count`` (see :func:`split_full_first`).
+    """
+    sched = plan.tiles(block_m, block_n)
+    q_list, q_full_count = split_full_first(sched.kind, sched.q_list, sched.q_count)
+    bits = sched.bits
+    if bits.shape[0] == 0 or bits.shape[-1] == 0:
+        bits = torch.zeros((1, 1, 1), dtype=torch.int32, device=sched.kind.device)
+    return {
+        "kind": sched.kind,
+        "jlo": sched.jlo,
+        "jhi": sched.jhi,
+        "bits_index": sched.bits_index,
+        "bits": bits,
+        "q_count": sched.q_count,
+        "q_full_count": q_full_count,
+        "q_list": q_list,
+        "q_order": sched.q_order,
+    }
+
+
+#: Order of the dK/dV schedule tensors (the first half of the backward's ``bwd_schedule``; the
+#: dQ kernel's half is a :func:`forward_schedule` at the dQ tiling, :data:`FWD_SCHEDULE_FIELDS`).
+DKDV_SCHEDULE_FIELDS = (
+    "kind", "jlo", "jhi", "bits_index", "bits", "kv_count", "kv_full_count", "kv_list", "kv_order",
+)  # fmt: skip
+
+
+def dkdv_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
+    """The dK/dV kernel's schedule for ``plan`` tiled ``block_m x block_n``.
+
+    Returns:
+        int32 tensors keyed by :data:`DKDV_SCHEDULE_FIELDS`: the tile schedule's ``kind, jlo,
+        jhi, bits_index, kv_count, kv_order``; ``bits`` (a 1x1x1 dummy without bitmask tiles);
+        ``kv_list`` (q-tiles per kv-tile) reordered FULL tiles first and ``kv_full_count``.
+    """
+    sched = plan.tiles(block_m, block_n)
+    kv_list, kv_full_count = split_full_first(
+        sched.kind, sched.kv_list, sched.kv_count, transposed=True
+    )
+    bits = sched.bits
+    if bits.shape[0] == 0 or bits.shape[-1] == 0:
+        bits = torch.zeros((1, 1, 1), dtype=torch.int32, device=sched.kind.device)
+    return {
+        "kind": sched.kind,
+        "jlo": sched.jlo,
+        "jhi": sched.jhi,
+        "bits_index": sched.bits_index,
+        "bits": bits,
+        "kv_count": sched.kv_count,
+        "kv_full_count": kv_full_count,
+        "kv_list": kv_list,
+        "kv_order": sched.kv_order,
+    }

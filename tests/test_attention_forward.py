@@ -1,0 +1,393 @@
+"""Forward attention over compiled plans: Triton kernel (interpreter on the CPU) vs reference.
+
+On a machine without CUDA the module sets TRITON_INTERPRET=1 before Triton is imported, so the
+kernels run in Triton's interpreter on CPU tensors (fp16 and fp32: the interpreter computes bf16
+dots wrongly). With CUDA the same tests run compiled on the GPU, bf16 included. Correctness is
+the DESIGN.md section 3 measure (``compilemask.testing.check_close``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
+
+import compilemask as cm  # noqa: E402
+from compilemask.errors import CompileMaskError, InputError  # noqa: E402
+from compilemask.kernels import reference as reference_mod  # noqa: E402
+from compilemask.kernels.reference import reference_attention  # noqa: E402
+from compilemask.kernels.triton.configs import (  # noqa: E402
+    FwdConfig,
+    forward_config,
+    override_forward_config,
+)
+from compilemask.kernels.triton.schedule import forward_schedule, split_full_first  # noqa: E402
+from compilemask.testing import check_attention, check_close, relative_error  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+HEAD_DIMS = [32, 64, 96, 128, 256]
+# Small tiles so that small lengths give many tiles (and bitmask tiles need BLOCK_N % 32 == 0).
+TILES = [(16, 32), (32, 16)]
+
+MASKS = {
+    "causal": lambda: cm.masks.causal(),
+    "window_prefix": lambda: cm.masks.sliding_window(20) | cm.masks.prefix_lm(5),
+    "document": lambda: cm.masks.document([30, 17, 43, 60]),
+    "dilated_bits": lambda: cm.masks.dilated(40, 3),  # many intervals per tile: bitmask tiles
+    "shared_prompt": lambda: cm.masks.shared_prompt(24, [40, 40, 46]),
+    "chunked": lambda: cm.masks.chunked(24),
+}
+
+
+def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype=dtype, device=DEVICE)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
+    return q, k, v
+
+
+def _run_triton(q, k, v, plan, tiles, **kwargs):
+    cfg = FwdConfig(tiles[0], tiles[1], num_warps=4, num_stages=1)
+    with override_forward_config(cfg):
+        return cm.attention(q, k, v, plan, backend="triton", **kwargs)
+
+
+def _assert_matches(out, q, k, v, plan, scale=None):
+    ok, err, bound = check_attention(out, q, k, v, plan, scale)
+    assert ok, f"err {err:.3g} > bound {bound:.3g}"
+
+
+def _assert_lse(lse, q, k, v, plan, scale=None):
+    _, ref_lse = reference_attention(q, k, v, plan, scale, compute_dtype=torch.float64)
+    assert lse.dtype == torch.float32
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), empty)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=2e-3, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- kernel vs reference
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_masks(mask_name, dtype, tiles):
+    Nq, Nk = 150, 150
+    plan = cm.compile(MASKS[mask_name](), Nq, Nk, device=DEVICE)
+    q, k, v = _inputs(1, 2, 1, Nq, Nk, 32, dtype)
+    out, lse = _run_triton(q, k, v, plan, tiles, return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    _assert_matches(out, q, k, v, plan)
+    _assert_lse(lse, q, k, v, plan)
+
+
+def test_bitmask_tiles_are_exercised():
+    plan = cm.compile(MASKS["dilated_bits"](), 150, device=DEVICE)
+    kinds = plan.tiles(16, 32).kind
+    if DEVICE == "cpu":
+        assert bool((kinds == 3).any()), "expected PARTIAL_BITS tiles"
+    assert bool((kinds == 2).any() | (kinds == 3).any())
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_head_dims(head_dim):
+    Nq, Nk = 40, 56
+    plan = cm.compile(cm.masks.sliding_window(17), Nq, Nk, device=DEVICE)
+    q, k, v = _inputs(1, 2, 2, Nq, Nk, head_dim, torch.float16, seed=head_dim)
+    out = _run_triton(q, k, v, plan, (16, 16))
+    _assert_matches(out, q, k, v, plan)
+
+
+@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("lengths", [(70, 130), (130, 70)], ids=["q<kv", "q>kv"])
+def test_gqa_and_unequal_lengths(hkv, lengths):
+    Nq, Nk = lengths
+    plan = cm.compile(cm.masks.prefix_lm(9) | cm.masks.sliding_window(33), Nq, Nk, device=DEVICE)
+    q, k, v = _inputs(2, 4, hkv, Nq, Nk, 64, torch.float16, seed=hkv)
+    out = _run_triton(q, k, v, plan, (16, 32), scale=0.3)
+    _assert_matches(out, q, k, v, plan, scale=0.3)
+
+
+def test_per_batch_plan():
+    mask = cm.masks.per_batch([cm.masks.causal(), cm.masks.sliding_window(9), cm.masks.chunked(16)])
+    plan = cm.compile(mask, 60, 60, batch=3, device=DEVICE)
+    q, k, v = _inputs(3, 2, 1, 60, 60, 32, torch.float16)
+    out = _run_triton(q, k, v, plan, (16, 16))
+    _assert_matches(out, q, k, v, plan)
+    with pytest.raises(InputError, match="batch=3"):
+        cm.attention(q[:2], k[:2], v[:2], plan)
+
+
+def test_per_head_plan():
+    masks = [
+        cm.masks.causal(),
+        cm.masks.sliding_window(5),
+        cm.masks.document([20, 40]),
+        cm.masks.dilated(12, 2),
+    ]
+    plan = cm.compile(cm.masks.per_head(masks), 60, 60, heads=4, device=DEVICE)
+    q, k, v = _inputs(2, 4, 2, 60, 60, 32, torch.float32)
+    out = _run_triton(q, k, v, plan, (16, 32))
+    _assert_matches(out, q, k, v, plan)
+    with pytest.raises(InputError, match="heads=4"):
+        cm.attention(q[:, :2], k[:, :1], v[:, :1], plan)
+
+
+def _dense_with_empty_rows(Nq, Nk, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.rand(Nq, Nk, generator=g) < 0.3
+    dense[::7] = False  # rows that see nothing
+    dense[20:40] = False  # a whole q-tile that sees nothing
+    return dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_random_dense_mask_with_empty_rows(dtype):
+    dense = _dense_with_empty_rows(77, 99)
+    plan = cm.from_dense(dense.to(DEVICE), block_m=16, block_n=32)
+    q, k, v = _inputs(1, 2, 2, 77, 99, 64, dtype)
+    out, lse = _run_triton(q, k, v, plan, (16, 32), return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = ~dense.any(-1).to(DEVICE)
+    assert bool((out[:, :, empty] == 0).all())
+    assert bool((lse[:, :, empty] == -math.inf).all())
+    _assert_matches(out, q, k, v, plan)
+    _assert_lse(lse, q, k, v, plan)
+
+
+def test_mask_that_sees_nothing():
+    plan = cm.from_dense(torch.zeros(33, 45, dtype=torch.bool, device=DEVICE))
+    q, k, v = _inputs(1, 1, 1, 33, 45, 32, torch.float16)
+    for backend in ("triton", "reference"):
+        out, lse = cm.attention(q, k, v, plan, return_lse=True, backend=backend)
+        assert bool((out == 0).all()) and bool((lse == -math.inf).all())
+
+
+def test_poisoned_buffers_are_fully_written():
+    from compilemask.kernels.triton.forward import attention_forward
+
+    Nq, Nk, D = 70, 90, 96  # D padded to 128 inside the kernel
+    plan = cm.compile(cm.masks.chunked(24) | cm.masks.prefix_lm(3), Nq, Nk, device=DEVICE)
+    q, k, v = _inputs(2, 2, 1, Nq, Nk, D, torch.float16)
+    cfg = FwdConfig(32, 32, num_warps=4, num_stages=1)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 2, Nq), float("nan"), device=DEVICE)
+    attention_forward(
+        q, k, v, plan.row_lo, plan.row_hi, forward_schedule(plan, 32, 32), scale=D**-0.5,
+        mask_stride_b=0, mask_stride_h=0, cfg=cfg, out=out, lse=lse,
+    )  # fmt: skip
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    _assert_matches(out, q, k, v, plan)
+
+
+def test_strided_inputs():
+    Nq = 50
+    plan = cm.compile(cm.masks.causal(), Nq, device=DEVICE)
+    base = torch.randn(1, Nq, 3, 2, 64, device=DEVICE, dtype=torch.float16)  # BSHD, packed qkv
+    q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))
+    out = _run_triton(q, k, v, plan, (16, 16))
+    _assert_matches(out, q.contiguous(), k.contiguous(), v.contiguous(), plan)
+
+
+def test_auto_backend_uses_triton_here():
+    plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
+    q, k, v = _inputs(1, 2, 2, 40, 40, 32, torch.float16)
+    out_auto = cm.attention(q, k, v, plan)
+    out_triton = cm.attention(q, k, v, plan, backend="triton")
+    assert torch.equal(out_auto, out_triton)
+
+
+# ---------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_reference_matches_dense_softmax(monkeypatch, hkv):
+    monkeypatch.setattr(reference_mod, "_CHUNK_ELEMENTS", 4 * 4 * 50)  # force many chunks
+    dense = _dense_with_empty_rows(45, 50, seed=3)
+    plan = cm.from_dense(dense)
+    q, k, v = (t.double().cpu() for t in _inputs(2, 4, hkv, 45, 50, 32, torch.float32))
+    out, lse = reference_attention(q, k, v, plan, 0.2, compute_dtype=torch.float64)
+    kk, vv = (t.repeat_interleave(4 // hkv, dim=1) for t in (k, v))
+    s = (q @ kk.transpose(-1, -2) * 0.2).masked_fill(~dense, -math.inf)
+    want_lse = torch.logsumexp(s, -1)
+    want = torch.nan_to_num(torch.softmax(s, -1), nan=0.0) @ vv
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+
+
+def test_reference_is_differentiable():
+    plan = cm.compile(cm.masks.sliding_window(3) | cm.masks.prefix_lm(1), 6, 7)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True)
+        for n in (6, 7, 7)
+    )
+    assert torch.autograd.gradcheck(lambda *t: reference_attention(*t, plan)[0], (q, k, v))
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+def test_torch_compile_fullgraph_reference():
+    plan = cm.compile(cm.masks.document([10, 30]), 40, device=DEVICE)
+    q, k, v = _inputs(1, 2, 1, 40, 40, 32, torch.float32)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(q, k, v):
+        return cm.attention(q, k, v, plan, backend="reference", return_lse=True)
+
+    out, lse = f(q, k, v)
+    ref, ref_lse = cm.attention(q, k, v, plan, backend="reference", return_lse=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_torch_compile_fullgraph_triton_op():
+    plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
+    q, k, v = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
+    with override_forward_config(FwdConfig(16, 16, 4, 1)):
+        plan.tiles(16, 16)  # schedules are built eagerly, outside the graph
+
+        @torch.compile(fullgraph=True, backend="aot_eager")
+        def f(q, k, v):
+            return cm.attention(q, k, v, plan, backend="triton") * 2
+
+        out = f(q, k, v)
+        ref = cm.attention(q, k, v, plan, backend="triton") * 2
+    assert torch.equal(out, ref)
+
+
+def test_custom_op_fake_impl():
+    from compilemask.api.functional import attention_fwd
+
+    plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
+    q, k, v = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
+    cfg = forward_config(32, q.dtype)
+    sched = list(forward_schedule(plan, cfg.block_m, cfg.block_n).values())
+    args = (
+        q,
+        k,
+        v,
+        plan.row_lo,
+        plan.row_hi,
+        sched,
+        [],
+        0.1,
+        0,
+        0,
+        [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages],
+        [],
+    )
+    torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.fixture
+def small():
+    plan = cm.compile(cm.masks.causal(), 40, 48, device=DEVICE)
+    q, k, v = _inputs(1, 4, 2, 40, 48, 64, torch.float16)
+    return q, k, v, plan
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda q, k, v, p: (q[0], k, v, p), "q must have 4 dims"),
+        (lambda q, k, v, p: (q, k, v[:, :, :10], p), "k and v must have the same shape"),
+        (lambda q, k, v, p: (q, k[:, :1], v[:, :1], p), None),  # MQA: valid
+        (lambda q, k, v, p: (q[:, :3], k, v, p), "multiple of key/value heads"),
+        (lambda q, k, v, p: (q, k.float(), v.float(), p), "same dtype"),
+        (lambda q, k, v, p: (q[..., :48], k[..., :48], v[..., :48], p), "head_dim=48"),
+        (lambda q, k, v, p: (q[:, :, :30], k, v, p), "q_len=40, kv_len=48"),
+        (lambda q, k, v, p: (q, k[:, :, :40], v[:, :, :40], p), "kv_len=48"),
+        (lambda q, k, v, p: (q, k, v, "causal"), "compilemask.MaskPlan"),
+        (lambda q, k, v, p: (q.to(torch.int32), k.to(torch.int32), v.to(torch.int32), p), "int32"),
+    ],
+)
+def test_input_errors(small, change, match):
+    args = change(*small)
+    if match is None:
+        cm.attention(*args, backend="reference")
+        return
+    with pytest.raises(InputError, match=match):
+        cm.attention(*args)
+
+
+def test_head_dim_error_is_a_compilemask_error(small):
+    q, k, v, plan = small
+    with pytest.raises(CompileMaskError, match="head_dim"):
+        cm.attention(q[..., :40], k[..., :40], v[..., :40], plan)
+
+
+def test_option_errors(small):
+    q, k, v, plan = small
+    with pytest.raises(InputError, match="backend"):
+        cm.attention(q, k, v, plan, backend="cuda")
+    with pytest.raises(InputError, match="scale"):
+        cm.attention(q, k, v, plan, scale=float("nan"))
+    with pytest.raises(InputError, match="same device"):
+        cm.attention(q, k.to("meta"), v.to("meta"), plan)
+
+
+def test_plan_on_other_device_names_plan_to(small):
+    q, k, v, plan = small
+    with pytest.raises(InputError, match=r"plan\.to\(q\.device\)"):
+        cm.attention(q.to("meta"), k.to("meta"), v.to("meta"), plan)
+
+
+def test_triton_backend_unavailable_without_interpreter(small, monkeypatch):
+    if DEVICE == "cuda":
+        pytest.skip("on CUDA the Triton backend is always available")
+    q, k, v, plan = small
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InputError, match="TRITON_INTERPRET=1"):
+        cm.attention(q, k, v, plan, backend="triton")
+    assert cm.attention(q, k, v, plan).shape == q.shape  # auto falls back to the reference
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def test_check_close_rule():
+    ref = torch.randn(2, 3, 8, 4, dtype=torch.float64)
+    ref[1, 2] = 0  # a head whose rows see nothing
+    noisy = ref + 1e-3 * torch.randn_like(ref) * (ref != 0)
+    ok, err, bound = check_close(noisy.half(), ref, noisy, torch.float16)
+    assert ok and err <= bound
+    bad = noisy.clone()
+    bad[1, 2, 0, 0] = 1e-3  # non-zero where the reference is all zeros
+    assert relative_error(bad, ref) == math.inf
+    assert not check_close(bad, ref, noisy, torch.float16)[0]
+    nan = noisy.clone()
+    nan[0, 0, 0, 0] = math.nan
+    assert not check_close(nan, ref, noisy, torch.float32)[0]
+    assert check_close(ref, ref, ref, torch.float32) == (True, 0.0, 1e-5)
+
+
+def test_split_full_first():
+    kind = torch.tensor([[[1, 2, 0, 1, 3]]], dtype=torch.int32)  # [M=1, Tq=1, Tk=5]
+    q_list = torch.tensor([[[0, 1, 3, 4, -1]]], dtype=torch.int32)
+    q_count = torch.tensor([[4]], dtype=torch.int32)
+    lists, full = split_full_first(kind, q_list, q_count)
+    assert lists.tolist() == [[[0, 3, 1, 4, 0]]]
+    assert full.tolist() == [[2]]
+
+
+def test_forward_config_table():
+    for d in HEAD_DIMS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            cfg = forward_config(d, dtype)
+            assert cfg.block_m >= 16 and cfg.block_n >= 16
+    with pytest.raises(CompileMaskError, match="head_dim=80"):
+        forward_config(80, torch.float16)
