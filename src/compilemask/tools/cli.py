@@ -319,17 +319,21 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
         )
         if not no_pictures:
             plot_mask(plan, Path(out_dir) / f"{name}-{size}.png", title=mask_text(w.mask))
-    click.echo(f"seed workloads at nominal size {size} (tiles {block_m}x{block_n}, CPU):")
+    import torch
+
+    where = "CUDA" if torch.cuda.is_available() else "CPU"
+    click.echo(f"seed workloads at nominal size {size} (tiles {block_m}x{block_n}, plans on the CPU, attention on {where}):")
     print_table(rows)
     if not no_pictures:
         click.echo(f"pictures in {out_dir}/")
     if not no_attention:
-        results = run_attention_checks(plans)
-        if results:
-            click.echo("attention (reference backend) vs dense softmax on the same mask:")
-            print_table(results)
-            if any(r["status"] == "FAIL" for r in results):
-                sys.exit(1)
+        from .demo import attention_rows
+
+        title, results = attention_rows(size, progress.progress)
+        click.echo(title)
+        print_table(results)
+        if any(str(r.get("check", "")).startswith("FAIL") for r in results):
+            sys.exit(1)
 
 
 @cli.command()
@@ -350,56 +354,6 @@ def bench():
 
 # ------------------------------------------------------------------- attention (lead: fill in)
 
-ATTENTION_CHECK_MAX_TOK = 4096
-ATTENTION_CHECK_HEADS = 2
-ATTENTION_CHECK_HEAD_DIM = 64
-
-
-def run_attention_checks(plans) -> list[dict]:
-    """Run attention on each (workload, plan) of the demo and check it against the reference.
-
-    TODO(lead): this is the hook for the attention steps of the demo. For now it calls
-    ``compilemask.api.functional.attention(..., backend="reference")`` on small fp32 inputs
-    (B = 1, 2 heads, head_dim 64) and compares with softmax attention under the plan's dense mask
-    (float64); it returns no rows (the demo prints nothing) while the api module is missing.
-
-    Returns:
-        One dict per workload: ``workload, N, status ("ok" / "FAIL" / "skipped: why"), rel_err``.
-    """
-    try:
-        from ..api.functional import attention
-    except ImportError:
-        return []
-    import torch
-
-    results = []
-    g = torch.Generator().manual_seed(0)
-    for w, plan in plans:
-        row = {"workload": w.name, "N": w.N, "status": "", "rel_err": float("nan")}
-        results.append(row)
-        if w.N > ATTENTION_CHECK_MAX_TOK:
-            row["status"] = f"skipped: N > {ATTENTION_CHECK_MAX_TOK} on the CPU"
-            continue
-        shape = (1, ATTENTION_CHECK_HEADS, w.N, ATTENTION_CHECK_HEAD_DIM)
-        q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
-        try:
-            out = attention(q, k, v, plan, backend="reference")
-        except CompileMaskError as err:
-            row["status"] = f"skipped: {err}"
-            continue
-        ref = _dense_attention(q.double(), k.double(), v.double(), plan.to_dense())
-        err = float((out.double() - ref).norm() / ref.norm())
-        row["rel_err"] = err
-        row["status"] = "ok" if err <= 1e-5 else "FAIL"
-    return results
-
-
-def _dense_attention(q, k, v, visible):
-    """softmax(q k^T / sqrt(D)) v over visible keys; rows that see no key give 0."""
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(~visible, float("-inf"))
-    p = scores.softmax(-1).nan_to_num(0.0)
-    return p @ v
 
 
 def _short(text: str, n: int = 70) -> str:
