@@ -10,6 +10,7 @@ available here and check it against the reference by the measure of DESIGN.md se
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -139,9 +140,7 @@ def _interpreter_row() -> dict:
     """The Triton kernel under the interpreter, in a subprocess (TRITON_INTERPRET must be set
     before Triton is imported)."""
     base = {"workload": "shared_prompt (small)", "backend": "triton (interpreter)"}
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         return {**base, "check": "skipped: triton is not installed"}
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
