@@ -122,25 +122,26 @@ def bwd_case(out, name, plan, B, Hq, Hkv, D, dtype_name, N0=None):
     return passed
 
 
-def correctness(out, dtypes, bwd):
+def correctness(out, dtypes, bwd, big):
+    """Small and 1K cases always; the 32K seeds (2 heads, float64 check) with ``big``."""
     results = []
     for dt in dtypes:
         for name in SEED_WORKLOADS:
-            for N0, H in ((1024, 16), (32768, 2)):
+            for N0, H in ((32768, 2),) if big else ((1024, 16),):
                 w = workload(name, N0)
                 plan = cm.compile(w.mask, w.N, device="cuda")
                 results.append(fwd_case(out, name, plan, w.B, H, H, 128, dt, N0))
                 if bwd and dt == "bf16":
-                    results.append(bwd_case(out, name, plan, w.B, H, H, 128, dt, N0))
-                    if N0 == 1024:
-                        results.append(bwd_case(out, name, plan, w.B, H, H, 64, dt, N0))
+                    for D in (128, 64):
+                        results.append(bwd_case(out, name, plan, w.B, H, H, D, dt, N0))
+        if big:
+            continue
         plan = cm.compile(masks.causal(), 4096, device="cuda")
         for D in (32, 64, 96, 128, 256):
             results.append(fwd_case(out, "causal", plan, 2, 4, 4, D, dt, 4096))
-        gplan = cm.compile(masks.causal(), 4096, device="cuda")
-        results.append(fwd_case(out, "causal-gqa16/4", gplan, 1, 16, 4, 128, dt, 4096))
+        results.append(fwd_case(out, "causal-gqa16/4", plan, 1, 16, 4, 128, dt, 4096))
         if bwd and dt == "bf16":
-            results.append(bwd_case(out, "causal-gqa16/4", gplan, 1, 16, 4, 128, dt, 4096))
+            results.append(bwd_case(out, "causal-gqa16/4", plan, 1, 16, 4, 128, dt, 4096))
         small = [
             ("sliding_window-q1300-kv700", cm.compile(masks.sliding_window(256), 1300, 700, device="cuda"), 2, 4, 2),
             ("prefix_lm-q700-kv1300", cm.compile(masks.prefix_lm(900), 700, 1300, device="cuda"), 2, 4, 4),
@@ -152,6 +153,43 @@ def correctness(out, dtypes, bwd):
             if bwd and dt == "bf16":
                 results.append(bwd_case(out, nm, plan, B, Hq, Hkv, 128, dt))
     return results
+
+
+def plan_build(out, N0=32768):
+    """GPU plan building vs create_block_mask (median of 20 warm synchronised runs), and a
+    check that our GPU build does not synchronise."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def med(fn):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return sorted(ts)[10]
+
+    for name in SEED_WORKLOADS:
+        w = workload(name, N0)
+        mm = flex_mask_mod(w.mask, "cuda")
+        ours = med(lambda: cm.compile(w.mask, w.N, device="cuda", cache=False))
+        flex = med(lambda: create_block_mask(mm, None, None, w.N, w.N, device="cuda"))
+        try:
+            torch.cuda.set_sync_debug_mode("error")
+            cm.compile(w.mask, w.N, device="cuda", cache=False)
+            sync_free = True
+        except RuntimeError as e:
+            sync_free = str(e)[:120]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for sys_name, ms in (("compilemask-cuda", ours), ("flex-create_block_mask", flex)):
+            record(out, workload=name, N0=N0, N=w.N, B=w.B, Hq=None, Hkv=None, D=None,
+                   dtype=None, mode="plan", system=sys_name, ms=ms, tflops=None, rel_err=None,
+                   sync_free=sync_free if sys_name.startswith("compilemask") else None,
+                   kind="plan")
 
 
 def speed(out, sizes, bwd, heads=16):
@@ -210,14 +248,17 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--sizes", default="32768")
     ap.add_argument("--bwd", action="store_true")
+    ap.add_argument("--big", action="store_true", help="correctness of the 32K seeds only")
     a = ap.parse_args()
     t0 = time.time()
     with open(a.out, "a") as out:
         ok = True
         if "correctness" in a.parts:
-            res = correctness(out, a.dtypes.split(","), a.bwd)
+            res = correctness(out, a.dtypes.split(","), a.bwd, a.big)
             ok = all(res)
             print(f"correctness: {sum(res)}/{len(res)} passed", flush=True)
+        if "plan" in a.parts:
+            plan_build(out)
         if "speed" in a.parts:
             speed(out, [int(s) for s in a.sizes.split(",")], a.bwd)
     print(f"total {time.time() - t0:.0f}s")

@@ -1,4 +1,4 @@
-"""The import flow of STYLE.md: language -> compiler -> kernels -> api -> tools.
+"""The import flow of STYLE.md: language -> compiler -> kernels -> api -> tools / integrations.
 
 Every module of the package is parsed (not imported) and each of its imports, module-level or
 inside a function, must come from its own layer or a lower one. Triton is imported only under
@@ -32,6 +32,7 @@ LAYERS = {
     "api": 4,
     "testing": 4,  # error bounds for kernel tests (uses kernels.reference and the api)
     "tools": 5,
+    "integrations": 5,  # adapters to other libraries (transformers), imported lazily
     "__init__": 5,  # the package itself re-exports everything
     "__main__": 5,
 }

@@ -20,6 +20,7 @@ from ..kernels.reference import reference_attention
 from ..kernels.triton.configs import FwdConfig, forward_config
 from ..kernels.triton.schedule import FWD_SCHEDULE_FIELDS, forward_schedule
 from . import validate
+from .autograd import backward, backward_inputs, setup_context
 
 
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=())
@@ -44,8 +45,9 @@ def attention_fwd(
         row_lo, row_hi: the plan's int32 [M, Nq, K] row intervals.
         schedule: the forward schedule tensors, in the order of :data:`FWD_SCHEDULE_FIELDS`
             (from ``kernels.triton.forward.forward_schedule``).
-        bwd_schedule, bwd_config: tensors and ints reserved for the backward (the tilings it
-            runs at); not read by the forward; empty lists until a backward is registered.
+        bwd_schedule, bwd_config: the backward's schedule tensors and tilings (see
+            ``api/autograd.py``); not read by the forward; empty lists when no input requires
+            grad (then backward raises).
         scale: softmax scale.
         mask_stride_b, mask_stride_h: mask index ``m = b * mask_stride_b + h * mask_stride_h``.
         config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages]``.
@@ -70,6 +72,10 @@ def _attention_fwd_fake(
     return out, lse
 
 
+# Gradients to q, k, v through out and lse: the custom op compilemask::attention_bwd.
+attention_fwd.register_autograd(backward, setup_context=setup_context)
+
+
 # Forward schedules (FULL tiles first) per TileSchedule object, kept while it lives. Eager only:
 # under torch.compile the few tensor ops that build them are traced into the graph.
 _FWD_SCHEDULES: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
@@ -87,11 +93,6 @@ def _forward_schedule(plan: MaskPlan, cfg: FwdConfig) -> list[torch.Tensor]:
     ref = weakref.ref(sched, lambda _, key=key: _FWD_SCHEDULES.pop(key, None))
     _FWD_SCHEDULES[key] = (ref, tensors)
     return tensors
-
-
-def _backward_inputs(plan: MaskPlan, q: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
-    """The backward's schedule tensors and ints (none until a backward is registered)."""
-    return [], []
 
 
 def attention(
@@ -120,6 +121,10 @@ def attention(
         return_lse: also return the log-sum-exp of each row's scaled scores.
         backend: "auto" (Triton on CUDA, or on the CPU when TRITON_INTERPRET=1; else the
             reference), "triton" or "reference".
+
+    Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
+    backward kernels, also under ``torch.compile``; reference: torch autograd with per-chunk
+    recomputation).
 
     Returns:
         out [B, Hq, Nq, D] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32
@@ -151,7 +156,7 @@ def attention(
         heads = plan.heads or 1
         mask_stride_b = heads if plan.batch else 0
         mask_stride_h = 1 if plan.heads else 0
-        bwd_schedule, bwd_config = _backward_inputs(plan, q)
+        bwd_schedule, bwd_config = backward_inputs(plan, q, k, v)
         out, lse = torch.ops.compilemask.attention_fwd(
             q, k, v, plan.row_lo, plan.row_hi, _forward_schedule(plan, cfg), bwd_schedule,
             scale, mask_stride_b, mask_stride_h,

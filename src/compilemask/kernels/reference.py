@@ -63,6 +63,14 @@ def _chunk_attention(
     return out, lse
 
 
+def _masked_chunk_attention(q, k, v, plan, start, end, scale, compute_dtype, matmul_dtype):
+    """:func:`_chunk_attention` of query rows ``[start, end)`` with the mask built inside (so
+    that a checkpoint of it keeps no dense mask alive between forward and backward)."""
+    B, Hkv, G = q.shape[:3]
+    visible = _mask_for_chunk(plan, start, end, B, Hkv * G, Hkv)
+    return _chunk_attention(q, k, v, visible, scale, compute_dtype, matmul_dtype)
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,12 +125,14 @@ def reference_attention(
     outs, lses = [], []
     for start in range(0, Nq, chunk):
         end = min(Nq, start + chunk)
-        visible = _mask_for_chunk(plan, start, end, B, Hq, Hkv)
-        args = (qg[:, :, :, start:end], kg, vg, visible, scale, compute_dtype, matmul_dtype)
-        if use_checkpoint:
-            o, lse = torch.utils.checkpoint.checkpoint(_chunk_attention, *args, use_reentrant=False)
+        q_chunk = qg[:, :, :, start:end]
+        args = (q_chunk, kg, vg, plan, start, end, scale, compute_dtype, matmul_dtype)
+        if use_checkpoint:  # the chunk's mask is rebuilt in the backward, not kept
+            o, lse = torch.utils.checkpoint.checkpoint(
+                _masked_chunk_attention, *args, use_reentrant=False
+            )
         else:
-            o, lse = _chunk_attention(*args)
+            o, lse = _masked_chunk_attention(*args)
         outs.append(o)
         lses.append(lse)
     if Nq == 0:

@@ -540,8 +540,10 @@ def attention_backward(
         dlse = dlse.to(torch.float32).contiguous()
     d_pad = padded_head_dim(D)
     n_slots = row_lo.shape[-1]
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # Triton 3.6 fails to lower tl.trans of fp32 dot operands on sm_90: load both layouts.
+    # fp32: tf32x3 dots (about fp32 accuracy, on tensor cores), as the forward; operands are
+    # loaded in both layouts rather than transposed in registers (32-bit MMA operands must be
+    # K-major, so a register transpose would go through shared memory anyway).
+    dot_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
     load_t = q.dtype == torch.float32
 
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)

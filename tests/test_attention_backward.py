@@ -1,0 +1,389 @@
+"""Backward attention over compiled plans: Triton kernels (interpreter on the CPU) vs reference.
+
+On a machine without CUDA the module sets TRITON_INTERPRET=1 before Triton is imported, so the
+kernels run in Triton's interpreter on CPU tensors (fp16 and fp32: the interpreter computes bf16
+dots wrongly). With CUDA the same tests run compiled on the GPU, bf16 included. dq, dk and dv
+must each pass the DESIGN.md section 3 measure (``compilemask.testing.check_close``) against
+the float64 reference backward; the reference backward itself is checked against torch
+autograd of a dense float64 masked softmax.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
+
+import compilemask as cm  # noqa: E402
+from compilemask.kernels import reference as reference_mod  # noqa: E402
+from compilemask.kernels.reference import (  # noqa: E402
+    reference_attention,
+    reference_attention_backward,
+)
+from compilemask.kernels.triton.backward import attention_backward  # noqa: E402
+from compilemask.kernels.triton.configs import (  # noqa: E402
+    SUPPORTED_HEAD_DIMS,
+    BwdConfig,
+    FwdConfig,
+    backward_config,
+    override_backward_config,
+    override_forward_config,
+)
+from compilemask.kernels.triton.forward import attention_forward  # noqa: E402
+from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule  # noqa: E402
+from compilemask.testing import check_close  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# Small tiles so that small lengths give many tiles; dK/dV and dQ use different tilings
+# (BLOCK_N % 32 == 0: bitmask tiles, and bits-only plans, need it).
+BWD_TILES = {
+    "16x32/32x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1),
+    "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1),
+}
+SMALL = BWD_TILES["16x32/32x32"]
+FWD_CFG = FwdConfig(16, 32, 4, 1)
+
+MASKS = {
+    "causal": lambda: cm.masks.causal(),
+    "window_prefix": lambda: cm.masks.sliding_window(20) | cm.masks.prefix_lm(5),
+    "document": lambda: cm.masks.document([30, 17, 43, 10]),
+    "dilated_bits": lambda: cm.masks.dilated(40, 3),  # many intervals per tile: bitmask tiles
+    "shared_prompt": lambda: cm.masks.shared_prompt(22, [26, 26, 26]),
+}
+
+
+def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype=dtype, device=DEVICE)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
+    do = torch.randn(B, Hq, Nq, D, generator=g).to(dtype=dtype, device=DEVICE)
+    return q, k, v, do
+
+
+def _mask_strides(plan):
+    heads = plan.heads or 1
+    return (heads if plan.batch else 0), (1 if plan.heads else 0)
+
+
+def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None):
+    """Forward and backward kernels launched directly, into NaN-poisoned output buffers."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    msb, msh = _mask_strides(plan)
+    out, lse = attention_forward(
+        q, k, v, plan.row_lo, plan.row_hi, forward_schedule(plan, FWD_CFG.block_m, FWD_CFG.block_n),
+        scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=FWD_CFG,
+    )  # fmt: skip
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    attention_backward(
+        q, k, v, out, lse, do, plan.row_lo, plan.row_hi,
+        dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n),
+        forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n),
+        scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=cfg, dlse=dlse,
+        dq=dq, dk=dk, dv=dv,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _assert_grads(grads, q, k, v, do, plan, *, scale=None, dlse=None):
+    ref64 = reference_attention_backward(
+        q, k, v, plan, do, scale, dlse=dlse, compute_dtype=torch.float64
+    )
+    ref_dt = reference_attention_backward(
+        q, k, v, plan, do, scale, dlse=dlse, compute_dtype=torch.float32, matmul_dtype=q.dtype
+    )
+    for name, x, r64, rdt in zip(("dq", "dk", "dv"), grads, ref64, ref_dt):
+        assert x.dtype == q.dtype and x.shape == r64.shape, name
+        assert not torch.isnan(x).any(), f"{name} has NaN (unwritten or NaN-producing)"
+        ok, err, bound = check_close(x, r64, rdt, q.dtype)
+        assert ok, f"{name}: err {err:.3g} > bound {bound:.3g}"
+
+
+# ---------------------------------------------------------------- kernels vs reference
+
+
+@pytest.mark.parametrize("tiles", list(BWD_TILES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_masks(mask_name, dtype, tiles):
+    Nq, Nk = 100, 100
+    plan = cm.compile(MASKS[mask_name](), Nq, Nk, device=DEVICE)
+    q, k, v, do = _inputs(1, 2, 1, Nq, Nk, 32, dtype)
+    grads = _triton_grads(q, k, v, do, plan, BWD_TILES[tiles])
+    _assert_grads(grads, q, k, v, do, plan)
+
+
+def test_bitmask_tiles_are_exercised():
+    plan = cm.compile(MASKS["dilated_bits"](), 100, device=DEVICE)
+    for bm, bn in ((SMALL.dkdv_block_m, SMALL.dkdv_block_n), (16, 32)):
+        kinds = plan.tiles(bm, bn).kind
+        if DEVICE == "cpu":
+            assert bool((kinds == 3).any()), "expected PARTIAL_BITS tiles"
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_head_dims(head_dim):
+    Nq, Nk = (40, 56) if head_dim <= 128 else (24, 40)
+    plan = cm.compile(cm.masks.sliding_window(17), Nq, Nk, device=DEVICE)
+    q, k, v, do = _inputs(1, 2, 1, Nq, Nk, head_dim, torch.float16, seed=head_dim)
+    _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
+
+
+@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("lengths", [(50, 90), (90, 50)], ids=["q<kv", "q>kv"])
+def test_gqa_and_unequal_lengths(hkv, lengths):
+    Nq, Nk = lengths
+    plan = cm.compile(cm.masks.prefix_lm(9) | cm.masks.sliding_window(33), Nq, Nk, device=DEVICE)
+    q, k, v, do = _inputs(2, 4, hkv, Nq, Nk, 64, torch.float16, seed=hkv)
+    grads = _triton_grads(q, k, v, do, plan, scale=0.3)
+    _assert_grads(grads, q, k, v, do, plan, scale=0.3)
+
+
+def test_per_batch_plan():
+    mask = cm.masks.per_batch([cm.masks.causal(), cm.masks.sliding_window(9), cm.masks.chunked(16)])
+    plan = cm.compile(mask, 60, 60, batch=3, device=DEVICE)
+    q, k, v, do = _inputs(3, 2, 1, 60, 60, 32, torch.float16)
+    _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_per_head_plan_within_gqa_groups(dtype):
+    # The heads of one GQA group have different masks: one dK/dV program walks all of them.
+    masks = [
+        cm.masks.causal(),
+        cm.masks.sliding_window(5),
+        cm.masks.document([20, 40]),
+        cm.masks.dilated(12, 2),
+    ]
+    plan = cm.compile(cm.masks.per_head(masks), 60, 60, heads=4, device=DEVICE)
+    q, k, v, do = _inputs(2, 4, 2, 60, 60, 32, dtype)
+    _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
+
+
+def _dense_with_empty_rows_and_cols(Nq, Nk, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.rand(Nq, Nk, generator=g) < 0.3
+    dense[::7] = False  # rows that see nothing
+    dense[20:40] = False  # a whole q-tile that sees nothing
+    dense[:, ::5] = False  # keys nobody sees
+    dense[:, 64:96] = False  # a whole kv-tile nobody sees
+    return dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_empty_rows_and_unseen_keys_get_exact_zeros(dtype):
+    dense = _dense_with_empty_rows_and_cols(77, 99)
+    plan = cm.from_dense(dense.to(DEVICE), block_m=16, block_n=32)
+    q, k, v, do = _inputs(1, 2, 2, 77, 99, 64, dtype)
+    dq, dk, dv = _triton_grads(q, k, v, do, plan)
+    empty_rows = ~dense.any(-1).to(DEVICE)
+    unseen_keys = ~dense.any(0).to(DEVICE)
+    assert bool((dq[:, :, empty_rows] == 0).all())
+    assert bool((dk[:, :, unseen_keys] == 0).all()) and bool((dv[:, :, unseen_keys] == 0).all())
+    _assert_grads((dq, dk, dv), q, k, v, do, plan)
+
+
+def test_mask_that_sees_nothing():
+    plan = cm.from_dense(torch.zeros(33, 45, dtype=torch.bool, device=DEVICE))
+    q, k, v, do = _inputs(1, 2, 1, 33, 45, 32, torch.float16)
+    for grad in _triton_grads(q, k, v, do, plan):
+        assert bool((grad == 0).all())
+
+
+def test_lse_gradient():
+    plan = cm.compile(cm.masks.document([30, 17, 43]), 90, 90, device=DEVICE)
+    q, k, v, do = _inputs(1, 2, 1, 90, 90, 32, torch.float32, seed=5)
+    dlse = torch.randn(1, 2, 90, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads = _triton_grads(q, k, v, do, plan, dlse=dlse)
+    _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
+
+
+def test_deterministic():
+    plan = cm.compile(MASKS["window_prefix"](), 80, 80, device=DEVICE)
+    q, k, v, do = _inputs(1, 4, 1, 80, 80, 32, torch.float16, seed=3)
+    first = _triton_grads(q, k, v, do, plan)
+    second = _triton_grads(q, k, v, do, plan)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_strided_inputs_and_grad_output():
+    Nq = 50
+    plan = cm.compile(cm.masks.causal(), Nq, device=DEVICE)
+    base = torch.randn(1, Nq, 3, 2, 64, device=DEVICE, dtype=torch.float16)  # BSHD, packed qkv
+    q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))
+    do = torch.randn(1, Nq, 2, 64, device=DEVICE, dtype=torch.float16).transpose(1, 2)
+    grads = _triton_grads(q, k, v, do, plan)
+    q, k, v, do = (t.contiguous() for t in (q, k, v, do))
+    _assert_grads(grads, q, k, v, do, plan)
+
+
+def test_backward_config_table():
+    for d in SUPPORTED_HEAD_DIMS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            cfg = backward_config(d, dtype)
+            assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
+            assert len(cfg.as_list()) == 8
+
+
+# ---------------------------------------------------------------- reference backward
+
+
+def _dense_autograd(q, k, v, dense, scale, do, dlse):
+    """Gradients of a dense float64 masked softmax by torch autograd (GQA by repetition)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+    s = (q @ kk.transpose(-1, -2) * scale).masked_fill(~dense, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = p @ vv
+    (out * do).sum().add_((torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum()).backward()
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_reference_backward_matches_dense_autograd(monkeypatch, hkv):
+    monkeypatch.setattr(reference_mod, "_CHUNK_ELEMENTS", 4 * 4 * 50)  # force many chunks
+    dense = _dense_with_empty_rows_and_cols(45, 50, seed=3)
+    plan = cm.from_dense(dense)
+    q, k, v, do = (t.double().cpu() for t in _inputs(2, 4, hkv, 45, 50, 32, torch.float32))
+    dlse = torch.randn(2, 4, 45, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = reference_attention_backward(q, k, v, plan, do, 0.2, dlse=dlse)
+    want = _dense_autograd(q, k, v, dense, 0.2, do, dlse)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_reference_forward_autograd_agrees_with_reference_backward(monkeypatch):
+    monkeypatch.setattr(reference_mod, "_CHUNK_ELEMENTS", 2 * 4 * 40)  # force many chunks
+    plan = cm.compile(cm.masks.sliding_window(7) | cm.masks.prefix_lm(3), 40, 40)
+    q, k, v, do = (t.double() for t in _inputs(1, 4, 2, 40, 40, 32, torch.float32))
+    q, k, v = (t.cpu().requires_grad_(True) for t in (q, k, v))
+    out, lse = reference_attention(q, k, v, plan, 0.3)
+    dlse = torch.randn_like(lse)
+    finite = torch.isfinite(lse)
+    (out * do.cpu()).sum().add_((lse[finite] * dlse[finite]).sum()).backward()
+    want = reference_attention_backward(
+        q.detach(), k.detach(), v.detach(), plan, do.cpu(), 0.3, dlse=dlse * finite
+    )
+    for g, w in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(g, w)
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _autograd_grads(q, k, v, do, plan, *, backend="triton", dlse=None, compiled=False):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+
+    def f(q, k, v):
+        return cm.attention(q, k, v, plan, backend=backend, return_lse=True)
+
+    if compiled:
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with override_forward_config(FWD_CFG), override_backward_config(SMALL):
+        out, lse = f(q, k, v)
+        loss = (out.float() * do.float()).sum()
+        if dlse is not None:
+            loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum()
+        loss.backward()
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_autograd_triton(dtype):
+    plan = cm.compile(MASKS["window_prefix"](), 70, 90, device=DEVICE)
+    q, k, v, do = _inputs(1, 4, 2, 70, 90, 32, dtype, seed=7)
+    dlse = torch.randn(1, 4, 70, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    grads = _autograd_grads(q, k, v, do, plan, dlse=dlse)
+    _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
+
+
+def test_autograd_triton_out_only_and_bit_identical_to_launcher():
+    plan = cm.compile(cm.masks.causal(), 60, device=DEVICE)
+    q, k, v, do = _inputs(1, 2, 1, 60, 60, 32, torch.float16, seed=2)
+    grads = _autograd_grads(q, k, v, do, plan)
+    for got, want in zip(grads, _triton_grads(q, k, v, do, plan)):
+        assert torch.equal(got, want)
+
+
+def test_autograd_torch_compile_fullgraph():
+    plan = cm.compile(cm.masks.document([10, 30, 20]), 60, device=DEVICE)
+    q, k, v, do = _inputs(1, 4, 2, 60, 60, 32, torch.float16, seed=4)
+    dlse = torch.randn(1, 4, 60, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    eager = _autograd_grads(q, k, v, do, plan, dlse=dlse)
+    torch._dynamo.reset()
+    compiled = _autograd_grads(q, k, v, do, plan, dlse=dlse, compiled=True)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+def test_backward_without_grad_at_forward_time_builds_nothing():
+    from compilemask.api.autograd import backward_inputs
+
+    plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
+    q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
+    assert backward_inputs(plan, q, k, v) == ([], [])
+    tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
+    assert len(ints) == 8 and len(tensors) == 18
+    with torch.no_grad():
+        assert backward_inputs(plan, q, k, v) == ([], [])
+
+
+def test_backward_custom_op_fake_impl():
+    from compilemask.api.autograd import attention_bwd, backward_inputs
+
+    plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
+    q, k, v, do = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
+    out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
+    with override_backward_config(SMALL):
+        sched, ints = backward_inputs(plan, q.clone().requires_grad_(True), k, v)
+    args = (q, k, v, out, lse, do, None, plan.row_lo, plan.row_hi, sched, 0.1, 0, 0, ints)
+    torch.library.opcheck(attention_bwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_autograd_reference_backend_with_empty_rows():
+    dense = _dense_with_empty_rows_and_cols(45, 50, seed=1)
+    plan = cm.from_dense(dense.to(DEVICE))
+    q, k, v, do = (t.double() for t in _inputs(1, 4, 2, 45, 50, 32, torch.float32))
+    dlse = torch.randn(1, 4, 45, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    dlse = dlse.to(DEVICE)
+    got = _autograd_grads(q, k, v, do, plan, backend="reference", dlse=dlse)
+    want = reference_attention_backward(q, k, v, plan, do, dlse=dlse)
+    for g, w in zip(got, want):
+        assert not torch.isnan(g).any()
+        torch.testing.assert_close(g, w)
+
+
+def test_reference_autograd_keeps_no_dense_mask(monkeypatch):
+    # The reference forward recomputes each chunk in the backward: no chunk's dense mask (nor
+    # its scores) may stay alive between forward and backward, or memory grows like Nq * Nk.
+    import gc
+    import weakref
+
+    monkeypatch.setattr(reference_mod, "_CHUNK_ELEMENTS", 2 * 4 * 16 * 64)  # 4 chunks
+    built = []
+    mask_for_chunk = reference_mod._mask_for_chunk
+
+    def tracked(*args, **kwargs):
+        rows = mask_for_chunk(*args, **kwargs)
+        built.append(weakref.ref(rows))
+        return rows
+
+    monkeypatch.setattr(reference_mod, "_mask_for_chunk", tracked)
+    plan = cm.compile(cm.masks.sliding_window(9), 64, 64)
+    q, k, v, _ = (t.cpu().requires_grad_(True) for t in _inputs(2, 4, 2, 64, 64, 32, torch.float32))
+    out, _ = reference_attention(q, k, v, plan)
+    gc.collect()
+    assert len(built) == 4 and all(r() is None for r in built)
+    out.sum().backward()
+    assert q.grad is not None and len(built) == 8  # masks rebuilt in the backward
