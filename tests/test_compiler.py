@@ -377,3 +377,49 @@ def test_from_dense_bits_only_when_smaller():
     assert s["tiles_full"] > 0 and s["intervals_per_row_max"] > 20
     other = plan.tiles(16, 32)
     assert int(other.pairs.sum()) == int(d.sum())
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Raise on every operation that reads device data back to the host."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.split("::")[-1] in self.SYNCING:
+            raise AssertionError(f"host synchronisation: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+DEVICE_BUILD_CASES = [
+    *((w, n0) for w in ("causal", "hstu", "shared_prompt", "clear") for n0 in (1024,)),
+]
+
+
+@pytest.mark.parametrize("name,n0", DEVICE_BUILD_CASES)
+def test_device_build_reads_nothing_back(name, n0):
+    """The build a GPU runs (K at its bound, no bitmasks) never reads device data on the host,
+    so it cannot synchronise; and it gives the same mask as the CPU build."""
+    from compilemask.compiler.pipeline import build_plan
+    from compilemask.workloads import workload
+
+    w = workload(name, n0)
+    with _NoHostSync():
+        plan = build_plan(w.mask, w.N, w.N, None, None, 128, 128, "cpu", host_sync=False, source="")
+    ref = cm.compile(w.mask, w.N, cache=False)
+    assert torch.equal(plan.to_dense(), ref.to_dense())
+    assert torch.equal(plan.schedule.pairs, ref.schedule.pairs)
+
+
+def test_device_build_of_other_masks_reads_nothing_back():
+    from compilemask.compiler.pipeline import build_plan
+
+    for mask, n, kv in [
+        (masks.global_local(4, [0, 50]) | masks.sliding_window(9), 100, 100),
+        (masks.tree([-1, 0, 0, 1], 7), 4, 11),
+        (masks.per_head([masks.natten2d((8, 8), (3, 5)), masks.dilated(9, 2) - masks.causal()]), 64, 64),
+        (cm.parse("layout a:10 b:3x10 c:*\na -> a : causal\nb[i] -> b[i] : band(-3, 0)\nc -> * : full"), 60, 60),
+    ]:
+        heads = mask.head_count
+        with _NoHostSync():
+            plan = build_plan(mask, n, kv, None, heads, 32, 32, "cpu", host_sync=False, source="")
+        assert torch.equal(plan.to_dense(), cm.compile(mask, n, kv, heads=heads, cache=False).to_dense())

@@ -42,7 +42,13 @@ class _Ctx:
         self.q = torch.arange(q_len, device=device, dtype=I32)
 
     def t(self, values) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=I32, device=self.device)
+        """A small host table (layout lengths, half-widths) on the plan's device. On CUDA the
+        copy goes through pinned memory without blocking, so the build never waits for the
+        device (a copy from pageable memory would synchronise)."""
+        host = torch.as_tensor(values, dtype=I32)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
 
     def lower(self, mask: Mask):
         pad = self.kv_len

@@ -90,19 +90,30 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     if cache and key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    host = device.type == "cpu"
-    lo, hi, count = lower(mask, q_len, kv_len, device, trim=host)
-    m = lo.shape[0] * lo.shape[1]
-    lo = lo.reshape(m, q_len, -1).contiguous()
-    hi = hi.reshape(m, q_len, -1).contiguous()
-    count = count.reshape(m, q_len).contiguous()
-    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host)
-    plan = MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=key[0])
+    plan = build_plan(
+        mask, q_len, kv_len, batch, heads, block_m, block_n, device,
+        host_sync=device.type == "cpu", source=key[0],
+    )  # fmt: skip
     if cache:
         _CACHE[key] = plan
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return plan
+
+
+def build_plan(
+    mask: Mask, q_len, kv_len, batch, heads, block_m, block_n, device, *, host_sync, source
+) -> MaskPlan:
+    """Lower and tile (lengths already validated). ``host_sync=False`` is the device build:
+    K stays at its static bound and no tile is stored as a bitmask, so nothing waits for the
+    device (no ``.item()``, no ``nonzero``); CPU builds trim K and use bitmasks."""
+    lo, hi, count = lower(mask, q_len, kv_len, device, trim=host_sync)
+    m = lo.shape[0] * lo.shape[1]
+    lo = lo.reshape(m, q_len, -1).contiguous()
+    hi = hi.reshape(m, q_len, -1).contiguous()
+    count = count.reshape(m, q_len).contiguous()
+    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
+    return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
 
 
 def clear_cache() -> None:
