@@ -391,3 +391,22 @@ def test_forward_config_table():
             assert cfg.block_m >= 16 and cfg.block_n >= 16
     with pytest.raises(CompileMaskError, match="head_dim=80"):
         forward_config(80, torch.float16)
+
+
+@pytest.mark.parametrize("host_sync", [True, False], ids=["cpu-build", "device-build"])
+def test_static_and_dynamic_span_paths(host_sync):
+    """Interval tiles are masked by an unrolled loop of MAX_SPAN slots; a device-style build
+    (no bitmasks) of a dilated mask has wider tiles and takes the loop of run-time length."""
+    from compilemask.compiler.pipeline import build_plan
+    from compilemask.kernels.triton.common import max_span
+
+    mask = cm.masks.dilated(40, 3) | cm.masks.clear((6, 20), 3, 30)
+    plan = build_plan(mask, 150, 150, None, None, 16, 32, DEVICE, host_sync=host_sync, source="")
+    s = plan.tiles(16, 32)
+    span = max_span(s.kind, s.jlo, s.jhi)
+    if host_sync:
+        assert 1 < span <= 8 and bool((s.kind == 3).any())
+    else:
+        assert span == -1
+    q, k, v = _inputs(1, 2, 2, 150, 150, 32, torch.float16)
+    _assert_matches(_run_triton(q, k, v, plan, (16, 32)), q, k, v, plan)

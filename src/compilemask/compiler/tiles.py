@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 
 EMPTY, FULL, PARTIAL, PARTIAL_BITS = 0, 1, 2, 3
-BITS_MIN_SPAN = 9  # a PARTIAL tile whose slot range is wider than this is stored as bits
+BITS_MIN_SPAN = 8  # a PARTIAL tile whose slot range is wider than this is stored as bits
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import partial_tile_mask, partial_tile_mask_t
+from .common import max_span, partial_tile_mask, partial_tile_mask_t
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 
 _LOG2E = 1.4426950408889634
@@ -123,6 +123,7 @@ def _attn_bwd_dkdv_inner(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -166,7 +167,7 @@ def _attn_bwd_dkdv_inner(
                 kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
                 tl.load(Jlo + qt * tile_stride), tl.load(Jhi + qt * tile_stride), Bits,
                 tl.load(BitsIndex + qt * tile_stride), stride_bits_p, stride_bits_r,
-                BLOCK_M, BLOCK_N,
+                BLOCK_M, BLOCK_N, MAX_SPAN,
             )  # fmt: skip
             pT = tl.where(visible, pT, 0.0)
             do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -225,6 +226,7 @@ def _attn_bwd_dkdv(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     rank = tl.program_id(1)
@@ -274,7 +276,7 @@ def _attn_bwd_dkdv(
             tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
         )  # fmt: skip
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -283,7 +285,7 @@ def _attn_bwd_dkdv(
             tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
         )  # fmt: skip
 
     dk = dk * scale
@@ -339,6 +341,7 @@ def _attn_bwd_dq_inner(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):
     """Accumulate dQ of one q-tile over the kv-tiles ``TileList[list_start:list_end]``."""
     offs_n_local = tl.arange(0, BLOCK_N)
@@ -377,7 +380,7 @@ def _attn_bwd_dq_inner(
             visible = partial_tile_mask(
                 kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
                 tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
-                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N,
+                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN,
             )  # fmt: skip
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
@@ -417,6 +420,7 @@ def _attn_bwd_dq(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     rank = tl.program_id(1)
@@ -463,7 +467,7 @@ def _attn_bwd_dq(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
         0, full_count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
     )  # fmt: skip
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
@@ -471,7 +475,7 @@ def _attn_bwd_dq(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
         full_count, count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -566,7 +570,7 @@ def attention_backward(
         Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-        DOT_PRECISION=dot_precision, LOAD_T=load_t,
+        DOT_PRECISION=dot_precision, LOAD_T=load_t, MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
@@ -582,7 +586,7 @@ def attention_backward(
         Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        DOT_PRECISION=dot_precision, LOAD_T=load_t,
+        DOT_PRECISION=dot_precision, LOAD_T=load_t, MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv

@@ -36,7 +36,7 @@ def interval_tile_mask(
     jlo,
     jhi,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,    MAX_SPAN: tl.constexpr,
 ):
     """visible[r, c] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j].
 
@@ -46,10 +46,19 @@ def interval_tile_mask(
     row_ok = offs_m < Nq
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
     visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
-    for j in range(jlo, jhi):
-        lo = tl.load(RowLo + row_ptr + j, mask=row_ok, other=0)
-        hi = tl.load(RowHi + row_ptr + j, mask=row_ok, other=0)
-        visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
+    if MAX_SPAN >= 0:
+        # a fixed trip count: no loop of unknown length inside the kv loop, which keeps that
+        # loop software-pipelined; slots past jhi are masked off
+        for step in tl.static_range(MAX_SPAN):
+            ok = row_ok & (jlo + step < jhi)
+            lo = tl.load(RowLo + row_ptr + jlo + step, mask=ok, other=0)
+            hi = tl.load(RowHi + row_ptr + jlo + step, mask=ok, other=0)
+            visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
+    else:
+        for j in range(jlo, jhi):
+            lo = tl.load(RowLo + row_ptr + j, mask=row_ok, other=0)
+            hi = tl.load(RowHi + row_ptr + j, mask=row_ok, other=0)
+            visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
     return visible
 
 
@@ -89,6 +98,7 @@ def partial_tile_mask(
     stride_bits_r,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):
     """The visibility of a PARTIAL or PARTIAL_BITS tile (one branch per tile)."""
     if kind == KIND_PARTIAL_BITS:
@@ -96,7 +106,7 @@ def partial_tile_mask(
         visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
     else:
         visible = interval_tile_mask(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N, MAX_SPAN
         )
     return visible
 
@@ -117,16 +127,25 @@ def interval_tile_mask_t(
     jlo,
     jhi,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,    MAX_SPAN: tl.constexpr,
 ):
     """visible_t[c, r] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j]."""
     row_ok = offs_m < Nq
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
     visible = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int1)
-    for j in range(jlo, jhi):
-        lo = tl.load(RowLo + row_ptr + j, mask=row_ok, other=0)
-        hi = tl.load(RowHi + row_ptr + j, mask=row_ok, other=0)
-        visible = visible | ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :]))
+    if MAX_SPAN >= 0:
+        # a fixed trip count: no loop of unknown length inside the kv loop, which keeps that
+        # loop software-pipelined; slots past jhi are masked off
+        for step in tl.static_range(MAX_SPAN):
+            ok = row_ok & (jlo + step < jhi)
+            lo = tl.load(RowLo + row_ptr + jlo + step, mask=ok, other=0)
+            hi = tl.load(RowHi + row_ptr + jlo + step, mask=ok, other=0)
+            visible = visible | ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :]))
+    else:
+        for j in range(jlo, jhi):
+            lo = tl.load(RowLo + row_ptr + j, mask=row_ok, other=0)
+            hi = tl.load(RowHi + row_ptr + j, mask=row_ok, other=0)
+            visible = visible | ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :]))
     return visible
 
 
@@ -166,6 +185,7 @@ def partial_tile_mask_t(
     stride_bits_r,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):
     """:func:`partial_tile_mask` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x queries)."""
     if kind == KIND_PARTIAL_BITS:
@@ -173,6 +193,32 @@ def partial_tile_mask_t(
         visible = visible & (offs_m[None, :] < Nq) & (offs_n[:, None] < Nk)
     else:
         visible = interval_tile_mask_t(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N, MAX_SPAN
         )
     return visible
+
+
+# ------------------------------------------------------------------------------------ host side
+#: Interval-masked tiles whose slot range is at most this wide are masked with a fixed
+#: (unrolled) loop; a schedule with a wider one uses the loop of run-time length.
+MAX_STATIC_SPAN = 8
+_SPANS: dict[int, tuple[object, int]] = {}
+
+
+def max_span(kind, jlo, jhi) -> int:
+    """The ``MAX_SPAN`` constexpr for a schedule: the widest slot range ``jhi - jlo`` of its
+    interval-masked (PARTIAL) tiles, or -1 when that exceeds :data:`MAX_STATIC_SPAN`. Read back
+    once per schedule (one small device-to-host copy) and cached while the tensor lives."""
+    import weakref
+
+    import torch
+
+    hit = _SPANS.get(id(jlo))
+    if hit is not None and hit[0]() is jlo:
+        return hit[1]
+    partial = kind == int(KIND_PARTIAL)
+    span = int(torch.where(partial, jhi - jlo, 0).max()) if kind.numel() else 0
+    value = span if span <= MAX_STATIC_SPAN else -1
+    key = id(jlo)
+    _SPANS[key] = (weakref.ref(jlo, lambda _, key=key: _SPANS.pop(key, None)), value)
+    return value

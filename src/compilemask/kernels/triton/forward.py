@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import partial_tile_mask
+from .common import max_span, partial_tile_mask
 from .configs import FwdConfig, check_head_dim, padded_head_dim
 
 _LOG2E = 1.4426950408889634
@@ -64,6 +64,7 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
@@ -102,7 +103,7 @@ def _attn_fwd_inner(
             visible = partial_tile_mask(
                 kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
                 tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
-                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N,
+                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN,
             )  # fmt: skip
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -142,6 +143,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     rank = tl.program_id(1)
@@ -187,7 +189,7 @@ def _attn_fwd(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
         0, full_count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN,
     )  # fmt: skip
     # PARTIAL tiles: interval or bitmask masking.
     acc, l_i, m_i = _attn_fwd_inner(
@@ -195,7 +197,7 @@ def _attn_fwd(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
         full_count, count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -276,6 +278,7 @@ def attention_forward(
         # fp32: three TF32 MMAs per dot (about fp32 accuracy). "ieee" would take Triton's FMA
         # dot path, which fails to compile this kernel on sm_90 with triton 3.6.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        MAX_SPAN=max_span(kind, schedule["jlo"], schedule["jhi"]),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
