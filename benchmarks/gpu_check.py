@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -51,7 +50,12 @@ def record(out, **kw):
     ROWS.append(row)
     out.write(json.dumps(row) + "\n")
     out.flush()
-    print(json.dumps({k: row[k] for k in row if k not in ("date", "gpu", "torch", "triton", "commit")}), flush=True)
+    print(
+        json.dumps(
+            {k: row[k] for k in row if k not in ("date", "gpu", "torch", "triton", "commit")}
+        ),
+        flush=True,
+    )
 
 
 def inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed=0, grad=False):
@@ -82,12 +86,33 @@ def fwd_case(out, name, plan, B, Hq, Hkv, D, dtype_name, N0=None, check_empty=Tr
             m_e = empty.reshape(plan.batch or 1, plan.heads or 1, Nq)
             m_e = m_e.expand(B, Hq, Nq)
             empty_ok = bool((o[m_e] == 0).all()) and bool(torch.isneginf(lse[m_e]).all())
-    lse_err = float(((lse.double() - lse64)[torch.isfinite(lse64)]).abs().max()) if bool(
-        torch.isfinite(lse64).any()) else 0.0
+    lse_err = (
+        float(((lse.double() - lse64)[torch.isfinite(lse64)]).abs().max())
+        if bool(torch.isfinite(lse64).any())
+        else 0.0
+    )
     passed = ok and not nan and empty_ok
-    record(out, workload=name, N0=N0, N=Nq, Nk=Nk, B=B, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype_name,
-           mode="fwd", system="compilemask-triton", ms=None, tflops=None, rel_err=err,
-           bound=bound, lse_abs_err=lse_err, passed=passed, kind="correctness")
+    record(
+        out,
+        workload=name,
+        N0=N0,
+        N=Nq,
+        Nk=Nk,
+        B=B,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        dtype=dtype_name,
+        mode="fwd",
+        system="compilemask-triton",
+        ms=None,
+        tflops=None,
+        rel_err=err,
+        bound=bound,
+        lse_abs_err=lse_err,
+        passed=passed,
+        kind="correctness",
+    )
     return passed
 
 
@@ -106,8 +131,9 @@ def bwd_case(out, name, plan, B, Hq, Hkv, D, dtype_name, N0=None):
     identical = all(torch.equal(a, b) for a, b in zip(grads, (q.grad, k.grad, v.grad)))
     qd, kd, vd = (t.detach() for t in (q, k, v))
     r64 = reference_attention_backward(qd, kd, vd, plan, do, None, compute_dtype=torch.float64)
-    rdt = reference_attention_backward(qd, kd, vd, plan, do, None, compute_dtype=torch.float32,
-                                       matmul_dtype=dtype)
+    rdt = reference_attention_backward(
+        qd, kd, vd, plan, do, None, compute_dtype=torch.float32, matmul_dtype=dtype
+    )
     passed = identical
     errs = {}
     for nm, g, a, b in zip(("dq", "dk", "dv"), grads, r64, rdt):
@@ -115,10 +141,27 @@ def bwd_case(out, name, plan, B, Hq, Hkv, D, dtype_name, N0=None):
         nan = bool(torch.isnan(g).any())
         errs[nm] = (err, bound)
         passed = passed and ok and not nan
-    record(out, workload=name, N0=N0, N=plan.q_len, Nk=plan.kv_len, B=B, Hq=Hq, Hkv=Hkv, D=D,
-           dtype=dtype_name, mode="fwd+bwd", system="compilemask-triton", ms=None, tflops=None,
-           rel_err=max(e for e, _ in errs.values()), errors=errs, bit_identical=identical,
-           passed=passed, kind="correctness")
+    record(
+        out,
+        workload=name,
+        N0=N0,
+        N=plan.q_len,
+        Nk=plan.kv_len,
+        B=B,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        dtype=dtype_name,
+        mode="fwd+bwd",
+        system="compilemask-triton",
+        ms=None,
+        tflops=None,
+        rel_err=max(e for e, _ in errs.values()),
+        errors=errs,
+        bit_identical=identical,
+        passed=passed,
+        kind="correctness",
+    )
     return passed
 
 
@@ -143,10 +186,51 @@ def correctness(out, dtypes, bwd, big):
         if bwd and dt == "bf16":
             results.append(bwd_case(out, "causal-gqa16/4", plan, 1, 16, 4, 128, dt, 4096))
         small = [
-            ("sliding_window-q1300-kv700", cm.compile(masks.sliding_window(256), 1300, 700, device="cuda"), 2, 4, 2),
-            ("prefix_lm-q700-kv1300", cm.compile(masks.prefix_lm(900), 700, 1300, device="cuda"), 2, 4, 4),
-            ("per_batch-document", cm.compile(masks.per_batch([masks.document([300, 700]), masks.document([999, 1])]), 1000, batch=2, device="cuda"), 2, 4, 2),
-            ("per_head-mixed", cm.compile(masks.per_head([masks.causal(), masks.sliding_window(100), masks.clear((20, 40), 6, 200), masks.dilated(64, 4)]), 1000, heads=4, device="cuda"), 2, 4, 2),
+            (
+                "sliding_window-q1300-kv700",
+                cm.compile(masks.sliding_window(256), 1300, 700, device="cuda"),
+                2,
+                4,
+                2,
+            ),
+            (
+                "prefix_lm-q700-kv1300",
+                cm.compile(masks.prefix_lm(900), 700, 1300, device="cuda"),
+                2,
+                4,
+                4,
+            ),
+            (
+                "per_batch-document",
+                cm.compile(
+                    masks.per_batch([masks.document([300, 700]), masks.document([999, 1])]),
+                    1000,
+                    batch=2,
+                    device="cuda",
+                ),
+                2,
+                4,
+                2,
+            ),
+            (
+                "per_head-mixed",
+                cm.compile(
+                    masks.per_head(
+                        [
+                            masks.causal(),
+                            masks.sliding_window(100),
+                            masks.clear((20, 40), 6, 200),
+                            masks.dilated(64, 4),
+                        ]
+                    ),
+                    1000,
+                    heads=4,
+                    device="cuda",
+                ),
+                2,
+                4,
+                2,
+            ),
         ]
         for nm, plan, B, Hq, Hkv in small:
             results.append(fwd_case(out, nm, plan, B, Hq, Hkv, 128, dt))
@@ -175,8 +259,8 @@ def plan_build(out, N0=32768):
     for name in SEED_WORKLOADS:
         w = workload(name, N0)
         mm = flex_mask_mod(w.mask, "cuda")
-        ours = med(lambda: cm.compile(w.mask, w.N, device="cuda", cache=False))
-        flex = med(lambda: create_block_mask(mm, None, None, w.N, w.N, device="cuda"))
+        ours = med(lambda w=w: cm.compile(w.mask, w.N, device="cuda", cache=False))
+        flex = med(lambda w=w, mm=mm: create_block_mask(mm, None, None, w.N, w.N, device="cuda"))
         try:
             torch.cuda.set_sync_debug_mode("error")
             cm.compile(w.mask, w.N, device="cuda", cache=False)
@@ -186,10 +270,24 @@ def plan_build(out, N0=32768):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for sys_name, ms in (("compilemask-cuda", ours), ("flex-create_block_mask", flex)):
-            record(out, workload=name, N0=N0, N=w.N, B=w.B, Hq=None, Hkv=None, D=None,
-                   dtype=None, mode="plan", system=sys_name, ms=ms, tflops=None, rel_err=None,
-                   sync_free=sync_free if sys_name.startswith("compilemask") else None,
-                   kind="plan")
+            record(
+                out,
+                workload=name,
+                N0=N0,
+                N=w.N,
+                B=w.B,
+                Hq=None,
+                Hkv=None,
+                D=None,
+                dtype=None,
+                mode="plan",
+                system=sys_name,
+                ms=ms,
+                tflops=None,
+                rel_err=None,
+                sync_free=sync_free if sys_name.startswith("compilemask") else None,
+                kind="plan",
+            )
 
 
 def speed(out, sizes, bwd, heads=16):
@@ -205,14 +303,20 @@ def speed(out, sizes, bwd, heads=16):
             w = workload(name, N0)
             plan = cm.compile(w.mask, w.N, device="cuda")
             pairs = int((plan.row_hi - plan.row_lo).sum())
-            bm = create_block_mask(flex_mask_mod(w.mask, "cuda"), None, None, w.N, w.N, device="cuda")
+            bm = create_block_mask(
+                flex_mask_mod(w.mask, "cuda"), None, None, w.N, w.N, device="cuda"
+            )
             modes = ["fwd"] + (["fwd+bwd"] if bwd else [])
             for mode in modes:
-                q, k, v = inputs(w.B, heads, heads, w.N, w.N, 128, torch.bfloat16, grad=mode != "fwd")
+                q, k, v = inputs(
+                    w.B, heads, heads, w.N, w.N, 128, torch.bfloat16, grad=mode != "fwd"
+                )
                 do = torch.randn_like(q)
                 fns = {
-                    "compilemask-triton": lambda: cm.attention(q, k, v, plan, backend="triton"),
-                    "flex-triton": lambda: flex(q, k, v, block_mask=bm),
+                    "compilemask-triton": lambda q=q, k=k, v=v, p=plan: cm.attention(
+                        q, k, v, p, backend="triton"
+                    ),
+                    "flex-triton": lambda q=q, k=k, v=v, bm=bm: flex(q, k, v, block_mask=bm),
                 }
                 ref = fns["flex-triton"]().float()
                 mine = fns["compilemask-triton"]().float()
@@ -221,19 +325,37 @@ def speed(out, sizes, bwd, heads=16):
                 for sys_name, fn in fns.items():
                     if mode == "fwd":
                         with torch.no_grad():
-                            t = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                            t = triton.testing.do_bench(
+                                fn, warmup=25, rep=100, return_mode="median"
+                            )
                     else:
+
                         def step(fn=fn):
                             o = fn()
-                            o.backward(do)
-                        t = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median",
-                                                    grad_to_none=[q, k, v])
+                            o.backward(do)  # noqa: B023 - called at once, in this iteration
+
+                        t = triton.testing.do_bench(
+                            step, warmup=25, rep=100, return_mode="median", grad_to_none=[q, k, v]
+                        )
                     flops = 4 * w.B * heads * 128 * pairs * (3.5 if mode != "fwd" else 1.0)
                     ms[sys_name] = t
-                    record(out, workload=name, N0=N0, N=w.N, B=w.B, Hq=heads, Hkv=heads, D=128,
-                           dtype="bf16", mode=mode, system=sys_name, ms=t,
-                           tflops=flops / t / 1e9, rel_err=rel if sys_name.startswith("compilemask") else None,
-                           kind="speed")
+                    record(
+                        out,
+                        workload=name,
+                        N0=N0,
+                        N=w.N,
+                        B=w.B,
+                        Hq=heads,
+                        Hkv=heads,
+                        D=128,
+                        dtype="bf16",
+                        mode=mode,
+                        system=sys_name,
+                        ms=t,
+                        tflops=flops / t / 1e9,
+                        rel_err=rel if sys_name.startswith("compilemask") else None,
+                        kind="speed",
+                    )
                 table.append((name, N0, mode, ms["compilemask-triton"], ms["flex-triton"]))
     print(f"\n{'workload':<15}{'N0':>7} {'mode':<8}{'ours ms':>9}{'flex ms':>9}{'speedup':>9}")
     for name, N0, mode, a, b in table:

@@ -17,14 +17,12 @@ from hypothesis import strategies as st
 import compilemask as cm
 from compilemask import masks
 from compilemask.compiler.intervals import dense_rows
-from compilemask.compiler.tiles import EMPTY, FULL, PARTIAL, PARTIAL_BITS
+from compilemask.compiler.tiles import EMPTY, FULL, PARTIAL
 from compilemask.errors import CompileMaskError, LayoutError
 from compilemask.language.ast import Relation, Rule, RuleMask, Segment, Span
 from compilemask.language.semantics import dense
 
-PROFILE = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+PROFILE = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -232,9 +230,9 @@ def check_plan(plan: cm.MaskPlan, expected: torch.Tensor) -> None:
         w = s.q_count[mi]
         order = s.q_order[mi].tolist()
         assert sorted(order) == list(range(tq))
-        assert all(
-            (w[a] > w[b]) or (w[a] == w[b] and a < b) for a, b in zip(order, order[1:])
-        ), "q-tiles are not heaviest first"
+        assert all((w[a] > w[b]) or (w[a] == w[b] and a < b) for a, b in zip(order, order[1:])), (
+            "q-tiles are not heaviest first"
+        )
 
 
 @PROFILE
@@ -416,10 +414,22 @@ def test_device_build_of_other_masks_reads_nothing_back():
     for mask, n, kv in [
         (masks.global_local(4, [0, 50]) | masks.sliding_window(9), 100, 100),
         (masks.tree([-1, 0, 0, 1], 7), 4, 11),
-        (masks.per_head([masks.natten2d((8, 8), (3, 5)), masks.dilated(9, 2) - masks.causal()]), 64, 64),
-        (cm.parse("layout a:10 b:3x10 c:*\na -> a : causal\nb[i] -> b[i] : band(-3, 0)\nc -> * : full"), 60, 60),
+        (
+            masks.per_head([masks.natten2d((8, 8), (3, 5)), masks.dilated(9, 2) - masks.causal()]),
+            64,
+            64,
+        ),
+        (
+            cm.parse(
+                "layout a:10 b:3x10 c:*\na -> a : causal\nb[i] -> b[i] : band(-3, 0)\nc -> * : full"
+            ),
+            60,
+            60,
+        ),
     ]:
         heads = mask.head_count
         with _NoHostSync():
             plan = build_plan(mask, n, kv, None, heads, 32, 32, "cpu", host_sync=False, source="")
-        assert torch.equal(plan.to_dense(), cm.compile(mask, n, kv, heads=heads, cache=False).to_dense())
+        assert torch.equal(
+            plan.to_dense(), cm.compile(mask, n, kv, heads=heads, cache=False).to_dense()
+        )

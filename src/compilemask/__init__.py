@@ -29,7 +29,17 @@ except ImportError:  # pragma: no cover
     attention = None
 
 __all__ = [
-    "CompileMaskError", "MaskPlan", "TileSchedule", "attention", "clear_cache", "compile",
-    "dense", "from_dense", "from_mask_mod", "masks", "parse", "visible",
+    "CompileMaskError",
+    "MaskPlan",
+    "TileSchedule",
+    "attention",
+    "clear_cache",
+    "compile",
+    "dense",
+    "from_dense",
+    "from_mask_mod",
+    "masks",
+    "parse",
+    "visible",
 ]
 __version__ = "0.1.0"

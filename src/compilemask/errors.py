@@ -17,7 +17,9 @@ class MaskSyntaxError(CompileMaskError):
         line = text[line_start : (None if line_end < 0 else line_end)]
         col = pos - line_start + 1
         self.line, self.column = line_no, col
-        super().__init__(f"{message} (line {line_no}, column {col})\n  {line}\n  {' ' * (col - 1)}^")
+        super().__init__(
+            f"{message} (line {line_no}, column {col})\n  {line}\n  {' ' * (col - 1)}^"
+        )
 
 
 class LayoutError(CompileMaskError):

@@ -195,7 +195,18 @@ def per_batch(masks: Sequence[Mask]) -> Mask:
 CATALOGUE = {
     f.__name__: f
     for f in (
-        causal, sliding_window, document, prefix_lm, chunked, block_causal, shared_prompt, hstu,
-        clear, global_local, tree, natten2d, dilated,
+        causal,
+        sliding_window,
+        document,
+        prefix_lm,
+        chunked,
+        block_causal,
+        shared_prompt,
+        hstu,
+        clear,
+        global_local,
+        tree,
+        natten2d,
+        dilated,
     )
 }

@@ -1,1 +1,2 @@
-"""The compiler: mask IR -> exact row intervals -> column intervals and tile schedule -> MaskPlan."""
+"""The compiler: mask IR -> exact row intervals -> column intervals and tile schedule ->
+MaskPlan."""

@@ -162,17 +162,24 @@ class _Ctx:
         zero = torch.zeros_like(lo[:first, :1])
         lo[:first] = torch.where(merge, torch.cat([lo[:first, 1:], zero], -1), lo[:first])
         hi[:first] = torch.where(merge, torch.cat([hi[:first, 1:], zero], -1), hi[:first])
-        return _Canonical(torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1))
+        return _Canonical(
+            torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
+        )
 
     def _b_global_local(self, window, global_tokens):
         q = self.q[:, None]
         g = self.t(list(global_tokens))
         is_global = torch.isin(self.q, g)[:, None] if g.numel() else torch.zeros_like(q, dtype=bool)
-        band = (torch.where(is_global, 0, q - window), torch.where(is_global, self.kv_len, q + window + 1))
+        band = (
+            torch.where(is_global, 0, q - window),
+            torch.where(is_global, self.kv_len, q + window + 1),
+        )
         band = iv.clip(band[0].to(I32), band[1].to(I32), self.kv_len)
         if not g.numel():
             return band
-        pts = iv.clip(g[None, :].expand(self.q_len, -1), g[None, :].expand(self.q_len, -1) + 1, self.kv_len)
+        pts = iv.clip(
+            g[None, :].expand(self.q_len, -1), g[None, :].expand(self.q_len, -1) + 1, self.kv_len
+        )
         lo, hi, _ = iv.union([band, pts], self.kv_len, trim=False)
         return lo, hi
 

@@ -38,13 +38,26 @@ def _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source
     k_max = max(1, int(runs.max()))
     if 8 * k_max > -(-kv_len // 8) and block_n % 32 == 0:  # intervals > bits per row
         schedule = build_tiles_from_dense(
-            (torch.stack(rows).to(device) for rows in zip(*chunks())), m, q_len, kv_len,
-            block_m, block_n,
+            (torch.stack(rows).to(device) for rows in zip(*chunks())),
+            m,
+            q_len,
+            kv_len,
+            block_m,
+            block_n,
         )
         empty = torch.full((m, q_len, 1), kv_len, dtype=torch.int32, device=device)
         return MaskPlan(
-            q_len, kv_len, batch, heads, empty, empty.clone(), torch.zeros_like(runs), schedule,
-            source=source, encoding="bits", row_runs=runs,
+            q_len,
+            kv_len,
+            batch,
+            heads,
+            empty,
+            empty.clone(),
+            torch.zeros_like(runs),
+            schedule,
+            source=source,
+            encoding="bits",
+            row_runs=runs,
         )
     los, his, cnts = [], [], []
     for mask_chunks in chunks():
@@ -94,7 +107,9 @@ def from_dense(
         [1, 2, 3, 4]
     """
     if not isinstance(mask, torch.Tensor):
-        raise CompileMaskError(f"mask must be a torch.Tensor of dtype bool, got {type(mask).__name__}")
+        raise CompileMaskError(
+            f"mask must be a torch.Tensor of dtype bool, got {type(mask).__name__}"
+        )
     if mask.dtype != torch.bool:
         raise CompileMaskError(f"mask must have dtype torch.bool, got {mask.dtype}")
     if mask.dim() not in (2, 4) or 0 in mask.shape:

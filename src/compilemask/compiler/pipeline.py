@@ -27,7 +27,9 @@ def dependence(mask: Mask, batch: int | None, heads: int | None) -> tuple[int | 
     """The batch / head counts a plan of ``mask`` carries (None: broadcasts)."""
     out = []
     for given, own, name in ((batch, mask.batch_count, "batch"), (heads, mask.head_count, "heads")):
-        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
+        if given is not None and (
+            isinstance(given, bool) or not isinstance(given, int) or given < 1
+        ):
             raise CompileMaskError(f"{name} must be a positive int or None, got {given!r}")
         if own is not None and given is not None and given != own:
             raise CompileMaskError(

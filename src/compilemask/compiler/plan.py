@@ -9,7 +9,13 @@ import torch
 from ..errors import CompileMaskError
 from .intervals import dense_rows, from_dense_rows
 from .tiles import (
-    EMPTY, FULL, PARTIAL, PARTIAL_BITS, TileSchedule, build_tiles, build_tiles_from_dense,
+    EMPTY,
+    FULL,
+    PARTIAL,
+    PARTIAL_BITS,
+    TileSchedule,
+    build_tiles,
+    build_tiles_from_dense,
     dense_from_tiles,
 )
 from .transpose import column_intervals
@@ -87,7 +93,8 @@ class MaskPlan:
 
     # ------------------------------------------------------------------ derived views
     def tiles(self, block_m: int, block_n: int) -> TileSchedule:
-        """The tile schedule for ``block_m x block_n`` tiles (derived from the intervals, cached)."""
+        """The tile schedule for ``block_m x block_n`` tiles (derived from the intervals,
+        cached)."""
         if (block_m, block_n) == (self.block_m, self.block_n):
             return self.schedule
         for name, v in (("block_m", block_m), ("block_n", block_n)):
@@ -96,14 +103,22 @@ class MaskPlan:
         key = ("tiles", block_m, block_n)
         if key not in self._cache and self.encoding == "bits":
             rows = max(1, (1 << 22) // self.kv_len) // block_m * block_m or block_m
-            chunks = (self.dense_rows(r, min(self.q_len, r + rows)) for r in range(0, self.q_len, rows))
+            chunks = (
+                self.dense_rows(r, min(self.q_len, r + rows)) for r in range(0, self.q_len, rows)
+            )
             self._cache[key] = build_tiles_from_dense(
                 chunks, self.num_masks, self.q_len, self.kv_len, block_m, block_n
             )
         if key not in self._cache:
             self._cache[key] = build_tiles(
-                self.row_lo, self.row_hi, self.row_count, self.q_len, self.kv_len,
-                block_m, block_n, use_bits=self.device.type == "cpu",
+                self.row_lo,
+                self.row_hi,
+                self.row_count,
+                self.q_len,
+                self.kv_len,
+                block_m,
+                block_n,
+                use_bits=self.device.type == "cpu",
             )
         return self._cache[key]
 
@@ -112,7 +127,9 @@ class MaskPlan:
             cols = self.dense_rows(0, self.q_len).transpose(1, 2)
             self._cache["cols"] = from_dense_rows(cols, self.q_len)
         if "cols" not in self._cache:
-            self._cache["cols"] = column_intervals(self.row_lo, self.row_hi, self.q_len, self.kv_len)
+            self._cache["cols"] = column_intervals(
+                self.row_lo, self.row_hi, self.q_len, self.kv_len
+            )
         return self._cache["cols"]
 
     @property
@@ -193,9 +210,11 @@ class MaskPlan:
             dep.append(f"heads={self.heads}")
         src = self.source if len(self.source) <= 60 else self.source[:57] + "..."
         return (
-            f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}{', ' if dep else ''}{', '.join(dep)}, "
-            f"device={self.device}, density={s['density']:.4f}, intervals/row<={s['intervals_per_row_max']}, "
-            f"tiles {s['block_m']}x{s['block_n']}: full={s['tiles_full']} partial={s['tiles_partial']} "
+            f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}"
+            f"{', ' if dep else ''}{', '.join(dep)}, device={self.device}, "
+            f"density={s['density']:.4f}, intervals/row<={s['intervals_per_row_max']}, "
+            f"tiles {s['block_m']}x{s['block_n']}: "
+            f"full={s['tiles_full']} partial={s['tiles_partial']} "
             f"empty={s['tiles_empty']}, {s['bytes'] / 1024:.1f} KiB, mask={src!r})"
         )
 
@@ -206,9 +225,17 @@ class MaskPlan:
         if device == self.device:
             return self
         return MaskPlan(
-            self.q_len, self.kv_len, self.batch, self.heads, self.row_lo.to(device),
-            self.row_hi.to(device), self.row_count.to(device), self.schedule.to(device), self.source,
-            self.encoding, None if self.row_runs is None else self.row_runs.to(device),
+            self.q_len,
+            self.kv_len,
+            self.batch,
+            self.heads,
+            self.row_lo.to(device),
+            self.row_hi.to(device),
+            self.row_count.to(device),
+            self.schedule.to(device),
+            self.source,
+            self.encoding,
+            None if self.row_runs is None else self.row_runs.to(device),
         )
 
     def verify(self) -> None:
@@ -229,27 +256,40 @@ class MaskPlan:
             gap = used[..., 1:]
             _require(bool((hi[..., :-1][gap] < lo[..., 1:][gap]).all()), "sorted, disjoint")
         s = self.schedule
-        fresh = build_tiles(lo, hi, cnt, self.q_len, self.kv_len, s.block_m, s.block_n,
-                            use_bits=bool((s.kind == PARTIAL_BITS).any()))
+        fresh = build_tiles(
+            lo,
+            hi,
+            cnt,
+            self.q_len,
+            self.kv_len,
+            s.block_m,
+            s.block_n,
+            use_bits=bool((s.kind == PARTIAL_BITS).any()),
+        )
         _require(torch.equal(fresh.pairs, s.pairs), "tile pair counts")
         _require(torch.equal(fresh.kind > EMPTY, s.kind > EMPTY), "touched tiles")
         _require(torch.equal(fresh.kind == FULL, s.kind == FULL), "FULL tiles")
-        _require(torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
-                 "tile lists")
+        _require(
+            torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
+            "tile lists",
+        )
         bad = (s.kind == PARTIAL) & ((s.jlo > fresh.jlo) | (s.jhi < fresh.jhi))
         _require(not bool(bad.any()), "PARTIAL slot ranges")
-
 
     def _verify_bits(self) -> None:
         s = self.schedule
         _require(not bool((s.kind == PARTIAL).any()), "bits plans have no interval tiles")
         rows = max(1, (1 << 22) // self.kv_len) // s.block_m * s.block_m or s.block_m
         chunks = (self.dense_rows(r, min(self.q_len, r + rows)) for r in range(0, self.q_len, rows))
-        fresh = build_tiles_from_dense(chunks, self.num_masks, self.q_len, self.kv_len, s.block_m, s.block_n)
+        fresh = build_tiles_from_dense(
+            chunks, self.num_masks, self.q_len, self.kv_len, s.block_m, s.block_n
+        )
         _require(torch.equal(fresh.pairs, s.pairs), "tile pair counts")
         _require(torch.equal(fresh.kind, s.kind), "tile kinds")
-        _require(torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
-                 "tile lists")
+        _require(
+            torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
+            "tile lists",
+        )
 
 
 def _require(ok: bool, what: str) -> None:

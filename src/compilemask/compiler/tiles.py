@@ -59,7 +59,8 @@ class TileSchedule:
         for r in range(block_m), c in range(block_n):
             q, k = qt * block_m + r, kt * block_n + c
             if kind == FULL: visible
-            elif kind == PARTIAL: any(row_lo[m, q, j] <= k < row_hi[m, q, j] for j in range(jlo, jhi))
+            elif kind == PARTIAL:
+                any(row_lo[m, q, j] <= k < row_hi[m, q, j] for j in range(jlo, jhi))
             elif kind == PARTIAL_BITS: bits[bits_index, r, c // 32] >> (c % 32) & 1
             else: not visible
     """
@@ -228,9 +229,7 @@ def build_tiles(
     rows = (q_len - torch.arange(tq, device=dev) * block_m).clamp(max=block_m).view(1, tq, 1)
     cols = (kv_len - torch.arange(tk, device=dev) * block_n).clamp(max=block_n).view(1, 1, tk)
     full = (pairs == block_m * block_n) & (rows == block_m) & (cols == block_n)
-    kind = torch.where(
-        full, FULL, torch.where(pairs > 0, PARTIAL, EMPTY)
-    ).to(torch.int32)
+    kind = torch.where(full, FULL, torch.where(pairs > 0, PARTIAL, EMPTY)).to(torch.int32)
     jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, block_m, block_n, kv_len)
     bits_index = torch.full_like(kind, -1)
     bits = torch.zeros((0, block_m, block_n // 32), dtype=torch.int32, device=dev)
@@ -250,13 +249,28 @@ def _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index
     q_count, q_list, q_order = _lists(touched)
     kv_count, kv_list, kv_order = _lists(touched.transpose(1, 2))
     return TileSchedule(
-        block_m, block_n, q_len, kv_len, kind.contiguous(), pairs, jlo, jhi, bits_index,
-        bits, q_count, q_list, kv_count, kv_list, q_order, kv_order,
+        block_m,
+        block_n,
+        q_len,
+        kv_len,
+        kind.contiguous(),
+        pairs,
+        jlo,
+        jhi,
+        bits_index,
+        bits,
+        q_count,
+        q_list,
+        kv_count,
+        kv_list,
+        q_order,
+        kv_order,
     )
 
 
 def pack_bits(vis: torch.Tensor) -> torch.Tensor:
-    """Pack bool ``[..., block_n]`` (``block_n % 32 == 0``) into int32 words ``[..., block_n // 32]``."""
+    """Pack bool ``[..., block_n]`` (``block_n % 32 == 0``) into int32 words
+    ``[..., block_n // 32]``."""
     words = vis.reshape(*vis.shape[:-1], vis.shape[-1] // 32, 32).to(torch.int64)
     packed = (words << torch.arange(32, device=vis.device, dtype=torch.int64)).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
@@ -296,8 +310,16 @@ def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int
     bits_index = torch.cat([i for _, i in kinds], 1)
     zero = torch.zeros_like(kind)
     return _schedule(
-        block_m, block_n, q_len, kv_len, kind, torch.cat(pairs, 1), zero, zero.clone(),
-        bits_index, torch.cat(bits, 0),
+        block_m,
+        block_n,
+        q_len,
+        kv_len,
+        kind,
+        torch.cat(pairs, 1),
+        zero,
+        zero.clone(),
+        bits_index,
+        torch.cat(bits, 0),
     )
 
 

@@ -24,7 +24,9 @@ def _events(lo: torch.Tensor, hi: torch.Tensor):
     row_ev = torch.repeat_interleave(rows, length, output_size=total)
     base = torch.repeat_interleave(lo.reshape(-1).to(torch.int64), length, output_size=total)
     first = torch.cumsum(length, 0) - length
-    offset = torch.arange(total, device=dev) - torch.repeat_interleave(first, length, output_size=total)
+    offset = torch.arange(total, device=dev) - torch.repeat_interleave(
+        first, length, output_size=total
+    )
     return base + offset, row_ev
 
 
@@ -58,7 +60,9 @@ def column_intervals(lo: torch.Tensor, hi: torch.Tensor, q_len: int, kv_len: int
         outs.append((col_lo, col_hi, count))
     kc = max(o[0].shape[1] for o in outs)
     pad = [
-        torch.nn.functional.pad(o[i], (0, kc - o[i].shape[1]), value=q_len) for o in outs for i in (0, 1)
+        torch.nn.functional.pad(o[i], (0, kc - o[i].shape[1]), value=q_len)
+        for o in outs
+        for i in (0, 1)
     ]
     col_lo = torch.stack(pad[0::2])
     col_hi = torch.stack(pad[1::2])

@@ -143,7 +143,9 @@ def check_rules(mask: RuleMask) -> None:
         for sp in (rule.query, rule.key):
             for n in sp.names:
                 if n not in names:
-                    raise LayoutError(f"unknown span {n!r}; the layout names {sorted(names - {'*'})}")
+                    raise LayoutError(
+                        f"unknown span {n!r}; the layout names {sorted(names - {'*'})}"
+                    )
             if sp.index is not None and len(sp.names) != 1:
                 raise LayoutError("only a single named span can be indexed")
         qv = rule.query.index if isinstance(rule.query.index, str) else None

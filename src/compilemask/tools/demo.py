@@ -57,9 +57,7 @@ def _check(out, q, k, v, plan, dtype):
     from ..kernels.reference import reference_attention
 
     ref64, _ = reference_attention(q, k, v, plan, compute_dtype=torch.float64)
-    ref_dt, _ = reference_attention(
-        q, k, v, plan, compute_dtype=torch.float32, matmul_dtype=dtype
-    )
+    ref_dt, _ = reference_attention(q, k, v, plan, compute_dtype=torch.float32, matmul_dtype=dtype)
     return check_close(out, ref64, ref_dt, dtype)
 
 
@@ -91,7 +89,7 @@ def gpu_rows(size: int, progress) -> list[dict]:
         w = wl.workload(name, size)
         plan = compile_mask(w.mask, w.N, device=dev)
         q, k, v = _inputs((w.B, 16, w.N, 128), (w.B, 16, w.N, 128), torch.bfloat16, dev)
-        ms = _time_ms(lambda: attention(q, k, v, plan, backend="triton"), dev)
+        ms = _time_ms(lambda q=q, k=k, v=v, p=plan: attention(q, k, v, p, backend="triton"), dev)
         q2, k2, v2 = (t[:, :2].contiguous() for t in (q, k, v))
         out = attention(q2, k2, v2, plan, backend="triton")
         ok, err, bound = _check(out, q2, k2, v2, plan, torch.bfloat16)
@@ -109,7 +107,7 @@ def cpu_rows(progress) -> list[dict]:
         w = wl.workload(name, CPU_N0)
         plan = compile_mask(w.mask, w.N)
         q, k, v = _inputs((1, 2, w.N, 64), (1, 2, w.N, 64), torch.float32, dev)
-        ms = _time_ms(lambda: attention(q, k, v, plan, backend="reference"), dev)
+        ms = _time_ms(lambda q=q, k=k, v=v, p=plan: attention(q, k, v, p, backend="reference"), dev)
         out = attention(q, k, v, plan, backend="reference")
         ok, err, bound = _check(out, q, k, v, plan, torch.float32)
         rows.append(_row(w, plan, "reference", torch.float32, "1x2x64", ms, ok, err, bound))
@@ -169,7 +167,10 @@ def _interpreter_row() -> dict:
 def attention_rows(size: int, progress) -> tuple[str, list[dict]]:
     """(title, rows) for the demo's attention table."""
     if torch.cuda.is_available():
-        return f"attention, Triton on {torch.cuda.get_device_name()} (bf16), nominal size {size}:", gpu_rows(size, progress)
+        return (
+            f"attention, Triton on {torch.cuda.get_device_name()} (bf16), nominal size {size}:",
+            gpu_rows(size, progress),
+        )
     title = (
         f"attention on the CPU: reference backend (float32) at nominal size {CPU_N0}, and the "
         "Triton kernel in the interpreter on a small case; checked against float64:"

@@ -40,10 +40,10 @@ def flex_mask_mod(mask: Mask, device):
         lengths, targets, contextual = args
         user = _ids(lengths, device)
         starts = torch.cumsum(torch.tensor([0, *lengths[:-1]], device=device), 0)
-        hist_end = starts + torch.tensor(lengths, device=device) - torch.tensor(targets, device=device)
-        ctx_end = starts + torch.minimum(
-            torch.full_like(hist_end, contextual), hist_end - starts
+        hist_end = (
+            starts + torch.tensor(lengths, device=device) - torch.tensor(targets, device=device)
         )
+        ctx_end = starts + torch.minimum(torch.full_like(hist_end, contextual), hist_end - starts)
         he, ce = hist_end[user], ctx_end[user]
 
         def hstu_mod(b, h, q, k):

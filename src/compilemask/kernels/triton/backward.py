@@ -570,7 +570,8 @@ def attention_backward(
         Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-        DOT_PRECISION=dot_precision, LOAD_T=load_t, MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
+        DOT_PRECISION=dot_precision, LOAD_T=load_t,
+        MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
@@ -586,7 +587,8 @@ def attention_backward(
         Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        DOT_PRECISION=dot_precision, LOAD_T=load_t, MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
+        DOT_PRECISION=dot_precision, LOAD_T=load_t,
+        MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv

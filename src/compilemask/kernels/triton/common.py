@@ -36,7 +36,8 @@ def interval_tile_mask(
     jlo,
     jhi,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,    MAX_SPAN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):
     """visible[r, c] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j].
 
@@ -106,7 +107,18 @@ def partial_tile_mask(
         visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
     else:
         visible = interval_tile_mask(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N, MAX_SPAN
+            RowLo,
+            RowHi,
+            row_base,
+            offs_m,
+            offs_n,
+            Nq,
+            n_slots,
+            jlo,
+            jhi,
+            BLOCK_M,
+            BLOCK_N,
+            MAX_SPAN,
         )
     return visible
 
@@ -127,7 +139,8 @@ def interval_tile_mask_t(
     jlo,
     jhi,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,    MAX_SPAN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
 ):
     """visible_t[c, r] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j]."""
     row_ok = offs_m < Nq
@@ -193,7 +206,18 @@ def partial_tile_mask_t(
         visible = visible & (offs_m[None, :] < Nq) & (offs_n[:, None] < Nk)
     else:
         visible = interval_tile_mask_t(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi, BLOCK_M, BLOCK_N, MAX_SPAN
+            RowLo,
+            RowHi,
+            row_base,
+            offs_m,
+            offs_n,
+            Nq,
+            n_slots,
+            jlo,
+            jhi,
+            BLOCK_M,
+            BLOCK_N,
+            MAX_SPAN,
         )
     return visible
 
