@@ -176,6 +176,26 @@ def dilated(window: int, dilation: int) -> Mask:
     return Builtin("dilated", (_int(window, "window", 0), _int(dilation, "dilation", 1)))
 
 
+def tile_grid(mask: Mask, tile: tuple[int, int] = (8, 16)) -> Mask:
+    """Reorder the tokens of the mask's 2-D grids into ``th x tw`` tiles (a compiler pass for
+    local 2-D windows, DESIGN.md section 4). ``compilemask.attention`` with a plan of this mask
+    takes q, k, v in the ORIGINAL token order: it permutes them, runs the tiled plan and puts
+    the output back (``plan.permutation``); ``plan.in_permuted_order()`` drops that step for
+    models that keep their tokens tiled. Needs ``q_len == kv_len``.
+
+    Example::
+
+        >>> m = tile_grid(clear((128, 256), 16, 512), (8, 16))
+        >>> str(m)
+        'tile_grid(clear([128, 256], 16, 512), [8, 16])'
+    """
+    from .language.ast import TiledGrid
+
+    if not isinstance(mask, Mask):
+        raise CompileMaskError(f"tile_grid needs a mask, got {type(mask).__name__}")
+    return TiledGrid(mask, _pair(tile, "tile"))
+
+
 def per_head(masks: Sequence[Mask]) -> Mask:
     """``masks[h]`` for query head ``h`` (compile with ``heads=len(masks)``)."""
     ms = tuple(masks)

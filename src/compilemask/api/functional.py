@@ -116,7 +116,9 @@ def attention(
         k, v: [B, Hkv, Nk, D], same dtype and device as q, Hq % Hkv == 0.
             D (head_dim) is one of 32, 64, 96, 128, 256. Any strides.
         plan: a :class:`MaskPlan` compiled for (Nq, Nk), on q's device, and for this B / Hq
-            when its mask depends on the batch row / head.
+            when its mask depends on the batch row / head. A plan of a ``tile_grid`` mask
+            carries a permutation: q, k, v are given (and out returned) in the original token
+            order, and the kernels run in tiled order.
         scale: softmax scale, default 1 / sqrt(D).
         return_lse: also return the log-sum-exp of each row's scaled scores.
         backend: "auto" (Triton on CUDA, or on the CPU when TRITON_INTERPRET=1; else the
@@ -145,6 +147,14 @@ def attention(
     validate.check_plan(q, k, plan)
     scale = validate.check_scale(scale, q.shape[-1])
     backend = validate.resolve_backend(backend, q)
+    if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
+        perm, inv = plan.permutation, plan.inverse_permutation
+        q, k, v = (t.index_select(2, perm) for t in (q, k, v))
+        out, lse = attention(
+            q, k, v, plan.in_permuted_order(), scale=scale, return_lse=True, backend=backend
+        )
+        out, lse = out.index_select(2, inv), lse.index_select(2, inv)
+        return (out, lse) if return_lse else out
 
     if backend == "reference":
         out, lse = reference_attention(q, k, v, plan, scale)

@@ -16,7 +16,16 @@ from typing import NamedTuple
 import torch
 
 from ..errors import LayoutError
-from ..language.ast import GRID_RELATIONS, Builtin, Combine, Mask, PerBatch, PerHead, RuleMask
+from ..language.ast import (
+    GRID_RELATIONS,
+    Builtin,
+    Combine,
+    Mask,
+    PerBatch,
+    PerHead,
+    RuleMask,
+    TiledGrid,
+)
 from ..language.resolve import resolve, span_ranges
 from . import intervals as iv
 
@@ -81,6 +90,11 @@ class _Ctx:
             return tuple(
                 torch.cat([p[i].expand(*shape, *p[i].shape[2:]) for p in padded], dim=axis)
                 for i in range(3)
+            )
+        if isinstance(mask, TiledGrid):
+            raise LayoutError(
+                "tile_grid reorders the whole token axis: it must be the outermost mask "
+                "(write tile_grid(a | b, ...), not tile_grid(a, ...) | b)"
             )
         raise LayoutError(f"cannot lower {type(mask).__name__}")
 

@@ -7,9 +7,11 @@ from collections import OrderedDict
 import torch
 
 from ..errors import CompileMaskError
-from ..language.ast import Mask
+from ..language.ast import Mask, TiledGrid
+from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths
 from .lower import lower
+from .permute import permute_rows
 from .plan import MaskPlan
 from .tiles import build_tiles
 
@@ -109,13 +111,21 @@ def build_plan(
     """Lower and tile (lengths already validated). ``host_sync=False`` is the device build:
     K stays at its static bound and no tile is stored as a bitmask, so nothing waits for the
     device (no ``.item()``, no ``nonzero``); CPU builds trim K and use bitmasks."""
+    perm = None
+    if isinstance(mask, TiledGrid):
+        perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)
+        mask = mask.mask
     lo, hi, count = lower(mask, q_len, kv_len, device, trim=host_sync)
     m = lo.shape[0] * lo.shape[1]
     lo = lo.reshape(m, q_len, -1).contiguous()
     hi = hi.reshape(m, q_len, -1).contiguous()
     count = count.reshape(m, q_len).contiguous()
+    if perm is not None:
+        lo, hi, count = permute_rows(lo, hi, perm, kv_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
-    return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
+    return MaskPlan(
+        q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
+    )
 
 
 def clear_cache() -> None:

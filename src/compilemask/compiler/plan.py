@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,10 @@ class MaskPlan:
             ``from_mask_mod`` whose rows hold so many intervals that per-tile bitmasks are
             smaller: then every PARTIAL tile is a PARTIAL_BITS tile, ``row_lo``/``row_hi`` hold
             one empty slot per row, and ``row_runs`` [M, Nq] counts each row's intervals.
+        permutation: int64 ``[Nq]`` for plans of ``tile_grid`` masks (tiled position ->
+            original position; the intervals are in tiled order), else None. ``attention``
+            takes q, k, v in the original order and applies it; :meth:`in_permuted_order`
+            gives the same plan without it, for models that keep their tokens tiled.
 
     The dense mask is rebuilt as ``visible[m, q, k] = any(row_lo[m, q, j] <= k < row_hi[m, q, j])``
     (:meth:`to_dense`).
@@ -64,6 +69,7 @@ class MaskPlan:
     source: str = ""
     encoding: str = "intervals"
     row_runs: torch.Tensor | None = None
+    permutation: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ basic facts
@@ -209,6 +215,8 @@ class MaskPlan:
         if self.heads:
             dep.append(f"heads={self.heads}")
         src = self.source if len(self.source) <= 60 else self.source[:57] + "..."
+        if self.permutation is not None:
+            dep.append("tiled (permuted) token order")
         return (
             f"MaskPlan(q_len={self.q_len}, kv_len={self.kv_len}"
             f"{', ' if dep else ''}{', '.join(dep)}, device={self.device}, "
@@ -236,7 +244,25 @@ class MaskPlan:
             self.source,
             self.encoding,
             None if self.row_runs is None else self.row_runs.to(device),
+            None if self.permutation is None else self.permutation.to(device),
         )
+
+    def in_permuted_order(self) -> MaskPlan:
+        """This plan without its permutation: q, k, v are expected in tiled order."""
+        if self.permutation is None:
+            return self
+        return dataclasses.replace(self, permutation=None, _cache=self._cache)
+
+    @property
+    def inverse_permutation(self) -> torch.Tensor | None:
+        """int64 ``[Nq]``: original position -> tiled position (None without a permutation)."""
+        if self.permutation is None:
+            return None
+        if "inverse" not in self._cache:
+            inv = torch.empty_like(self.permutation)
+            inv[self.permutation] = torch.arange(len(inv), device=inv.device)
+            self._cache["inverse"] = inv
+        return self._cache["inverse"]
 
     def verify(self) -> None:
         """Check every invariant (intervals sorted, disjoint, in bounds; tile classes and lists

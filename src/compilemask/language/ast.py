@@ -159,6 +159,20 @@ class Combine(Mask):
 
 
 @dataclass(frozen=True, eq=True)
+class TiledGrid(Mask):
+    """``mask`` with the tokens of every 2-D grid it holds reordered into ``tile = (th, tw)``
+    tiles (tiles row-major over the grid, tokens row-major inside a tile); other tokens keep
+    their place. Position ``i`` of this mask is position ``permutation[i]`` of ``mask``
+    (:func:`compilemask.language.permutation.grid_permutation`)."""
+
+    mask: Mask
+    tile: tuple[int, int]
+
+    def children(self) -> tuple[Mask, ...]:
+        return (self.mask,)
+
+
+@dataclass(frozen=True, eq=True)
 class PerHead(Mask):
     """``masks[h]`` applies to query head ``h``."""
 

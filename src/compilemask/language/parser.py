@@ -250,7 +250,25 @@ class _Parser:
             )
         if tok.value in LIST_MASKS:
             return self.list_mask()
+        if tok.value == "tile_grid":
+            return self.tile_grid()
         return self.call()
+
+    def tile_grid(self) -> Mask:
+        from .. import masks
+
+        name = self.next()
+        self.expect_op("(", "after 'tile_grid'")
+        inner = self.expr()
+        args = []
+        if self.is_op(","):
+            self.next()
+            args.append(self.value())
+        self.expect_op(")", "to close tile_grid(...)")
+        try:
+            return masks.tile_grid(inner, *args)
+        except CompileMaskError as err:
+            raise _reraise(err, self.text, name.pos) from None
 
     def list_mask(self) -> Mask:
         from .. import masks
@@ -276,7 +294,7 @@ class _Parser:
 
         name = self.next()
         if name.value not in CATALOGUE:
-            known = set(CATALOGUE) | set(LIST_MASKS)
+            known = set(CATALOGUE) | set(LIST_MASKS) | {"tile_grid"}
             raise self.error(
                 f"unknown mask {name.value!r}; {_did_you_mean(name.value, known)}", name
             )

@@ -15,7 +15,19 @@ make the text read the same as a Python expression (where ``-`` binds tighter th
 from __future__ import annotations
 
 from ..errors import CompileMaskError
-from .ast import Builtin, Combine, Mask, PerBatch, PerHead, Relation, Rule, RuleMask, Segment, Span
+from .ast import (
+    Builtin,
+    Combine,
+    Mask,
+    PerBatch,
+    PerHead,
+    Relation,
+    Rule,
+    RuleMask,
+    Segment,
+    Span,
+    TiledGrid,
+)
 
 __all__ = ["to_text", "segment_text", "span_text", "relation_text", "rule_text"]
 
@@ -103,6 +115,8 @@ def _expr(mask: Mask) -> tuple[str, int]:
         return "{ " + "; ".join(_block_lines(mask)) + " }", _ATOM
     if isinstance(mask, Builtin):
         return _builtin(mask), _ATOM
+    if isinstance(mask, TiledGrid):
+        return f"tile_grid({_expr(mask.mask)[0]}, [{mask.tile[0]}, {mask.tile[1]}])", _ATOM
     if isinstance(mask, (PerHead, PerBatch)):
         name = "per_head" if isinstance(mask, PerHead) else "per_batch"
         return f"{name}([{', '.join(_expr(m)[0] for m in mask.masks)}])", _ATOM

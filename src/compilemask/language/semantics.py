@@ -37,7 +37,8 @@ import numbers
 import torch
 
 from ..errors import CompileMaskError, LayoutError, LengthError
-from .ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask
+from .ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask, TiledGrid
+from .permutation import grid_permutation
 from .resolve import check_rules, fixed_length, resolve, span_ranges
 
 __all__ = ["accepted_lengths", "visible", "dense"]
@@ -144,6 +145,13 @@ def _check_lengths(mask: Mask, q_len: int, kv_len: int) -> None:
                 f"got q_len={q_len}, kv_len={kv_len}"
             )
         resolve(mask.layout, max(q_len, kv_len))  # raises when the layout does not fit
+    elif isinstance(mask, TiledGrid):
+        if q_len != kv_len:
+            raise LengthError(
+                f"tile_grid permutes one axis: needs q_len == kv_len, got {q_len}, {kv_len}"
+            )
+        _check_lengths(mask.mask, q_len, kv_len)
+        grid_permutation(mask.mask, q_len, mask.tile)
     elif isinstance(mask, (Combine, PerHead, PerBatch)):
         for i, child in enumerate(mask.children()):
             try:
@@ -312,6 +320,10 @@ def _visible(mask: Mask, q, k, q_len: int, kv_len: int, b: int, h: int) -> torch
         if mask.op == "-":
             return left & ~right
         raise CompileMaskError(f"unknown combination operator {mask.op!r}")
+    if isinstance(mask, TiledGrid):
+        perm = grid_permutation(mask.mask, max(q_len, kv_len), mask.tile).to(q.device)
+        qi, ki = q.clamp(0, len(perm) - 1), k.clamp(0, len(perm) - 1)
+        return _visible(mask.mask, perm[qi], perm[ki], q_len, kv_len, b, h)
     if isinstance(mask, PerHead):
         if h >= len(mask.masks):
             raise CompileMaskError(

@@ -1,0 +1,606 @@
+"""``compilemask bench``: CompileMask beside its peers on the seed workloads, on one GPU.
+
+For each seed workload at each nominal size (one *case*), in one process: compile the plan,
+draw random normal bf16 inputs (B = 32768 // N0 rows, 16 heads, head_dim 128, the same for
+every system), then for each mode (``fwd``, ``fwd+bwd``) and each system of :data:`SYSTEMS`:
+
+1. skip it, with the reason, when it does not import, needs another GPU, or does not apply
+   (FA4 / SDPA run dense causal only; the reference runs only up to N = 4096);
+2. prepare it (Flex: ``create_block_mask`` on the natural ``mask_mod``; cuDNN: its plan from our
+   intervals) and check it against the float64 reference on the first 2 heads by the measure of
+   DESIGN.md section 3 (forward output; in ``fwd+bwd`` also dq, dk, dv); a failing system is
+   reported and not timed;
+3. time it with ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")``
+   (``fwd+bwd``: ``out = fn(); out.backward(dout)``, gradients reset between steps).
+
+Mode ``plan`` times plan building as GPU.md defines it: ours is ``compile(mask, N,
+device="cuda", cache=False)`` plus the forward and dK/dV tile schedules at 128 x 128 (what the
+kernels read), Flex's is ``create_block_mask(mask_mod, None, None, N, N, device="cuda")``; median
+of 20 warm synchronised runs each, with a ``torch.cuda.set_sync_debug_mode("error")`` check that
+our build does not synchronise, and both sizes in bytes.
+
+Rows go to JSON lines (:mod:`compilemask.tools.bench_report`) as they are measured.
+
+Legend: B batch rows, H heads (Hq = Hkv), N tokens per row, D head_dim; BHSD = [B, H, N, D]
+(ours, Flex, SDPA), BSHD = [B, N, H, D] (cuDNN-frontend, FA4).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import workloads as wl
+from ..compiler.pipeline import compile as compile_mask
+from ..compiler.plan import MaskPlan
+from ..testing import check_close
+from .bench_report import Shape, effective_tflops, result_row
+
+DTYPE = torch.bfloat16
+DTYPE_NAME = "bf16"
+HEADS = 16
+HEAD_DIM = 128
+CHECK_HEADS = 2  # the float64 check runs on the first heads (16 do not fit at 32K)
+REFERENCE_MAX_N = 4096  # compilemask-reference is timed only up to this many tokens per row
+PLAN_BLOCK = 128
+PLAN_REPEATS = 20
+PLAN_WARMUP = 3
+
+
+# ------------------------------------------------------------------------------ one case
+
+
+@dataclass
+class Case:
+    """One seed workload at one size on the GPU: plan, inputs (BHSD, no grad) and caches.
+
+    Attributes:
+        workload: the :class:`~compilemask.workloads.Workload`.
+        plan: its :class:`MaskPlan` on CUDA (broadcast over B and heads).
+        q, k, v, dout: bf16 [B, H, N, D], random normal, shared by every system.
+        pairs: visible (q, k) pairs of one row-mask (the work of WORKLOADS.md's TFLOP/s).
+        cache: per-case objects systems share (Flex's BlockMask, the references).
+    """
+
+    workload: wl.Workload
+    plan: MaskPlan
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    pairs: float
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def shape(self) -> Shape:
+        w = self.workload
+        return Shape(w.name, w.N0, w.N, w.B, HEADS, HEADS, HEAD_DIM, DTYPE_NAME)
+
+
+def visible_pairs(plan: MaskPlan) -> float:
+    """Visible (q, k) pairs of one row-mask (averaged over the plan's masks)."""
+    if plan.encoding == "intervals":
+        total = (plan.row_hi - plan.row_lo).clamp(min=0).sum(dtype=torch.int64)
+    else:
+        total = plan.schedule.pairs.sum(dtype=torch.int64)
+    return float(total) / plan.num_masks
+
+
+def make_case(name: str, N0: int, seed: int = 0) -> Case:
+    """Compile workload ``name`` at ``N0`` on CUDA and draw its inputs (seeded)."""
+    w = wl.workload(name, N0)
+    plan = compile_mask(w.mask, w.N, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (w.B, HEADS, w.N, HEAD_DIM)
+    q, k, v, dout = (
+        torch.randn(shape, device="cuda", dtype=DTYPE, generator=g) for _ in range(4)
+    )
+    return Case(w, plan, q, k, v, dout, visible_pairs(plan))
+
+
+# ------------------------------------------------------------------------------ systems
+
+
+@dataclass
+class Runner:
+    """A prepared system: ``fn()`` runs one forward and returns its output.
+
+    ``leaves`` are the q, k, v tensors ``fn`` reads (requiring grad in ``fwd+bwd``), ``dout``
+    the output gradient, both in the system's layout (``bshd``: [B, N, H, D], else BHSD).
+    """
+
+    fn: Callable[[], torch.Tensor]
+    leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    dout: torch.Tensor
+    bshd: bool = False
+
+    def to_bhsd(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2) if self.bshd else t
+
+
+@dataclass(frozen=True)
+class System:
+    """One contender.
+
+    Attributes:
+        name: the ``system`` of the results rows.
+        available: ``() -> (ok, reason)``: imports and hardware.
+        prepare: ``(case, grad) -> Runner``; building plans and compiling happen here (and in
+            the first call), never inside the timed loop.
+        applies: ``(workload name, N) -> (ok, reason)``: whether it runs this case.
+        supports_bwd: whether ``fwd+bwd`` is measured.
+    """
+
+    name: str
+    available: Callable[[], tuple[bool, str]]
+    prepare: Callable[[Case, bool], Runner]
+    applies: Callable[[str, int], tuple[bool, str]] = lambda name, n: (True, "")
+    supports_bwd: bool = True
+
+
+def _cuda() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "needs a CUDA GPU"
+    return True, ""
+
+
+def _imports(module: str) -> tuple[bool, str]:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - a peer may fail to import in many ways
+        return False, f"{module} does not import: {type(err).__name__}: {err}"
+    return True, ""
+
+
+def _all(*checks: Callable[[], tuple[bool, str]]) -> Callable[[], tuple[bool, str]]:
+    def check() -> tuple[bool, str]:
+        for c in checks:
+            ok, why = c()
+            if not ok:
+                return ok, why
+        return True, ""
+
+    return check
+
+
+def _hopper() -> tuple[bool, str]:
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return False, f"needs sm_90 or newer, this GPU is sm_{major}{minor}"
+    return True, ""
+
+
+def _causal_only(name: str, n: int) -> tuple[bool, str]:
+    return (name == "causal", "runs dense causal only")
+
+
+def _small_only(name: str, n: int) -> tuple[bool, str]:
+    return (n <= REFERENCE_MAX_N, f"too slow beyond N = {REFERENCE_MAX_N}")
+
+
+def _bhsd_leaves(case: Case, grad: bool):
+    return tuple(t.detach().requires_grad_(grad) for t in (case.q, case.k, case.v))
+
+
+def _bshd_leaves(case: Case, grad: bool):
+    return tuple(
+        t.detach().transpose(1, 2).contiguous().requires_grad_(grad)
+        for t in (case.q, case.k, case.v)
+    )
+
+
+def _triton_ok() -> tuple[bool, str]:
+    from ..api.validate import triton_usable
+
+    ok, why = triton_usable(torch.device("cuda"))
+    return ok, why
+
+
+def _compilemask(backend: str) -> Callable[[Case, bool], Runner]:
+    def prepare(case: Case, grad: bool) -> Runner:
+        from ..api.functional import attention
+
+        q, k, v = _bhsd_leaves(case, grad)
+        plan = case.plan
+        return Runner(lambda: attention(q, k, v, plan, backend=backend), (q, k, v), case.dout)
+
+    return prepare
+
+
+_FLEX: dict = {}
+
+
+def _flex_compiled():
+    """``torch.compile(flex_attention, dynamic=False)``, once per process, with the recompile
+    limits raised (otherwise Flex falls back to a slow eager path after 8 recompiles)."""
+    if "fn" not in _FLEX:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        cfg = torch._dynamo.config
+        for name, value in (("recompile_limit", 1000), ("accumulated_recompile_limit", 10000)):
+            if hasattr(cfg, name):
+                setattr(cfg, name, value)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def flex_block_mask(case: Case):
+    """Flex's BlockMask of the case (the natural ``mask_mod``, B = H = None), built once."""
+    if "block_mask" not in case.cache:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from .peers import flex_mask_mod
+
+        mm = flex_mask_mod(case.workload.mask, "cuda")
+        n = case.workload.N
+        case.cache["block_mask"] = create_block_mask(mm, None, None, n, n, device="cuda")
+    return case.cache["block_mask"]
+
+
+def _flex(kernel_options: dict | None) -> Callable[[Case, bool], Runner]:
+    def prepare(case: Case, grad: bool) -> Runner:
+        flex = _flex_compiled()
+        bm = flex_block_mask(case)
+        q, k, v = _bhsd_leaves(case, grad)
+        if kernel_options:
+            opts = dict(kernel_options)
+            return Runner(lambda: flex(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v),
+                          case.dout)  # fmt: skip
+        return Runner(lambda: flex(q, k, v, block_mask=bm), (q, k, v), case.dout)
+
+    return prepare
+
+
+def _cudnn_api():
+    """``(create_mask_plan, flex_attn_func)`` of cuDNN-frontend interval attention."""
+    try:
+        from cudnn.flex_attention import create_mask_plan, flex_attn_func
+    except ImportError:
+        from cudnn import create_mask_plan, flex_attn_func  # older / newer re-export
+    return create_mask_plan, flex_attn_func
+
+
+def _cudnn_available() -> tuple[bool, str]:
+    try:
+        _cudnn_api()
+    except Exception as err:  # noqa: BLE001
+        return False, f"cudnn.flex_attention does not import: {type(err).__name__}: {err}"
+    return True, ""
+
+
+def _cudnn(case: Case, grad: bool) -> Runner:
+    from .peers import cudnn_endpoints
+
+    create_mask_plan, flex_attn_func = _cudnn_api()
+    q, k, v = _bshd_leaves(case, grad)
+    ends = cudnn_endpoints(case.plan, case.workload.B)  # [1, nfunc, B * N] int32
+    try:
+        cplan = create_mask_plan(ends, q, k, v, build_backward=grad)
+    except TypeError:  # a release without build_backward: it follows requires_grad
+        cplan = create_mask_plan(ends, q, k, v)
+    dout = case.dout.transpose(1, 2).contiguous()
+    return Runner(lambda: flex_attn_func(q, k, v, mask_plan=cplan), (q, k, v), dout, bshd=True)
+
+
+def _fa4(case: Case, grad: bool) -> Runner:
+    from flash_attn.cute import flash_attn_func
+
+    q, k, v = _bshd_leaves(case, grad)
+
+    def fn():
+        out = flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out  # (out, lse) in the 4.0 betas
+
+    dout = case.dout.transpose(1, 2).contiguous()
+    return Runner(fn, (q, k, v), dout, bshd=True)
+
+
+def _sdpa_available(backend: str) -> Callable[[], tuple[bool, str]]:
+    def check() -> tuple[bool, str]:
+        from torch.nn.attention import SDPBackend
+
+        if not hasattr(SDPBackend, backend):
+            return False, f"this torch has no SDPBackend.{backend}"
+        if backend == "CUDNN_ATTENTION" and not torch.backends.cudnn.is_available():
+            return False, "cuDNN is not available to torch"
+        flash = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+        if backend == "FLASH_ATTENTION" and flash is not None and not flash():
+            return False, "torch was built without flash attention"
+        return True, ""
+
+    return check
+
+
+def _sdpa(backend: str) -> Callable[[Case, bool], Runner]:
+    def prepare(case: Case, grad: bool) -> Runner:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        which = getattr(SDPBackend, backend)
+        q, k, v = _bhsd_leaves(case, grad)
+
+        def fn():
+            with sdpa_kernel(which):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return Runner(fn, (q, k, v), case.dout)
+
+    return prepare
+
+
+_FLEX_OK = _all(_cuda, lambda: _imports("torch.nn.attention.flex_attention"))
+_FA4_OK = _all(_cuda, _hopper, lambda: _imports("flash_attn.cute"))
+
+#: Every contender, in the order it runs within a case.
+SYSTEMS: tuple[System, ...] = (
+    System("compilemask-triton", _all(_cuda, _triton_ok), _compilemask("triton")),
+    System("flex-triton", _FLEX_OK, _flex(None)),
+    System("flex-fa4", _all(_FLEX_OK, _FA4_OK), _flex({"BACKEND": "FLASH"})),
+    System("cudnn-fe", _all(_cuda, _hopper, _cudnn_available), _cudnn),
+    System("fa4", _FA4_OK, _fa4, applies=_causal_only),
+    System("sdpa-cudnn", _all(_cuda, _sdpa_available("CUDNN_ATTENTION")),
+           _sdpa("CUDNN_ATTENTION"), applies=_causal_only),  # fmt: skip
+    System("sdpa-flash", _all(_cuda, _sdpa_available("FLASH_ATTENTION")),
+           _sdpa("FLASH_ATTENTION"), applies=_causal_only),  # fmt: skip
+    System("compilemask-reference", _cuda, _compilemask("reference"), applies=_small_only),
+)
+SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
+
+
+def availability(systems: tuple[System, ...] = SYSTEMS) -> dict[str, tuple[bool, str]]:
+    """``{name: (ok, reason)}``: which systems import and run on this machine, and why not."""
+    out = {}
+    for s in systems:
+        try:
+            out[s.name] = s.available()
+        except Exception as err:  # noqa: BLE001 - a probe must not stop the run
+            out[s.name] = (False, f"{type(err).__name__}: {err}")
+    return out
+
+
+# ------------------------------------------------------------------------------ checking
+
+
+def references(case: Case, bwd: bool) -> dict:
+    """float64 and same-dtype references on the first :data:`CHECK_HEADS` heads (cached):
+    ``out64, outdt`` and, with ``bwd``, ``grads64, gradsdt`` (dq, dk, dv)."""
+    from ..kernels.reference import reference_attention, reference_attention_backward
+
+    refs = case.cache.setdefault("refs", {})
+    h = CHECK_HEADS if case.plan.heads is None else HEADS
+    q, k, v, do = (t[:, :h] for t in (case.q, case.k, case.v, case.dout))
+    if "out64" not in refs:
+        refs["out64"] = reference_attention(q, k, v, case.plan, compute_dtype=torch.float64)[0]
+        refs["outdt"] = reference_attention(
+            q, k, v, case.plan, compute_dtype=torch.float32, matmul_dtype=DTYPE
+        )[0]
+    if bwd and "grads64" not in refs:
+        refs["grads64"] = reference_attention_backward(
+            q, k, v, case.plan, do, compute_dtype=torch.float64
+        )
+        refs["gradsdt"] = reference_attention_backward(
+            q, k, v, case.plan, do, compute_dtype=torch.float32, matmul_dtype=DTYPE
+        )
+    refs["heads"] = h
+    return refs
+
+
+def check_runner(runner: Runner, refs: dict, bwd: bool) -> tuple[bool, float, float, dict]:
+    """Run ``runner`` once (forward, or forward+backward) and apply DESIGN.md section 3.
+
+    Returns:
+        (ok, err, bound, detail): the worst error over out (and dq, dk, dv), its bound, and
+        ``{name: [err, bound]}`` per checked tensor.
+    """
+    h = refs["heads"]
+    checks = {}
+    if bwd:
+        for t in runner.leaves:
+            t.grad = None
+        out = runner.fn()
+        out.backward(runner.dout)
+        torch.cuda.synchronize()
+        tensors = {"out": out.detach()}
+        tensors.update(zip(("dq", "dk", "dv"), (t.grad for t in runner.leaves)))
+        wanted = {"out": (refs["out64"], refs["outdt"])}
+        wanted.update(zip(("dq", "dk", "dv"), zip(refs["grads64"], refs["gradsdt"])))
+    else:
+        with torch.no_grad():
+            tensors = {"out": runner.fn()}
+        wanted = {"out": (refs["out64"], refs["outdt"])}
+    ok_all, worst, worst_bound = True, 0.0, 0.0
+    for name, got in tensors.items():
+        r64, rdt = wanted[name]
+        ok, err, bound = check_close(runner.to_bhsd(got)[:, :h], r64, rdt, DTYPE)
+        checks[name] = [err, bound]
+        ok_all = ok_all and ok
+        if math.isnan(err) or err > worst or not ok:
+            worst, worst_bound = err, bound
+    if bwd:
+        for t in runner.leaves:
+            t.grad = None
+    return ok_all, worst, worst_bound, checks
+
+
+def time_ms(runner: Runner, bwd: bool) -> float:
+    """Median milliseconds of one call (``triton.testing.do_bench``, warmup 25, rep 100)."""
+    from triton.testing import do_bench
+
+    if not bwd:
+
+        def call():
+            with torch.no_grad():
+                runner.fn()
+
+        return float(do_bench(call, warmup=25, rep=100, return_mode="median"))
+
+    def step():
+        runner.fn().backward(runner.dout)
+
+    grads = list(runner.leaves)
+    return float(do_bench(step, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def measure(system: System, case: Case, mode: str, env: dict, check: bool = True) -> dict:
+    """One results row: ``system`` on ``case`` in ``mode`` (skipped, failed, error or timed)."""
+    shape, bwd = case.shape, mode == "fwd+bwd"
+
+    def row(**kw):
+        return result_row(env, shape, mode, system.name, kind="speed", **kw)
+
+    for ok, why in (
+        availability((system,))[system.name],
+        system.applies(case.workload.name, case.workload.N),
+        (system.supports_bwd or not bwd, "has no backward"),
+    ):
+        if not ok:
+            return row(status="skipped", reason=why)
+    extra = {"pairs": case.pairs}
+    if system.name.startswith("compilemask"):
+        extra["plan_bytes"] = int(case.plan.nbytes)
+    runner = None
+    t0 = time.perf_counter()
+    try:
+        runner = system.prepare(case, bwd)
+        err = bound = None
+        if check:
+            ok, err, bound, detail = check_runner(runner, references(case, bwd), bwd)
+            extra.update(bound=bound, errors=detail)
+            if not ok:
+                return row(rel_err=err, status="failed", **extra)
+        else:
+            check_runner_free(runner, bwd)
+        extra["prepare_s"] = round(time.perf_counter() - t0, 2)
+        ms = time_ms(runner, bwd)
+        B, H, D = case.workload.B, HEADS, HEAD_DIM
+        tflops = effective_tflops(B, H, D, case.pairs, ms, mode)
+        return row(ms=ms, tflops=tflops, rel_err=err, status="ok", **extra)
+    except Exception as err:  # noqa: BLE001 - one system's failure must not stop the others
+        reason = f"{type(err).__name__}: {err}"
+        return row(status="error", reason=" ".join(reason.split())[:500], **extra)
+    finally:
+        del runner
+        torch.cuda.empty_cache()
+
+
+def check_runner_free(runner: Runner, bwd: bool) -> None:
+    """One unchecked call (compiles and warms up) for ``--no-check`` runs."""
+    if bwd:
+        runner.fn().backward(runner.dout)
+        for t in runner.leaves:
+            t.grad = None
+    else:
+        with torch.no_grad():
+            runner.fn()
+    torch.cuda.synchronize()
+
+
+def blockmask_nbytes(block_mask) -> int:
+    """Bytes of the tensors a FlexAttention BlockMask holds."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    names = getattr(BlockMask, "_TENSOR_ATTRS", ())
+    tensors = [getattr(block_mask, n, None) for n in names]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    for _ in range(PLAN_WARMUP):
+        fn()
+    times = []
+    for _ in range(PLAN_REPEATS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def plan_rows(case: Case, env: dict) -> list[dict]:
+    """Mode ``plan``: our GPU plan build vs Flex's ``create_block_mask`` (see the module
+    docstring), with ``sync_free``, ``plan_bytes`` and ``blockmask_bytes``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ..kernels.triton.schedule import dkdv_schedule, forward_schedule
+    from .peers import flex_mask_mod
+
+    w = case.workload
+    shape = Shape(w.name, w.N0, w.N, w.B)
+    rows = []
+
+    def build():
+        plan = compile_mask(w.mask, w.N, device="cuda", cache=False)
+        forward_schedule(plan, PLAN_BLOCK, PLAN_BLOCK)
+        dkdv_schedule(plan, PLAN_BLOCK, PLAN_BLOCK)
+        return plan
+
+    try:
+        ours = _median_ms(build)
+        compile_only = _median_ms(lambda: compile_mask(w.mask, w.N, device="cuda", cache=False))
+        sync_error = None
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            build()
+        except RuntimeError as err:
+            sync_error = " ".join(str(err).split())[:200]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        rows.append(
+            result_row(
+                env, shape, "plan", "compilemask-cuda", ms=ours, kind="plan", status="ok",
+                compile_only_ms=compile_only, sync_free=sync_error is None,
+                sync_error=sync_error, plan_bytes=int(build().nbytes),
+                includes="compile + forward and dK/dV schedules, 128x128",
+            )
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001
+        rows.append(result_row(env, shape, "plan", "compilemask-cuda", kind="plan",
+                               status="error", reason=f"{type(err).__name__}: {err}"[:500]))  # fmt: skip
+    try:
+        mm = flex_mask_mod(w.mask, "cuda")
+        flex = _median_ms(lambda: create_block_mask(mm, None, None, w.N, w.N, device="cuda"))
+        bm = create_block_mask(mm, None, None, w.N, w.N, device="cuda")
+        rows.append(
+            result_row(
+                env, shape, "plan", "flex-create_block_mask", ms=flex, kind="plan",
+                status="ok", blockmask_bytes=blockmask_nbytes(bm),
+            )
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001
+        rows.append(result_row(env, shape, "plan", "flex-create_block_mask", kind="plan",
+                               status="error", reason=f"{type(err).__name__}: {err}"[:500]))  # fmt: skip
+    return rows
+
+
+def run_case(
+    name: str,
+    N0: int,
+    modes: tuple[str, ...],
+    systems: tuple[System, ...],
+    env: dict,
+    emit: Callable[[dict], None],
+    check: bool = True,
+) -> None:
+    """Measure one (workload, size) in this process; ``emit`` receives each row as it is
+    made (the caller writes and prints it)."""
+    case = make_case(name, N0)
+    if "plan" in modes:
+        for r in plan_rows(case, env):
+            emit(r)
+    for mode in ("fwd", "fwd+bwd"):
+        if mode not in modes:
+            continue
+        for system in systems:
+            emit(measure(system, case, mode, env, check))

@@ -1,0 +1,76 @@
+"""The token-permutation pass (tile_grid): the tiled plan is the permuted mask, and attention
+through it equals attention through the row-major mask (q, k, v in the original order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.errors import CompileMaskError
+from compilemask.language.permutation import grid_permutation, tiled_order
+
+CASES = [
+    (masks.clear((6, 10), 3, 7), (2, 4), 67),
+    (masks.clear((8, 16), 4, 0), (4, 8), 128),
+    (masks.natten2d((7, 9), (3, 5)), (2, 3), 63),
+    (
+        cm.parse(
+            "layout t:5 img:grid(4, 6) rest:*\nimg -> img : disc(2)\nt -> * : full\n* -> t : full"
+        ),
+        (2, 2),
+        40,
+    ),
+]
+
+
+@pytest.mark.parametrize("mask,tile,n", CASES, ids=lambda x: str(x)[:24])
+def test_tiled_plan_is_the_permuted_mask(mask, tile, n):
+    tiled = masks.tile_grid(mask, tile)
+    assert cm.parse(str(tiled)) == tiled
+    plan = cm.compile(tiled, n, block_m=16, block_n=32, cache=False)
+    perm = grid_permutation(mask, n, tile)
+    assert sorted(perm.tolist()) == list(range(n))
+    want = cm.dense(mask, n)[perm][:, perm]
+    assert torch.equal(cm.dense(tiled, n), want)
+    assert torch.equal(plan.to_dense(), want)
+    plan.verify()
+    assert torch.equal(plan.permutation, perm)
+    assert plan.in_permuted_order().permutation is None
+
+
+def test_tiled_order_edge_tiles():
+    order = tiled_order(3, 5, (2, 2))
+    # tiles row-major, row-major inside: first tile holds cells (0,0) (0,1) (1,0) (1,1)
+    assert order[:4].tolist() == [0, 1, 5, 6]
+    assert sorted(order.tolist()) == list(range(15))
+
+
+def test_attention_through_a_tiled_plan_equals_the_row_major_one():
+    mask = masks.clear((8, 12), 3, 16)
+    n = 16 + 96
+    plan = cm.compile(mask, n)
+    tiled = cm.compile(masks.tile_grid(mask, (4, 4)), n)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    q.requires_grad_(True)
+    a, lse_a = cm.attention(q, k, v, plan, backend="reference", return_lse=True)
+    b, lse_b = cm.attention(q, k, v, tiled, backend="reference", return_lse=True)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(lse_a, lse_b)
+    (ga,) = torch.autograd.grad(a.sum(), q)
+    (gb,) = torch.autograd.grad(b.sum(), q)
+    torch.testing.assert_close(ga, gb)
+    assert tiled.stats()["tiles_full"] >= plan.stats()["tiles_full"]
+
+
+def test_tile_grid_errors():
+    with pytest.raises(CompileMaskError, match="2-D grid"):
+        cm.compile(masks.tile_grid(masks.causal()), 16)
+    with pytest.raises(CompileMaskError, match="q_len == kv_len"):
+        cm.compile(masks.tile_grid(masks.natten2d((4, 4), (3, 3))), 16, 20)
+    with pytest.raises(CompileMaskError, match="outermost"):
+        cm.compile(masks.tile_grid(masks.natten2d((4, 4), (3, 3))) | masks.causal(), 16)
+    with pytest.raises(CompileMaskError, match="tile"):
+        masks.tile_grid(masks.causal(), (0, 4))
