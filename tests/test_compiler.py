@@ -433,3 +433,40 @@ def test_device_build_of_other_masks_reads_nothing_back():
         assert torch.equal(
             plan.to_dense(), cm.compile(mask, n, kv, heads=heads, cache=False).to_dense()
         )
+
+
+HUGE = 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    "mask,n",
+    [
+        (masks.sliding_window(HUGE), 37),
+        (masks.block_causal(HUGE), 37),
+        (masks.global_local(HUGE, [0]), 37),
+        (masks.chunked(HUGE), 37),
+        (masks.prefix_lm(HUGE), 37),
+        (masks.dilated(HUGE, 3), 37),
+        (masks.clear((6, 6), HUGE, 3), 39),
+        (cm.parse(f"layout a:*\na -> a : band(-{HUGE}, {HUGE})"), 37),
+        (cm.parse(f"layout g:grid(6,6)\ng -> g : disc({HUGE})"), 36),
+    ],
+    ids=lambda x: str(x)[:20],
+)
+def test_parameters_larger_than_the_axis_compile_exactly(mask, n):
+    """Parameters are clamped to the axis before the int32 arithmetic (no silent overflow)."""
+    check_plan(cm.compile(mask, n, cache=False), dense(mask, n))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: masks.sliding_window(2**32),
+        lambda: masks.chunked(2**31),
+        lambda: cm.parse("sliding_window(9223372036854775808)"),
+        lambda: cm.parse("layout a:*\na -> a : band(-100000000000000000000, 0)"),
+    ],
+)
+def test_parameters_beyond_int32_are_refused(make):
+    with pytest.raises(CompileMaskError, match="2\\*\\*31"):
+        make()

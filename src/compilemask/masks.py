@@ -21,12 +21,19 @@ from .errors import CompileMaskError
 from .language.ast import Builtin, Mask, PerBatch, PerHead
 
 
+MAX_INT = 2**31 - 1  # token positions and mask parameters are int32 in plans
+
+
 def _int(value: object, name: str, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise CompileMaskError(f"{name} must be an integer, got {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise CompileMaskError(f"{name} must be >= {minimum}, got {value}")
+    if abs(value) > MAX_INT:
+        raise CompileMaskError(
+            f"{name} must be below 2**31 (plans hold int32 positions), got {value}"
+        )
     return value
 
 

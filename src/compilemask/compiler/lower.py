@@ -103,9 +103,14 @@ class _Ctx:
         q = self.q
         return q[:, None] * 0, q[:, None] + 1
 
+    # Parameters larger than the axis act like the axis length: clamp them first, so that the
+    # int32 arithmetic below cannot overflow.
+    def _axis(self) -> int:
+        return max(self.q_len, self.kv_len) + 1
+
     def _b_sliding_window(self, window):
         q = self.q[:, None]
-        return q - window + 1, q + 1
+        return q - min(window, self._axis()) + 1, q + 1
 
     def _segment_of(self, lengths):
         """For each query row: (index of its part, start, end) in a packed list of lengths."""
@@ -120,14 +125,14 @@ class _Ctx:
 
     def _b_prefix_lm(self, prefix_len):
         q = self.q[:, None]
-        return q * 0, torch.clamp(q + 1, min=prefix_len)
+        return q * 0, torch.clamp(q + 1, min=min(prefix_len, self._axis()))
 
     def _b_chunked(self, chunk):
-        q = self.q[:, None]
+        q, chunk = self.q[:, None], min(chunk, self._axis())
         return q // chunk * chunk, q + 1
 
     def _b_block_causal(self, block):
-        q = self.q[:, None]
+        q, block = self.q[:, None], min(block, self._axis())
         return q * 0, (q // block + 1) * block
 
     def _b_shared_prompt(self, prompts, responses):
@@ -181,7 +186,7 @@ class _Ctx:
         )
 
     def _b_global_local(self, window, global_tokens):
-        q = self.q[:, None]
+        q, window = self.q[:, None], min(window, self._axis())
         g = self.t(list(global_tokens))
         is_global = torch.isin(self.q, g)[:, None] if g.numel() else torch.zeros_like(q, dtype=bool)
         band = (
@@ -218,6 +223,7 @@ class _Ctx:
         return (lo, hi) if _grid_may_touch(grid, "natten", kernel) else _Canonical(lo, hi)
 
     def _b_dilated(self, window, dilation):
+        window, dilation = min(window, self._axis()), min(dilation, self._axis())
         steps = window // dilation
         m = torch.arange(-steps, steps + 1, device=self.device, dtype=I32) * dilation
         k = self.q[:, None] + m[None, :]
@@ -293,9 +299,10 @@ class _Ctx:
         elif rel.kind == "diag":
             a, b = qp, qp + 1
         elif rel.kind == "band":
-            a, b = qp + rel.params[0], qp + rel.params[1] + 1
+            lo_, hi_ = (max(-axis - 1, min(axis + 1, p)) for p in rel.params)
+            a, b = qp + lo_, qp + hi_ + 1
         else:  # chunk
-            c = rel.params[0]
+            c = min(rel.params[0], axis + 1)
             a, b = qp // c * c, (qp // c + 1) * c
         a, b = a.clamp(0), torch.minimum(b, kl)
         b = torch.maximum(b, a)
@@ -328,11 +335,11 @@ def _grid_window(q, q_start, key_start, grid, kind, params, t, skip=None):
     if kind == "disc":
         r = params[0]
         reach = min(r - 1, h - 1)
-        halves = [math.isqrt(r * r - d * d - 1) for d in range(-reach, reach + 1)]
+        halves = [min(w, math.isqrt(r * r - d * d - 1)) for d in range(-reach, reach + 1)]
     else:  # box
         bh, bw = params
         reach = min(bh // 2, h - 1)
-        halves = [bw // 2] * (2 * reach + 1)
+        halves = [min(w, bw // 2)] * (2 * reach + 1)
     slots = torch.arange(2 * reach + 1, device=dev, dtype=I32)
     y0 = (y - reach).clamp(min=0)
     rows_used = (y + reach).clamp(max=h - 1) - y0 + 1

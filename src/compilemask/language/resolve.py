@@ -55,8 +55,10 @@ def check_layout(layout: tuple[Segment, ...]) -> None:
         if not s.lengths:
             raise LayoutError(f"segment {s.name!r} has no parts")
         for n in s.lengths:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise LayoutError(f"segment {s.name!r} has a bad length {n!r} (need an int >= 0)")
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 2**31 - 1:
+                raise LayoutError(
+                    f"segment {s.name!r} has a bad length {n!r} (need an int >= 0, below 2**31)"
+                )
         if s.grid is not None:
             h, w = s.grid
             if h < 1 or w < 1 or s.lengths != (h * w,):
@@ -155,6 +157,9 @@ def check_rules(mask: RuleMask) -> None:
                 f"key index variable {kv!r} is not bound by the query span "
                 f"(write {rule.query.names[0]}[{kv}] -> ...)"
             )
+        for value in rel.params:
+            if abs(value) > 2**31 - 1:
+                raise LayoutError(f"{rel.kind}{rel.params}: parameters must be below 2**31")
         if rel.kind == "chunk" and rel.params[0] < 1:
             raise LayoutError(f"chunk(c) needs c >= 1, got {rel.params[0]}")
         if rel.kind == "disc" and rel.params[0] < 1:
