@@ -1,4 +1,4 @@
-"""The mask catalogue: one constructor per named pattern (semantics: ../shared/WORKLOADS.md).
+"""The mask catalogue: one constructor per named pattern (semantics: docs/masks.md).
 
 Every constructor validates its parameters (raising :class:`CompileMaskError` that names the
 parameter) and returns a :class:`~compilemask.language.ast.Builtin`, which prints as text that
