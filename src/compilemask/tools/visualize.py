@@ -60,14 +60,12 @@ def summarize(plan, block_m: int | None = None, block_n: int | None = None) -> d
         in the tiles the kernel touches, FULL + PARTIAL), ``plan_bytes``.
     """
     nq, nk = plan_lengths(plan)
-    lo = plan.row_lo[0].long()
-    hi = plan.row_hi[0].long()
-    width = (hi - lo).clamp_min(0)
-    visible = int(width.sum())
-    per_row = (width > 0).sum(-1)
     bm = block_m or plan.block_m
     bn = block_n or plan.block_n
-    kind = plan.tiles(bm, bn).kind[0]
+    sched = plan.tiles(bm, bn)
+    visible = int(sched.pairs[0].sum())  # both encodings (intervals or bitmasks)
+    per_row = plan.row_runs[0] if plan.encoding == "bits" else plan.row_count[0]
+    kind = sched.kind[0]
     full = int((kind == FULL).sum())
     partial = int((kind >= PARTIAL).sum())
     touched_pairs = _touched_pairs(kind, bm, bn, nq, nk)
@@ -180,7 +178,10 @@ def plot_mask(plan, path, *, max_pixels: int = 1024, title: str | None = None) -
         extent=(0, nk, nq, 0),
         aspect="auto",
     )
-    ax_mask.set_title("visible pairs (dark = visible)")
+    which = ""
+    if plan.num_masks > 1:  # per-head / per-batch plans: the picture shows the first mask
+        which = f" - mask 0 of {plan.num_masks} (batch row 0, head 0)"
+    ax_mask.set_title("visible pairs (dark = visible)" + which)
     ax_mask.set_xlabel("key k")
     ax_mask.set_ylabel("query q")
 
@@ -197,6 +198,10 @@ def plot_mask(plan, path, *, max_pixels: int = 1024, title: str | None = None) -
     ax_tiles.set_title(f"tiles {info['block_m']}x{info['block_n']}")
     ax_tiles.set_xlabel("kv-tile")
     ax_tiles.set_ylabel("q-tile")
+    from matplotlib.ticker import MaxNLocator
+
+    ax_tiles.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax_tiles.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     present = sorted({int(c) for c in kind.flat} | {EMPTY, FULL, PARTIAL})
     ax_tiles.legend(
         handles=[
@@ -207,7 +212,8 @@ def plot_mask(plan, path, *, max_pixels: int = 1024, title: str | None = None) -
         fontsize=8,
     )
     fig.suptitle(
-        f"{title}\nNq={nq} Nk={nk}  density={info['density']:.4f}  "
+        f"{title}\nNq={nq} Nk={nk}  density={info['density']:.4f}"
+        f"{f' (mask 0 of {plan.num_masks})' if plan.num_masks > 1 else ''}  "
         f"FULL={info['tiles_full']} PARTIAL={info['tiles_partial']} "
         f"EMPTY={info['tiles_empty']}  tile efficiency={info['tile_efficiency']:.3f}",
         fontsize=10,
