@@ -1,0 +1,164 @@
+"""Sweep the Triton kernels' launch configurations on a GPU (one process, a few minutes).
+
+    PYTHONPATH=src python3 benchmarks/tune_kernels.py --out $OUT/tune.jsonl \\
+        [--workloads causal hstu shared_prompt clear clear_tiled] [--part fwd bwd] [--n0 32768]
+
+For every workload (B = 1, 16 heads, head_dim 128, bf16, N0 = 32768 by default) and every
+candidate configuration: one correctness check against the float64 reference on 2 heads
+(DESIGN.md section 3; a failing configuration is reported and not timed), then
+``triton.testing.do_bench`` (median). ``clear_tiled`` is clear through ``tile_grid(..., (8, 16))``.
+Prints a table per workload, best first, and writes JSON lines (DESIGN.md "Results files" keys
+plus ``config``) so that the winners can go into ``kernels/triton/configs.py`` with evidence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+
+import compilemask as cm
+from compilemask.kernels.reference import reference_attention, reference_attention_backward
+from compilemask.kernels.triton.configs import (
+    BwdConfig,
+    FwdConfig,
+    override_backward_config,
+    override_forward_config,
+)
+from compilemask.testing import check_close
+from compilemask.workloads import workload
+
+FWD_CANDIDATES = [
+    FwdConfig(64, 64, 4, 3),
+    FwdConfig(64, 64, 4, 4),
+    FwdConfig(128, 64, 8, 3),
+    FwdConfig(128, 64, 4, 3),
+    FwdConfig(128, 128, 8, 3),
+    FwdConfig(128, 128, 8, 2),
+    FwdConfig(64, 128, 4, 3),
+]
+BWD_CANDIDATES = [
+    BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),
+    BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
+    BwdConfig(64, 64, 4, 3, 64, 64, 4, 3),
+    BwdConfig(32, 64, 4, 3, 64, 32, 4, 3),
+    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+]
+
+
+def _mask(name: str, n0: int):
+    if name == "clear_tiled":
+        w = workload("clear", n0)
+        return w, cm.masks.tile_grid(w.mask, (8, 16))
+    w = workload(name, n0)
+    return w, w.mask
+
+
+def _env() -> dict:
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": os.environ.get("COMPILEMASK_COMMIT", "unknown"),
+    }
+
+
+def main() -> None:
+    import triton.testing
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workloads", nargs="+", default=["causal", "hstu", "shared_prompt", "clear"])
+    ap.add_argument("--part", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
+    ap.add_argument("--n0", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16)
+    a = ap.parse_args()
+    env = _env()
+    with open(a.out, "a") as out:
+        for name in a.workloads:
+            w, mask = _mask(name, a.n0)
+            plan = cm.compile(mask, w.N, device="cuda")
+            pairs = int(plan.schedule.pairs[0].sum())
+            g = torch.Generator(device="cuda").manual_seed(0)
+            shape = (w.B, a.heads, w.N, 128)
+            q, k, v, do = (
+                torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+                for _ in range(4)
+            )
+            q2, k2, v2, do2 = (t[:, :2].contiguous() for t in (q, k, v, do))
+            ref64 = reference_attention(q2, k2, v2, plan, compute_dtype=torch.float64)[0]
+            refdt = reference_attention(
+                q2, k2, v2, plan, compute_dtype=torch.float32, matmul_dtype=torch.bfloat16
+            )[0]
+            results = []
+            parts = [("fwd", c) for c in FWD_CANDIDATES] if "fwd" in a.part else []
+            parts += [("fwd+bwd", c) for c in BWD_CANDIDATES] if "bwd" in a.part else []
+            if "bwd" in a.part:
+                g64 = reference_attention_backward(
+                    q2, k2, v2, plan, do2, None, compute_dtype=torch.float64
+                )
+                gdt = reference_attention_backward(
+                    q2, k2, v2, plan, do2, None, compute_dtype=torch.float32,
+                    matmul_dtype=torch.bfloat16,
+                )  # fmt: skip
+            for mode, cfg in parts:
+                ctx = override_forward_config if mode == "fwd" else override_backward_config
+                row = {
+                    **env, "workload": name, "N0": a.n0, "N": w.N, "B": w.B, "Hq": a.heads,
+                    "Hkv": a.heads, "D": 128, "dtype": "bf16", "mode": mode,
+                    "system": "compilemask-triton", "config": list(vars(cfg).values()),
+                }  # fmt: skip
+                try:
+                    with ctx(cfg):
+                        if mode == "fwd":
+                            o = cm.attention(q2, k2, v2, plan, backend="triton")
+                            ok, err, _ = check_close(o, ref64, refdt, torch.bfloat16)
+
+                            def fn(q=q, k=k, v=v, plan=plan):
+                                return cm.attention(q, k, v, plan, backend="triton")
+
+                            with torch.no_grad():
+                                ms = triton.testing.do_bench(fn, warmup=25, rep=100,
+                                                             return_mode="median")  # fmt: skip
+                        else:
+                            qs, ks, vs = (t.clone().requires_grad_(True) for t in (q2, k2, v2))
+                            cm.attention(qs, ks, vs, plan, backend="triton").backward(do2)
+                            checks = [
+                                check_close(x, y, z, torch.bfloat16)
+                                for x, y, z in zip((qs.grad, ks.grad, vs.grad), g64, gdt)
+                            ]
+                            ok, err = all(c[0] for c in checks), max(c[1] for c in checks)
+                            qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+                            def step(qg=qg, kg=kg, vg=vg, plan=plan, do=do):
+                                out = cm.attention(qg, kg, vg, plan, backend="triton")
+                                out.backward(do)
+
+                            ms = triton.testing.do_bench(step, warmup=10, rep=50,
+                                                         return_mode="median",
+                                                         grad_to_none=[qg, kg, vg])  # fmt: skip
+                except Exception as exc:  # a config that does not compile or run
+                    row.update(ms=None, tflops=None, rel_err=None, error=str(exc)[:200])
+                    out.write(json.dumps(row) + "\n")
+                    print(name, mode, cfg, "ERROR", str(exc)[:120], flush=True)
+                    continue
+                if not ok:
+                    row.update(ms=None, tflops=None, rel_err=err, error="correctness check failed")
+                else:
+                    flops = 4 * w.B * a.heads * 128 * pairs * (3.5 if mode != "fwd" else 1.0)
+                    row.update(ms=ms, tflops=flops / ms / 1e9, rel_err=err)
+                    results.append((ms, mode, cfg))
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+            for ms, mode, cfg in sorted(results, key=lambda r: (r[1], r[0])):
+                print(f"{name:<14} {mode:<8} {ms:8.3f} ms  {cfg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
