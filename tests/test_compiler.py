@@ -20,6 +20,7 @@ from compilemask.compiler.intervals import dense_rows
 from compilemask.compiler.tiles import EMPTY, FULL, PARTIAL
 from compilemask.errors import CompileMaskError, LayoutError
 from compilemask.language.ast import Relation, Rule, RuleMask, Segment, Span
+from compilemask.language.permutation import grid_permutation
 from compilemask.language.semantics import dense
 
 PROFILE = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -170,6 +171,12 @@ def cases(draw):
         elif op == "batch" and mask.batch_count is None:
             mask = masks.per_batch([other, mask, other])
     kv = draw(st.integers(1, 80)) if free and draw(st.booleans()) else None
+    if kv is None and draw(st.integers(0, 3)) == 0:
+        try:
+            grid_permutation(mask, n, (2, 3))  # the mask holds a grid: try the tiling pass
+            mask = masks.tile_grid(mask, (draw(st.integers(1, 4)), draw(st.integers(1, 5))))
+        except CompileMaskError:
+            pass
     bm = draw(st.sampled_from([8, 16, 32]))
     bn = draw(st.sampled_from([8, 16, 32, 64]))
     return mask, n, kv, bm, bn
