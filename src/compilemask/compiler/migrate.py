@@ -15,16 +15,11 @@ import torch
 
 from ..errors import CompileMaskError
 from . import intervals as iv
+from .pipeline import positive_int
 from .plan import MaskPlan
 from .tiles import build_tiles, build_tiles_from_dense
 
 _CHUNK_ELEMS = 1 << 22
-
-
-def _size(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source) -> MaskPlan:
@@ -116,7 +111,7 @@ def from_dense(
         raise CompileMaskError(
             f"mask must be [Nq, Nk] or [B, H, Nq, Nk] with no empty axis, got {tuple(mask.shape)}"
         )
-    block_m, block_n = _size(block_m, "block_m"), _size(block_n, "block_n")
+    block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     device = torch.device(device) if device is not None else mask.device
     m4 = mask if mask.dim() == 4 else mask[None, None]
     b, h, nq, nk = m4.shape
@@ -161,11 +156,11 @@ def from_mask_mod(
         CompileMaskError: bad lengths, a mask_mod that raises or returns a non-boolean or
             wrongly shaped tensor.
     """
-    q_len = _size(q_len, "q_len")
-    kv_len = q_len if kv_len is None else _size(kv_len, "kv_len")
+    q_len = positive_int(q_len, "q_len")
+    kv_len = q_len if kv_len is None else positive_int(kv_len, "kv_len")
     for v, name in ((batch, "batch"), (heads, "heads")):
         if v is not None:
-            _size(v, name)
+            positive_int(v, name)
     device = torch.device(device if device is not None else "cpu")
     rows = _chunk_rows(kv_len, block_m)
     kv_idx = torch.arange(kv_len, device=device)[None, :]

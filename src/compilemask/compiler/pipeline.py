@@ -19,9 +19,10 @@ _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64
 
 
-def _tile_size(value: object, name: str) -> int:
+def positive_int(value: object, name: str) -> int:
+    """``value`` if it is an int >= 1, else a :class:`CompileMaskError` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CompileMaskError(f"{name} must be a positive int (tokens), got {value!r}")
+        raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
@@ -88,7 +89,7 @@ def compile(  # noqa: A001 - the public name is fixed by the design
         raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}")
     q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
     batch, heads = dependence(mask, batch, heads)
-    block_m, block_n = _tile_size(block_m, "block_m"), _tile_size(block_n, "block_n")
+    block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     device = torch.device(device if device is not None else "cpu")
     key = (str(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
     if cache and key in _CACHE:
