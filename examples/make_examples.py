@@ -20,7 +20,7 @@ def main() -> None:
         path = here / f"{name}.txt"
         path.write_text(
             f"# {name} at nominal size {NOMINAL_SIZE}: N = {w.N} tokens per row, B = {w.B} rows "
-            f"(docs/masks.md, \"Seed workloads\")\n{w.mask}\n"
+            f'(docs/masks.md, "Seed workloads")\n{w.mask}\n'
         )
         print(f"wrote {path}")
 

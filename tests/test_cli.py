@@ -133,7 +133,7 @@ def test_bench_without_gpu(run):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: bench would run for real")
     result = run("bench")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "GPU" in result.output
 
 

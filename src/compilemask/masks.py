@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from .errors import CompileMaskError
 from .language.ast import Builtin, Mask, PerBatch, PerHead
 
-
 MAX_INT = 2**31 - 1  # token positions and mask parameters are int32 in plans
 
 

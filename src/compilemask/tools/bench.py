@@ -13,11 +13,7 @@ every system), then for each mode (``fwd``, ``fwd+bwd``) and each system of :dat
 3. time it with ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")``
    (``fwd+bwd``: ``out = fn(); out.backward(dout)``, gradients reset between steps).
 
-Mode ``plan`` times plan building as GPU.md defines it: ours is ``compile(mask, N,
-device="cuda", cache=False)`` plus the forward and dK/dV tile schedules at 128 x 128 (what the
-kernels read), Flex's is ``create_block_mask(mask_mod, None, None, N, N, device="cuda")``; median
-of 20 warm synchronised runs each, with a ``torch.cuda.set_sync_debug_mode("error")`` check that
-our build does not synchronise, and both sizes in bytes.
+Mode ``plan`` times plan building (:mod:`compilemask.tools.bench_plan`).
 
 Rows go to JSON lines (:mod:`compilemask.tools.bench_report`) as they are measured.
 
@@ -28,6 +24,7 @@ Legend: B batch rows, H heads (Hq = Hkv), N tokens per row, D head_dim; BHSD = [
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -42,14 +39,21 @@ from ..testing import check_close
 from .bench_report import Shape, effective_tflops, result_row
 
 DTYPE = torch.bfloat16
-DTYPE_NAME = "bf16"
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 HEADS = 16
 HEAD_DIM = 128
 CHECK_HEADS = 2  # the float64 check runs on the first heads (16 do not fit at 32K)
 REFERENCE_MAX_N = 4096  # compilemask-reference is timed only up to this many tokens per row
-PLAN_BLOCK = 128
-PLAN_REPEATS = 20
-PLAN_WARMUP = 3
+#: ``CM_BENCH_DEVICE=cpu`` runs the whole loop on the CPU at a toy shape (2 heads, head_dim
+#: 32, float32; CPU timer) so the machinery can be tested without a GPU; its numbers mean nothing.
+SMOKE_ENV = "CM_BENCH_DEVICE"
+
+
+def case_options() -> dict:
+    """``make_case`` keywords: the benchmark's shape on CUDA, or the CPU smoke shape."""
+    if os.environ.get(SMOKE_ENV) == "cpu":
+        return {"device": "cpu", "heads": 2, "head_dim": 32, "dtype": torch.float32}
+    return {}
 
 
 # ------------------------------------------------------------------------------ one case
@@ -79,7 +83,12 @@ class Case:
     @property
     def shape(self) -> Shape:
         w = self.workload
-        return Shape(w.name, w.N0, w.N, w.B, HEADS, HEADS, HEAD_DIM, DTYPE_NAME)
+        B, H, _, D = self.q.shape
+        return Shape(w.name, w.N0, w.N, B, H, self.k.shape[1], D, DTYPE_NAMES[self.q.dtype])
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
 
 
 def visible_pairs(plan: MaskPlan) -> float:
@@ -91,16 +100,29 @@ def visible_pairs(plan: MaskPlan) -> float:
     return float(total) / plan.num_masks
 
 
-def make_case(name: str, N0: int, seed: int = 0) -> Case:
-    """Compile workload ``name`` at ``N0`` on CUDA and draw its inputs (seeded)."""
+def make_case(
+    name: str,
+    N0: int,
+    *,
+    device: str = "cuda",
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    dtype: torch.dtype = DTYPE,
+    seed: int = 0,
+) -> Case:
+    """Compile workload ``name`` at ``N0`` on ``device`` and draw its inputs (seeded; the
+    benchmark uses the defaults: 16 heads, head_dim 128, bf16, CUDA)."""
     w = wl.workload(name, N0)
-    plan = compile_mask(w.mask, w.N, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (w.B, HEADS, w.N, HEAD_DIM)
-    q, k, v, dout = (
-        torch.randn(shape, device="cuda", dtype=DTYPE, generator=g) for _ in range(4)
-    )
+    plan = compile_mask(w.mask, w.N, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (w.B, heads, w.N, head_dim)
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
     return Case(w, plan, q, k, v, dout, visible_pairs(plan))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ------------------------------------------------------------------------------ systems
@@ -196,6 +218,14 @@ def _bshd_leaves(case: Case, grad: bool):
     )
 
 
+def _triton_installed() -> tuple[bool, str]:
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    return True, ""
+
+
 def _triton_ok() -> tuple[bool, str]:
     from ..api.validate import triton_usable
 
@@ -239,9 +269,9 @@ def flex_block_mask(case: Case):
 
         from .peers import flex_mask_mod
 
-        mm = flex_mask_mod(case.workload.mask, "cuda")
+        mm = flex_mask_mod(case.workload.mask, case.device)
         n = case.workload.N
-        case.cache["block_mask"] = create_block_mask(mm, None, None, n, n, device="cuda")
+        case.cache["block_mask"] = create_block_mask(mm, None, None, n, n, device=case.device)
     return case.cache["block_mask"]
 
 
@@ -252,8 +282,9 @@ def _flex(kernel_options: dict | None) -> Callable[[Case, bool], Runner]:
         q, k, v = _bhsd_leaves(case, grad)
         if kernel_options:
             opts = dict(kernel_options)
-            return Runner(lambda: flex(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v),
-                          case.dout)  # fmt: skip
+            return Runner(
+                lambda: flex(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v), case.dout
+            )
         return Runner(lambda: flex(q, k, v, block_mask=bm), (q, k, v), case.dout)
 
     return prepare
@@ -336,21 +367,34 @@ def _sdpa(backend: str) -> Callable[[Case, bool], Runner]:
     return prepare
 
 
-_FLEX_OK = _all(_cuda, lambda: _imports("torch.nn.attention.flex_attention"))
-_FA4_OK = _all(_cuda, _hopper, lambda: _imports("flash_attn.cute"))
+# Probes run imports first, so a CPU machine still says which peers are missing.
+_FLEX_OK = _all(lambda: _imports("torch.nn.attention.flex_attention"), _cuda)
+_FA4_OK = _all(lambda: _imports("flash_attn.cute"), _cuda, _hopper)
 
 #: Every contender, in the order it runs within a case.
 SYSTEMS: tuple[System, ...] = (
-    System("compilemask-triton", _all(_cuda, _triton_ok), _compilemask("triton")),
+    System(
+        "compilemask-triton", _all(_triton_installed, _cuda, _triton_ok), _compilemask("triton")
+    ),
     System("flex-triton", _FLEX_OK, _flex(None)),
-    System("flex-fa4", _all(_FLEX_OK, _FA4_OK), _flex({"BACKEND": "FLASH"})),
-    System("cudnn-fe", _all(_cuda, _hopper, _cudnn_available), _cudnn),
+    System("flex-fa4", _all(_FA4_OK, _FLEX_OK), _flex({"BACKEND": "FLASH"})),
+    System("cudnn-fe", _all(_cudnn_available, _cuda, _hopper), _cudnn),
     System("fa4", _FA4_OK, _fa4, applies=_causal_only),
-    System("sdpa-cudnn", _all(_cuda, _sdpa_available("CUDNN_ATTENTION")),
-           _sdpa("CUDNN_ATTENTION"), applies=_causal_only),  # fmt: skip
-    System("sdpa-flash", _all(_cuda, _sdpa_available("FLASH_ATTENTION")),
-           _sdpa("FLASH_ATTENTION"), applies=_causal_only),  # fmt: skip
-    System("compilemask-reference", _cuda, _compilemask("reference"), applies=_small_only),
+    System(
+        "sdpa-cudnn",
+        _all(_sdpa_available("CUDNN_ATTENTION"), _cuda),
+        _sdpa("CUDNN_ATTENTION"),
+        applies=_causal_only,
+    ),
+    System(
+        "sdpa-flash",
+        _all(_sdpa_available("FLASH_ATTENTION"), _cuda),
+        _sdpa("FLASH_ATTENTION"),
+        applies=_causal_only,
+    ),
+    System(
+        "compilemask-reference", lambda: (True, ""), _compilemask("reference"), applies=_small_only
+    ),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
@@ -375,21 +419,22 @@ def references(case: Case, bwd: bool) -> dict:
     from ..kernels.reference import reference_attention, reference_attention_backward
 
     refs = case.cache.setdefault("refs", {})
-    h = CHECK_HEADS if case.plan.heads is None else HEADS
+    h = CHECK_HEADS if case.plan.heads is None else case.q.shape[1]
+    dtype = case.q.dtype
     q, k, v, do = (t[:, :h] for t in (case.q, case.k, case.v, case.dout))
     if "out64" not in refs:
         refs["out64"] = reference_attention(q, k, v, case.plan, compute_dtype=torch.float64)[0]
         refs["outdt"] = reference_attention(
-            q, k, v, case.plan, compute_dtype=torch.float32, matmul_dtype=DTYPE
+            q, k, v, case.plan, compute_dtype=torch.float32, matmul_dtype=dtype
         )[0]
     if bwd and "grads64" not in refs:
         refs["grads64"] = reference_attention_backward(
             q, k, v, case.plan, do, compute_dtype=torch.float64
         )
         refs["gradsdt"] = reference_attention_backward(
-            q, k, v, case.plan, do, compute_dtype=torch.float32, matmul_dtype=DTYPE
+            q, k, v, case.plan, do, compute_dtype=torch.float32, matmul_dtype=dtype
         )
-    refs["heads"] = h
+    refs["heads"], refs["dtype"] = h, dtype
     return refs
 
 
@@ -407,7 +452,7 @@ def check_runner(runner: Runner, refs: dict, bwd: bool) -> tuple[bool, float, fl
             t.grad = None
         out = runner.fn()
         out.backward(runner.dout)
-        torch.cuda.synchronize()
+        _sync(out.device)
         tensors = {"out": out.detach()}
         tensors.update(zip(("dq", "dk", "dv"), (t.grad for t in runner.leaves)))
         wanted = {"out": (refs["out64"], refs["outdt"])}
@@ -416,22 +461,25 @@ def check_runner(runner: Runner, refs: dict, bwd: bool) -> tuple[bool, float, fl
         with torch.no_grad():
             tensors = {"out": runner.fn()}
         wanted = {"out": (refs["out64"], refs["outdt"])}
-    ok_all, worst, worst_bound = True, 0.0, 0.0
+    verdicts = []
     for name, got in tensors.items():
         r64, rdt = wanted[name]
-        ok, err, bound = check_close(runner.to_bhsd(got)[:, :h], r64, rdt, DTYPE)
+        ok, err, bound = check_close(runner.to_bhsd(got)[:, :h], r64, rdt, refs["dtype"])
         checks[name] = [err, bound]
-        ok_all = ok_all and ok
-        if math.isnan(err) or err > worst or not ok:
-            worst, worst_bound = err, bound
+        badness = math.inf if math.isnan(err) else err / bound
+        verdicts.append((not ok, badness, ok, err, bound))
     if bwd:
         for t in runner.leaves:
             t.grad = None
-    return ok_all, worst, worst_bound, checks
+    _, _, _, err, bound = max(verdicts)  # a failing tensor first, then the closest to its bound
+    return all(v[2] for v in verdicts), err, bound, checks
 
 
 def time_ms(runner: Runner, bwd: bool) -> float:
-    """Median milliseconds of one call (``triton.testing.do_bench``, warmup 25, rep 100)."""
+    """Median milliseconds of one call (``triton.testing.do_bench``, warmup 25, rep 100; on
+    the CPU smoke run the median of 3 ``perf_counter`` calls)."""
+    if runner.leaves[0].device.type != "cuda":
+        return _time_cpu(runner, bwd)
     from triton.testing import do_bench
 
     if not bwd:
@@ -449,6 +497,19 @@ def time_ms(runner: Runner, bwd: bool) -> float:
     return float(do_bench(step, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
 
 
+def _time_cpu(runner: Runner, bwd: bool) -> float:
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        if bwd:
+            runner.fn().backward(runner.dout)
+        else:
+            with torch.no_grad():
+                runner.fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 # ------------------------------------------------------------------------------ measuring
 
 
@@ -459,23 +520,25 @@ def measure(system: System, case: Case, mode: str, env: dict, check: bool = True
     def row(**kw):
         return result_row(env, shape, mode, system.name, kind="speed", **kw)
 
-    for ok, why in (
-        availability((system,))[system.name],
-        system.applies(case.workload.name, case.workload.N),
-        (system.supports_bwd or not bwd, "has no backward"),
+    for probe in (
+        lambda: system.applies(case.workload.name, case.workload.N),
+        lambda: (system.supports_bwd or not bwd, "has no backward"),
+        lambda: availability((system,))[system.name],
     ):
+        ok, why = probe()
         if not ok:
             return row(status="skipped", reason=why)
     extra = {"pairs": case.pairs}
     if system.name.startswith("compilemask"):
         extra["plan_bytes"] = int(case.plan.nbytes)
     runner = None
-    t0 = time.perf_counter()
     try:
+        refs = references(case, bwd) if check else None  # shared by the systems of a case
+        t0 = time.perf_counter()
         runner = system.prepare(case, bwd)
         err = bound = None
-        if check:
-            ok, err, bound, detail = check_runner(runner, references(case, bwd), bwd)
+        if refs is not None:
+            ok, err, bound, detail = check_runner(runner, refs, bwd)
             extra.update(bound=bound, errors=detail)
             if not ok:
                 return row(rel_err=err, status="failed", **extra)
@@ -483,7 +546,7 @@ def measure(system: System, case: Case, mode: str, env: dict, check: bool = True
             check_runner_free(runner, bwd)
         extra["prepare_s"] = round(time.perf_counter() - t0, 2)
         ms = time_ms(runner, bwd)
-        B, H, D = case.workload.B, HEADS, HEAD_DIM
+        B, H, _, D = case.q.shape
         tflops = effective_tflops(B, H, D, case.pairs, ms, mode)
         return row(ms=ms, tflops=tflops, rel_err=err, status="ok", **extra)
     except Exception as err:  # noqa: BLE001 - one system's failure must not stop the others
@@ -503,85 +566,7 @@ def check_runner_free(runner: Runner, bwd: bool) -> None:
     else:
         with torch.no_grad():
             runner.fn()
-    torch.cuda.synchronize()
-
-
-def blockmask_nbytes(block_mask) -> int:
-    """Bytes of the tensors a FlexAttention BlockMask holds."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    names = getattr(BlockMask, "_TENSOR_ATTRS", ())
-    tensors = [getattr(block_mask, n, None) for n in names]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _median_ms(fn: Callable[[], object]) -> float:
-    for _ in range(PLAN_WARMUP):
-        fn()
-    times = []
-    for _ in range(PLAN_REPEATS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def plan_rows(case: Case, env: dict) -> list[dict]:
-    """Mode ``plan``: our GPU plan build vs Flex's ``create_block_mask`` (see the module
-    docstring), with ``sync_free``, ``plan_bytes`` and ``blockmask_bytes``."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from ..kernels.triton.schedule import dkdv_schedule, forward_schedule
-    from .peers import flex_mask_mod
-
-    w = case.workload
-    shape = Shape(w.name, w.N0, w.N, w.B)
-    rows = []
-
-    def build():
-        plan = compile_mask(w.mask, w.N, device="cuda", cache=False)
-        forward_schedule(plan, PLAN_BLOCK, PLAN_BLOCK)
-        dkdv_schedule(plan, PLAN_BLOCK, PLAN_BLOCK)
-        return plan
-
-    try:
-        ours = _median_ms(build)
-        compile_only = _median_ms(lambda: compile_mask(w.mask, w.N, device="cuda", cache=False))
-        sync_error = None
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            build()
-        except RuntimeError as err:
-            sync_error = " ".join(str(err).split())[:200]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        rows.append(
-            result_row(
-                env, shape, "plan", "compilemask-cuda", ms=ours, kind="plan", status="ok",
-                compile_only_ms=compile_only, sync_free=sync_error is None,
-                sync_error=sync_error, plan_bytes=int(build().nbytes),
-                includes="compile + forward and dK/dV schedules, 128x128",
-            )
-        )  # fmt: skip
-    except Exception as err:  # noqa: BLE001
-        rows.append(result_row(env, shape, "plan", "compilemask-cuda", kind="plan",
-                               status="error", reason=f"{type(err).__name__}: {err}"[:500]))  # fmt: skip
-    try:
-        mm = flex_mask_mod(w.mask, "cuda")
-        flex = _median_ms(lambda: create_block_mask(mm, None, None, w.N, w.N, device="cuda"))
-        bm = create_block_mask(mm, None, None, w.N, w.N, device="cuda")
-        rows.append(
-            result_row(
-                env, shape, "plan", "flex-create_block_mask", ms=flex, kind="plan",
-                status="ok", blockmask_bytes=blockmask_nbytes(bm),
-            )
-        )  # fmt: skip
-    except Exception as err:  # noqa: BLE001
-        rows.append(result_row(env, shape, "plan", "flex-create_block_mask", kind="plan",
-                               status="error", reason=f"{type(err).__name__}: {err}"[:500]))  # fmt: skip
-    return rows
+    _sync(runner.leaves[0].device)
 
 
 def run_case(
@@ -595,7 +580,9 @@ def run_case(
 ) -> None:
     """Measure one (workload, size) in this process; ``emit`` receives each row as it is
     made (the caller writes and prints it)."""
-    case = make_case(name, N0)
+    from .bench_plan import plan_rows
+
+    case = make_case(name, N0, **case_options())
     if "plan" in modes:
         for r in plan_rows(case, env):
             emit(r)

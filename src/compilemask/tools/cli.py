@@ -6,7 +6,7 @@ Commands::
     compilemask show   MASK -o out.png                 picture of the mask and its tiles
     compilemask stats  MASK                            numbers about the compiled plan
     compilemask check  MASK                            plan.to_dense() vs the dense evaluator
-    compilemask bench                                  GPU benchmark (needs a CUDA GPU)
+    compilemask bench  [--workloads ..] [--sizes ..]   GPU benchmark beside the peers (bench --help)
 
 ``MASK`` is a seed workload name (``causal``, ``hstu``, ``shared_prompt``, ``clear``; size from
 ``--size N0``, the nominal size), a path to a mask text file, or mask text itself
@@ -322,7 +322,10 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
     import torch
 
     where = "CUDA" if torch.cuda.is_available() else "CPU"
-    click.echo(f"seed workloads at nominal size {size} (tiles {block_m}x{block_n}, plans on the CPU, attention on {where}):")
+    click.echo(
+        f"seed workloads at nominal size {size} (tiles {block_m}x{block_n}, plans on the CPU, "
+        f"attention on {where}):"
+    )
     print_table(rows)
     if not no_pictures:
         click.echo(f"pictures in {out_dir}/")
@@ -336,24 +339,19 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
             sys.exit(1)
 
 
-@cli.command()
-def bench():
-    """Time CompileMask and its peers on the GPU (see GPU.md)."""
-    import torch
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args):
+    """Time CompileMask beside its peers on the GPU (GPU.md); `bench --help` lists options."""
+    from .bench_sweep import main as bench_main
 
-    if not torch.cuda.is_available():
-        click.echo(
-            "bench needs a CUDA GPU (none found); on the GPU machine run "
-            "`PYTHONPATH=src python3 -m compilemask bench`. Plan building on the CPU: "
-            "python benchmarks/bench_compile.py"
-        )
-        sys.exit(1)
-    click.echo("bench: not implemented yet")  # TODO(lead): GPU benchmark (tools/bench.py)
-    sys.exit(1)
+    sys.exit(bench_main(list(args)))
 
 
 # ------------------------------------------------------------------- attention (lead: fill in)
-
 
 
 def _short(text: str, n: int = 70) -> str:

@@ -120,7 +120,8 @@ def cudnn_endpoints(plan, batch: int) -> torch.Tensor:
         ``Hmask = plan.heads or 1``.
 
     Raises:
-        CompileMaskError: a bits-encoded plan, or a batch that does not match the plan.
+        CompileMaskError: a bits-encoded plan, a plan with a token permutation, or a batch
+            that does not match the plan.
 
     Example::
 
@@ -132,6 +133,11 @@ def cudnn_endpoints(plan, batch: int) -> torch.Tensor:
     if plan.encoding != "intervals":
         raise CompileMaskError(
             f"cuDNN endpoints need an interval-encoded plan, got encoding={plan.encoding!r}"
+        )
+    if getattr(plan, "permutation", None) is not None:
+        raise CompileMaskError(
+            "the plan reorders tokens (tile_grid): build endpoints from plan.in_permuted_order() "
+            "and give cuDNN q, k, v in the tiled order"
         )
     mb, mh = plan.batch or 1, plan.heads or 1
     if plan.batch and plan.batch != batch:
