@@ -80,7 +80,7 @@ def _mask_options(fn):
         type=int,
         default=4096,
         show_default=True,
-        help="Nominal size N0 of a seed workload.",
+        help="Nominal size N0 of a seed workload: 1024, 4096, 16384 or 32768.",
     )(fn)
     fn = click.option(
         "--kv-len",
@@ -109,6 +109,11 @@ def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) ->
     """Turn the MASK argument into a mask and its lengths (see the module docstring)."""
     path = Path(spec)
     if spec in wl.SEED_WORKLOADS and not path.is_file():
+        if q_len is not None or kv_len is not None:
+            raise CompileMaskError(
+                f"{spec} is a seed workload: its length comes from --size N0 "
+                f"({', '.join(map(str, wl.NOMINAL_SIZES))}), not --q-len / --kv-len"
+            )
         w = wl.workload(spec, size)
         return MaskSpec(f"{spec}@{size}", w.mask, w.N, w.N, w.B)
     if path.is_file():
@@ -278,7 +283,7 @@ def check(mask, q_len, kv_len, size, block_m, block_n):
     type=int,
     default=4096,
     show_default=True,
-    help="Nominal size N0 of the seed workloads.",
+    help="Nominal size N0 of the seed workloads: 1024, 4096, 16384 or 32768.",
 )
 @click.option(
     "--out-dir",
