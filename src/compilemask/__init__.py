@@ -11,22 +11,14 @@ Example::
 """
 
 from . import masks
+from .api.functional import attention
 from .compiler.migrate import from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
 from .compiler.plan import MaskPlan
 from .compiler.tiles import TileSchedule
 from .errors import CompileMaskError
+from .language.parser import parse
 from .language.semantics import dense, visible
-
-try:  # the parser lands with the language package
-    from .language.parser import parse
-except ImportError:  # pragma: no cover
-    parse = None
-
-try:
-    from .api.functional import attention
-except ImportError:  # pragma: no cover
-    attention = None
 
 __all__ = [
     "CompileMaskError",
@@ -40,6 +32,9 @@ __all__ = [
     "from_mask_mod",
     "masks",
     "parse",
+    "tile_grid",
     "visible",
 ]
 __version__ = "0.1.0"
+
+tile_grid = masks.tile_grid
