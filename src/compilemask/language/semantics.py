@@ -104,14 +104,11 @@ def _length(value: object, name: str) -> int:
 
 
 def _describe(mask: Mask) -> str:
-    """A short name for error messages (independent of the printer)."""
-    if isinstance(mask, Builtin):
-        return f"{mask.name}{mask.args}"
+    """A short name for error messages: the mask's text, cut to one line."""
     if isinstance(mask, RuleMask):
         return "layout mask (" + " ".join(s.name for s in mask.layout) + ")"
-    if isinstance(mask, Combine):
-        return f"({_describe(mask.left)} {mask.op} {_describe(mask.right)})"
-    return type(mask).__name__
+    text = " ".join(str(mask).split())
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _own_kv_len(mask: Mask, q_len: int) -> int | None:
