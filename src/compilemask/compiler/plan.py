@@ -99,8 +99,9 @@ class MaskPlan:
 
     # ------------------------------------------------------------------ derived views
     def tiles(self, block_m: int, block_n: int) -> TileSchedule:
-        """The tile schedule for ``block_m x block_n`` tiles (derived from the intervals,
-        cached)."""
+        """The tile schedule for ``block_m x block_n`` tiles (derived from the intervals and
+        cached). Derived tilings store wide PARTIAL tiles as bitmasks, which reads one number
+        back from the device the first time (the default schedule of a GPU build never does)."""
         if (block_m, block_n) == (self.block_m, self.block_n):
             return self.schedule
         for name, v in (("block_m", block_m), ("block_n", block_n)):
@@ -124,7 +125,7 @@ class MaskPlan:
                 self.kv_len,
                 block_m,
                 block_n,
-                use_bits=self.device.type == "cpu",
+                use_bits=True,  # one host read per tiling (kernels derive theirs on first use)
             )
         return self._cache[key]
 
