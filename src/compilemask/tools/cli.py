@@ -31,6 +31,7 @@ from pathlib import Path
 
 import click
 
+from .. import __version__
 from .. import workloads as wl
 from ..errors import CompileMaskError
 from ..language.ast import Builtin, Mask
@@ -192,6 +193,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=__version__, prog_name="compilemask")
 def cli():
     """CompileMask: compile attention masks written as regions into per-row key intervals
     and a tile schedule."""

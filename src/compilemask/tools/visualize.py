@@ -220,6 +220,8 @@ def plot_mask(plan, path, *, max_pixels: int = 1024, title: str | None = None) -
     )
     fig.tight_layout()
     path = Path(path)
+    if not path.suffix:  # matplotlib would add ".png" itself; say the name it really gets
+        path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
