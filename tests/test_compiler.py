@@ -477,3 +477,10 @@ def test_parameters_larger_than_the_axis_compile_exactly(mask, n):
 def test_parameters_beyond_int32_are_refused(make):
     with pytest.raises(CompileMaskError, match="2\\*\\*31"):
         make()
+
+
+def test_masks_that_fix_their_lengths_compile_without_them():
+    assert cm.compile(masks.tree([-1, 0, 0], 4)).kv_len == 7
+    assert cm.compile(masks.document([3, 4]) | masks.causal()).q_len == 7
+    with pytest.raises(CompileMaskError, match="q_len is needed"):
+        cm.compile(masks.causal())

@@ -9,7 +9,7 @@ import torch
 from ..errors import CompileMaskError
 from ..language.ast import Mask, TiledGrid
 from ..language.permutation import grid_permutation
-from ..language.semantics import accepted_lengths
+from ..language.semantics import accepted_lengths, natural_lengths
 from .lower import lower
 from .permute import permute_rows
 from .plan import MaskPlan
@@ -45,7 +45,7 @@ def dependence(mask: Mask, batch: int | None, heads: int | None) -> tuple[int | 
 
 def compile(  # noqa: A001 - the public name is fixed by the design
     mask: Mask,
-    q_len: int,
+    q_len: int | None = None,
     kv_len: int | None = None,
     *,
     batch: int | None = None,
@@ -59,7 +59,8 @@ def compile(  # noqa: A001 - the public name is fixed by the design
 
     Args:
         mask: a mask from :mod:`compilemask.masks`, :func:`compilemask.parse` or the builders.
-        q_len: query rows ``Nq`` (tokens, int >= 1).
+        q_len: query rows ``Nq`` (tokens, int >= 1); None for a mask that fixes its own
+            lengths (``document``, ``tree``, a layout without ``*``, ...).
         kv_len: keys ``Nk``; None: the mask's own key length when its layout fixes one (e.g.
             ``tree``: ``prefix_len + n``), else ``q_len``.
         batch, heads: batch size / query-head count; used (and checked) only when the mask is
@@ -87,6 +88,10 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     """
     if not isinstance(mask, Mask):
         raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}")
+    if q_len is None:
+        q_len = natural_lengths(mask)[0]
+        if q_len is None:
+            raise CompileMaskError(f"q_len is needed: {mask} accepts any length")
     q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
     batch, heads = dependence(mask, batch, heads)
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")

@@ -41,7 +41,7 @@ from .ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask, TiledGrid
 from .permutation import grid_permutation
 from .resolve import check_rules, fixed_length, resolve, span_ranges
 
-__all__ = ["accepted_lengths", "visible", "dense"]
+__all__ = ["accepted_lengths", "natural_lengths", "visible", "dense"]
 
 # Builtins that fix the axis length (q_len == kv_len == that length), by name -> length of args.
 _FIXED_LENGTH = {
@@ -56,6 +56,26 @@ _FIXED_LENGTH = {
 # --------------------------------------------------------------------------------------------
 # Lengths
 # --------------------------------------------------------------------------------------------
+
+
+def natural_lengths(mask: Mask) -> tuple[int | None, int | None]:
+    """``(q_len, kv_len)`` a mask fixes by itself (``tree``: ``n`` queries and
+    ``prefix_len + n`` keys; a length-fixing layout: its length twice), or ``(None, None)``.
+
+    Example::
+
+        >>> from compilemask import masks
+        >>> natural_lengths(masks.tree([-1, 0], 3)), natural_lengths(masks.causal())
+        ((2, 5), (None, None))
+    """
+    if isinstance(mask, Builtin) and mask.name == "tree":
+        parents, prefix_len = mask.args
+        return len(parents), prefix_len + len(parents)
+    if isinstance(mask, (Combine, PerHead, PerBatch, TiledGrid)):
+        found = {natural_lengths(c) for c in mask.children()} - {(None, None)}
+        return found.pop() if len(found) == 1 else (None, None)
+    kv = _own_kv_len(mask, 1)
+    return (kv, kv) if kv is not None else (None, None)
 
 
 def accepted_lengths(mask: Mask, q_len: int, kv_len: int | None = None) -> tuple[int, int]:

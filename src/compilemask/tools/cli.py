@@ -34,7 +34,7 @@ import click
 from .. import __version__
 from .. import workloads as wl
 from ..errors import CompileMaskError
-from ..language.ast import Builtin, Mask
+from ..language.ast import Mask
 from . import progress
 
 MAX_CHECK_PAIRS = 1 << 28  # `check` builds two dense masks; refuse beyond 2^28 pairs per mask
@@ -138,14 +138,9 @@ def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) ->
 
 def _natural_q_len(mask: Mask) -> int | None:
     """The query length a mask fixes by itself, or None when it accepts any."""
-    if isinstance(mask, Builtin) and mask.name == "tree":
-        return len(mask.args[0])
-    from ..language import semantics
+    from ..language.semantics import natural_lengths
 
-    own = getattr(semantics, "natural_lengths", None)
-    if own is not None:
-        return own(mask)[0]
-    return semantics._own_kv_len(mask, 1)  # TODO(lead): expose a public "own length" helper
+    return natural_lengths(mask)[0]
 
 
 def compile_fn():
