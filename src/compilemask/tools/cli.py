@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 import time
 from dataclasses import dataclass
@@ -143,26 +142,20 @@ def _natural_q_len(mask: Mask) -> int | None:
     return natural_lengths(mask)[0]
 
 
-def compile_fn():
-    """The compiler's ``compile`` (raises a clean error while the compiler is missing)."""
-    try:
-        from ..compiler.pipeline import compile as cm_compile
-    except ImportError as err:
-        raise CompileMaskError(f"the compiler is not importable: {err}") from None
-    return cm_compile
+def compile_spec(spec: MaskSpec, block_m: int, block_n: int, *, timed: bool = False):
+    """Compile ``spec``; returns ``(plan, milliseconds)``. With ``timed``, the milliseconds are
+    those of a second, warm build with the plan cache off (the first call of a process pays
+    for imports and allocator warm-up); otherwise None."""
+    from ..compiler.pipeline import compile as cm_compile
 
-
-def compile_spec(spec: MaskSpec, block_m: int, block_n: int, *, cache: bool = True):
-    """Compile ``spec`` and build its tiles; returns ``(plan, milliseconds)``."""
-    cm_compile = compile_fn()
     kwargs = dict(
         batch=spec.mask.batch_count, heads=spec.mask.head_count, block_m=block_m, block_n=block_n
     )
-    if "cache" in inspect.signature(cm_compile).parameters:
-        kwargs["cache"] = cache
-    t0 = time.perf_counter()
     plan = cm_compile(spec.mask, spec.q_len, spec.kv_len, **kwargs)
-    plan.tiles(block_m, block_n)
+    if not timed:
+        return plan, None
+    t0 = time.perf_counter()
+    cm_compile(spec.mask, spec.q_len, spec.kv_len, cache=False, **kwargs)
     return plan, (time.perf_counter() - t0) * 1e3
 
 
@@ -224,7 +217,7 @@ def stats(mask, q_len, kv_len, size, block_m, block_n):
     from .visualize import summarize
 
     spec = resolve_mask(mask, q_len, kv_len, size)
-    plan, ms = compile_spec(spec, block_m, block_n, cache=False)
+    plan, ms = compile_spec(spec, block_m, block_n, timed=True)
     stats_fn = getattr(plan, "stats", None)
     numbers = stats_fn() if stats_fn is not None else summarize(plan)
     info = {"mask": _short(mask_text(spec.mask)), **numbers, "compile_ms": ms}
@@ -249,7 +242,7 @@ def check(mask, q_len, kv_len, size, block_m, block_n):
             f"check builds dense masks: {nq} x {nk} is too large (at most {MAX_CHECK_PAIRS} "
             "pairs); use a smaller --size / --q-len"
         )
-    plan, _ = compile_spec(spec, block_m, block_n, cache=False)
+    plan, _ = compile_spec(spec, block_m, block_n)
     verify = getattr(plan, "verify", None)
     if verify is not None:
         verify()
@@ -302,7 +295,7 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
     for name in progress.progress(wl.SEED_WORKLOADS, desc="compile"):
         w = wl.workload(name, size)
         spec = MaskSpec(name, w.mask, w.N, w.N, w.B)
-        plan, ms = compile_spec(spec, block_m, block_n, cache=False)
+        plan, ms = compile_spec(spec, block_m, block_n, timed=True)
         info = summarize(plan, block_m, block_n)
         plans.append((w, plan))
         rows.append(
