@@ -12,9 +12,7 @@ Writes JSON lines with the keys of DESIGN.md "Results files" and prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 
@@ -24,22 +22,14 @@ import compilemask as cm
 from compilemask import masks
 from compilemask.kernels.reference import reference_attention
 from compilemask.testing import check_close
+from compilemask.tools.bench_report import environment
 from compilemask.tools.peers import flex_mask_mod
 from compilemask.workloads import SEED_WORKLOADS, workload
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def env() -> dict:
-    import triton
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": os.environ.get("COMPILEMASK_COMMIT", "unknown"),
-    }
+env = environment
 
 
 ROWS: list[dict] = []

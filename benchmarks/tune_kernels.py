@@ -14,9 +14,7 @@ plus ``config``) so that the winners can go into ``kernels/triton/configs.py`` w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 
 import torch
 
@@ -29,6 +27,7 @@ from compilemask.kernels.triton.configs import (
     override_forward_config,
 )
 from compilemask.testing import check_close
+from compilemask.tools.bench_report import environment
 from compilemask.workloads import workload
 
 FWD_CANDIDATES = [
@@ -57,18 +56,6 @@ def _mask(name: str, n0: int):
     return w, w.mask
 
 
-def _env() -> dict:
-    import triton
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": os.environ.get("COMPILEMASK_COMMIT", "unknown"),
-    }
-
-
 def main() -> None:
     import triton.testing
 
@@ -79,7 +66,7 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     a = ap.parse_args()
-    env = _env()
+    env = environment()
     with open(a.out, "a") as out:
         for name in a.workloads:
             w, mask = _mask(name, a.n0)

@@ -49,6 +49,13 @@ def split_full_first(
     return reordered.to(torch.int32).contiguous(), is_full.sum(-1).to(torch.int32)
 
 
+def _bits_or_dummy(sched) -> torch.Tensor:
+    """The schedule's bitmasks, or a 1x1x1 dummy when it has none (kernels need a pointer)."""
+    if sched.bits.shape[0] == 0 or sched.bits.shape[-1] == 0:
+        return torch.zeros((1, 1, 1), dtype=torch.int32, device=sched.kind.device)
+    return sched.bits
+
+
 def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
     """The forward kernel's schedule for ``plan`` tiled ``block_m x block_n``.
 
@@ -60,9 +67,7 @@ def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor
     """
     sched = plan.tiles(block_m, block_n)
     q_list, q_full_count = split_full_first(sched.kind, sched.q_list, sched.q_count)
-    bits = sched.bits
-    if bits.shape[0] == 0 or bits.shape[-1] == 0:
-        bits = torch.zeros((1, 1, 1), dtype=torch.int32, device=sched.kind.device)
+    bits = _bits_or_dummy(sched)
     return {
         "kind": sched.kind,
         "jlo": sched.jlo,
@@ -95,9 +100,7 @@ def dkdv_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
     kv_list, kv_full_count = split_full_first(
         sched.kind, sched.kv_list, sched.kv_count, transposed=True
     )
-    bits = sched.bits
-    if bits.shape[0] == 0 or bits.shape[-1] == 0:
-        bits = torch.zeros((1, 1, 1), dtype=torch.int32, device=sched.kind.device)
+    bits = _bits_or_dummy(sched)
     return {
         "kind": sched.kind,
         "jlo": sched.jlo,
