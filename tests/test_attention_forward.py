@@ -410,3 +410,14 @@ def test_static_and_dynamic_span_paths(host_sync):
         assert span == -1
     q, k, v = _inputs(1, 2, 2, 150, 150, 32, torch.float16)
     _assert_matches(_run_triton(q, k, v, plan, (16, 32)), q, k, v, plan)
+
+
+def test_tile_grid_plan_through_the_kernel():
+    """A tile_grid plan: the kernel runs in tiled order, the answer comes in the original one."""
+    mask = cm.masks.clear((6, 8), 3, 16)
+    plan = cm.compile(mask, 64, device=DEVICE)
+    tiled = cm.compile(cm.masks.tile_grid(mask, (2, 4)), 64, device=DEVICE)
+    q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float16)
+    out, lse = _run_triton(q, k, v, tiled, (16, 32), return_lse=True)
+    _assert_matches(out, q, k, v, plan)
+    _assert_lse(lse, q, k, v, plan)
