@@ -189,6 +189,21 @@ def tile_grid(mask: Mask, tile: tuple[int, int] = (8, 16)) -> Mask:
     the output back (``plan.permutation``); ``plan.in_permuted_order()`` drops that step for
     models that keep their tokens tiled. Needs ``q_len == kv_len``.
 
+    Args:
+        mask: a mask holding at least one 2-D grid (``clear``, ``natten2d`` or a layout's
+            ``grid(h, w)`` segment), outermost (not combined with other masks afterwards).
+        tile: ``(th, tw)`` cells per tile, each >= 1 (edge tiles may be smaller).
+
+    Returns:
+        The tiled mask (position ``i`` holds the token at ``permutation[i]`` of ``mask``).
+
+    Raises:
+        CompileMaskError: ``tile`` is not a pair of positive ints; when compiled, a mask without
+            a grid, or ``q_len != kv_len``.
+
+    Source: DESIGN.md section 4 (token permutation for grid masks); CLEAR (Liu et al., 2024)
+    for the disc-shaped local attention it speeds up.
+
     Example::
 
         >>> m = tile_grid(clear((128, 256), 16, 512), (8, 16))

@@ -173,9 +173,21 @@ class MaskPlan:
         return sum(x.numel() * x.element_size() for x in t) + self.schedule.nbytes
 
     def stats(self) -> dict:
-        """Density, intervals per row (max, mean), tile counts, tile efficiency, bytes.
+        """Numbers about the plan, over all its masks.
 
-        Tile efficiency = visible pairs / pairs inside touched tiles (clipped to the lengths)."""
+        Returns:
+            A dict: ``density`` (visible pairs / (M * Nq * Nk)), ``visible_pairs``,
+            ``intervals_per_row_max`` / ``_mean``, ``tiles_full`` / ``tiles_partial``
+            (``tiles_partial_bits`` of them as bitmasks) / ``tiles_empty`` at the default
+            tiling, ``tile_efficiency`` (visible pairs / pairs inside touched tiles, clipped to
+            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding`` and the sizes.
+
+        Example::
+
+            >>> import compilemask as cm
+            >>> cm.compile(cm.masks.causal(), 256, block_m=64, block_n=64).stats()["tiles_full"]
+            6
+        """
         s = self.schedule
         visible = int(s.pairs.sum())
         runs = self.row_runs if self.encoding == "bits" else self.row_count
