@@ -18,7 +18,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from test_compiler import cases  # noqa: E402
 
 import compilemask as cm  # noqa: E402
 from compilemask.errors import LayoutError  # noqa: E402
@@ -31,6 +30,7 @@ from compilemask.kernels.triton.configs import (  # noqa: E402
 )
 from compilemask.language.semantics import dense  # noqa: E402
 from compilemask.testing import check_attention, check_close  # noqa: E402
+from test_compiler import cases  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float32
