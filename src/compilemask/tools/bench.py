@@ -203,6 +203,10 @@ def _causal_only(name: str, n: int) -> tuple[bool, str]:
     return (name == "causal", "runs dense causal only")
 
 
+def _grid_only(name: str, n: int) -> tuple[bool, str]:
+    return (name == "clear", "the token-permutation pass applies to grid masks")
+
+
 def _small_only(name: str, n: int) -> tuple[bool, str]:
     return (n <= REFERENCE_MAX_N, f"too slow beyond N = {REFERENCE_MAX_N}")
 
@@ -242,6 +246,26 @@ def _compilemask(backend: str) -> Callable[[Case, bool], Runner]:
         return Runner(lambda: attention(q, k, v, plan, backend=backend), (q, k, v), case.dout)
 
     return prepare
+
+
+#: Tiles of the token-permutation pass for grid masks (DESIGN.md section 4: 8 x 16 cells).
+GRID_TILE = (8, 16)
+
+
+def _compilemask_tiled(case: Case, grad: bool) -> Runner:
+    """Triton on ``tile_grid(mask, GRID_TILE)``: the compiler pass reorders the grid's tokens;
+    q, k, v and the output stay in the original order (attention permutes them)."""
+    from ..api.functional import attention
+    from ..masks import tile_grid
+
+    if "tiled_plan" not in case.cache:
+        w = case.workload
+        case.cache["tiled_plan"] = compile_mask(
+            tile_grid(w.mask, GRID_TILE), w.N, device=case.device
+        )
+    plan = case.cache["tiled_plan"]
+    q, k, v = _bhsd_leaves(case, grad)
+    return Runner(lambda: attention(q, k, v, plan, backend="triton"), (q, k, v), case.dout)
 
 
 _FLEX: dict = {}
@@ -375,6 +399,12 @@ _FA4_OK = _all(lambda: _imports("flash_attn.cute"), _cuda, _hopper)
 SYSTEMS: tuple[System, ...] = (
     System(
         "compilemask-triton", _all(_triton_installed, _cuda, _triton_ok), _compilemask("triton")
+    ),
+    System(
+        "compilemask-triton-tiled",
+        _all(_triton_installed, _cuda, _triton_ok),
+        _compilemask_tiled,
+        applies=_grid_only,
     ),
     System("flex-triton", _FLEX_OK, _flex(None)),
     System("flex-fa4", _all(_FA4_OK, _FLEX_OK), _flex({"BACKEND": "FLASH"})),
