@@ -426,3 +426,13 @@ def test_tile_grid_plan_through_the_kernel():
     out, lse = _run_triton(q, k, v, tiled, (16, 32), return_lse=True)
     _assert_matches(out, q, k, v, plan)
     _assert_lse(lse, q, k, v, plan)
+
+
+def test_bits_plan_with_a_16_key_tiling():
+    """A bits-only plan (from_dense) through the kernel at BLOCK_N = 16 (half a bit word)."""
+    d = torch.ones(64, 64, dtype=torch.bool).tril()
+    d[:, ::2] = False
+    plan = cm.from_dense(d, device=DEVICE)
+    assert plan.encoding == "bits"
+    q, k, v = _inputs(1, 1, 1, 64, 64, 32, torch.float16)
+    _assert_matches(_run_triton(q, k, v, plan, (16, 16)), q, k, v, plan)

@@ -484,3 +484,30 @@ def test_masks_that_fix_their_lengths_compile_without_them():
     assert cm.compile(masks.document([3, 4]) | masks.causal()).q_len == 7
     with pytest.raises(CompileMaskError, match="q_len is needed"):
         cm.compile(masks.causal())
+
+
+@pytest.mark.parametrize("bm,bn", [(64, 16), (16, 16), (5, 3), (7, 48)])
+def test_bitmask_tiles_at_any_block_n(bm, bn):
+    """Bitmask rows take whole int32 words (the last one padded), so every tiling works."""
+    g = torch.Generator().manual_seed(3)
+    d = torch.rand(70, 90, generator=g) < 0.5
+    plan = cm.from_dense(d, block_m=bm, block_n=bn)
+    assert plan.encoding == "bits"
+    check_plan(plan, d)
+    other = cm.from_dense(d).tiles(bm, bn)
+    assert int(other.pairs.sum()) == int(d.sum())
+    dil = cm.compile(masks.dilated(60, 3), 90, block_m=bm, block_n=bn, cache=False)
+    check_plan(dil, dense(masks.dilated(60, 3), 90))
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: cm.parse("layout r:99999999999999999999x3"), "parts"),
+        (lambda: cm.parse("layout r:3000000000x1"), "parts"),
+        (lambda: cm.compile(masks.causal(), 4, device="nope"), "device"),
+    ],
+)
+def test_more_bad_input(call, match):
+    with pytest.raises(CompileMaskError, match=match):
+        call()

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import CompileMaskError
 from . import intervals as iv
-from .pipeline import positive_int
+from .pipeline import positive_int, resolve_device
 from .plan import MaskPlan
 from .tiles import build_tiles, build_tiles_from_dense
 
@@ -31,7 +31,7 @@ def _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source
     )
     m = runs.shape[0]
     k_max = max(1, int(runs.max()))
-    if 8 * k_max > -(-kv_len // 8) and block_n % 32 == 0:  # intervals > bits per row
+    if 8 * k_max > -(-kv_len // 8):  # a row's intervals would take more bytes than its bits
         schedule = build_tiles_from_dense(
             (torch.stack(rows).to(device) for rows in zip(*chunks())),
             m,
@@ -112,7 +112,7 @@ def from_dense(
             f"mask must be [Nq, Nk] or [B, H, Nq, Nk] with no empty axis, got {tuple(mask.shape)}"
         )
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
-    device = torch.device(device) if device is not None else mask.device
+    device = resolve_device(device, default=mask.device)
     m4 = mask if mask.dim() == 4 else mask[None, None]
     b, h, nq, nk = m4.shape
     rows = _chunk_rows(nk, block_m)
@@ -161,7 +161,7 @@ def from_mask_mod(
     for v, name in ((batch, "batch"), (heads, "heads")):
         if v is not None:
             positive_int(v, name)
-    device = torch.device(device if device is not None else "cpu")
+    device = resolve_device(device)
     rows = _chunk_rows(kv_len, block_m)
     kv_idx = torch.arange(kv_len, device=device)[None, :]
 

@@ -26,6 +26,20 @@ def positive_int(value: object, name: str) -> int:
     return value
 
 
+def resolve_device(device, default="cpu") -> torch.device:
+    """``device`` (a torch.device, a string such as ``"cuda:0"``, or None for ``default``) as a
+    torch.device that exists here, else a :class:`CompileMaskError`."""
+    try:
+        dev = torch.device(default if device is None else device)
+    except (RuntimeError, TypeError) as err:
+        raise CompileMaskError(
+            f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}: {err}"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CompileMaskError(f"device={device!r}, but this torch has no CUDA device available")
+    return dev
+
+
 def dependence(mask: Mask, batch: int | None, heads: int | None) -> tuple[int | None, int | None]:
     """The batch / head counts a plan of ``mask`` carries (None: broadcasts)."""
     out = []
@@ -95,7 +109,7 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
     batch, heads = dependence(mask, batch, heads)
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
-    device = torch.device(device if device is not None else "cpu")
+    device = resolve_device(device)
     key = (str(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
     if cache and key in _CACHE:
         _CACHE.move_to_end(key)

@@ -45,7 +45,7 @@ class TileSchedule:
         jlo, jhi: ``[M, Tq, Tk]`` for a PARTIAL tile, every row's intervals that meet the kv-tile
             have slot indices in ``[jlo, jhi)`` (``plan.row_lo[m, r, j]`` ...).
         bits_index: ``[M, Tq, Tk]`` row of ``bits`` for a PARTIAL_BITS tile, else -1.
-        bits: ``[P, block_m, block_n // 32]``: bit ``c % 32`` of word ``c // 32`` of row ``r``
+        bits: ``[P, block_m, ceil(block_n / 32)]``: bit ``c % 32`` of word ``c // 32`` of row ``r``
             says key ``kt * block_n + c`` is visible to query ``qt * block_m + r``.
         q_count: ``[M, Tq]`` touched kv-tiles per q-tile; q_list: ``[M, Tq, Tk]`` their indices,
             ascending, padded with -1 (forward and dQ).
@@ -175,7 +175,7 @@ def _slot_ranges(lo, hi, count, tq: int, tk: int, block_m: int, block_n: int, kv
 
 
 def _tile_bits(lo, hi, tiles, jlo, jhi, block_m: int, block_n: int, q_len: int) -> torch.Tensor:
-    """Bitmasks ``[P, block_m, block_n // 32]`` for the listed tiles ``(m, qt, kt)``."""
+    """Bitmasks ``[P, block_m, ceil(block_n / 32)]`` for the listed tiles ``(m, qt, kt)``."""
     dev = lo.device
     mi, qt, kt = tiles.unbind(1)
     span = int((jhi - jlo).max())
@@ -220,8 +220,7 @@ def build_tiles(
     """Build the :class:`TileSchedule` of canonical row intervals ``[M, Nq, K]``.
 
     ``use_bits``: store PARTIAL tiles whose slot range is wide as bitmasks (needs one host
-    synchronisation to size them; builds that must not synchronise pass False). Bitmasks need
-    ``block_n % 32 == 0``; other tilings always use intervals.
+    synchronisation to size them; builds that must not synchronise pass False).
     """
     tq, tk = math.ceil(q_len / block_m), math.ceil(kv_len / block_n)
     pairs = _pairs_per_tile(lo, hi, tq, tk, block_m, block_n)
@@ -232,8 +231,8 @@ def build_tiles(
     kind = torch.where(full, FULL, torch.where(pairs > 0, PARTIAL, EMPTY)).to(torch.int32)
     jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, block_m, block_n, kv_len)
     bits_index = torch.full_like(kind, -1)
-    bits = torch.zeros((0, block_m, block_n // 32), dtype=torch.int32, device=dev)
-    if use_bits and block_n % 32 == 0 and lo.shape[-1] > BITS_MIN_SPAN:
+    bits = torch.zeros((0, block_m, -(-block_n // 32)), dtype=torch.int32, device=dev)
+    if use_bits and lo.shape[-1] > BITS_MIN_SPAN:
         wide = (kind == PARTIAL) & (jhi - jlo > BITS_MIN_SPAN)
         tiles = wide.nonzero()
         if tiles.shape[0]:
@@ -269,8 +268,11 @@ def _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index
 
 
 def pack_bits(vis: torch.Tensor) -> torch.Tensor:
-    """Pack bool ``[..., block_n]`` (``block_n % 32 == 0``) into int32 words
-    ``[..., block_n // 32]``."""
+    """Pack bool ``[..., block_n]`` into int32 words ``[..., ceil(block_n / 32)]`` (bit
+    ``c % 32`` of word ``c // 32``; a last partial word is padded with zeros)."""
+    pad = -vis.shape[-1] % 32
+    if pad:
+        vis = torch.nn.functional.pad(vis, (0, pad))
     words = vis.reshape(*vis.shape[:-1], vis.shape[-1] // 32, 32).to(torch.int64)
     packed = (words << torch.arange(32, device=vis.device, dtype=torch.int64)).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
@@ -285,7 +287,7 @@ def unpack_bits(words: torch.Tensor) -> torch.Tensor:
 def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int, block_n: int):
     """A :class:`TileSchedule` whose PARTIAL tiles are all bitmasks, from dense boolean row
     chunks ``[M, rows, Nk]`` (each chunk's rows a multiple of ``block_m`` but the last), for
-    plans whose rows hold too many intervals to store them (``block_n % 32 == 0``)."""
+    plans whose rows hold too many intervals to store them."""
     tk = math.ceil(kv_len / block_n)
     kinds, pairs, bits = [], [], []
     n_bits = 0
@@ -332,7 +334,7 @@ def dense_from_tiles(s: TileSchedule, start: int, end: int) -> torch.Tensor:
     tiles = torch.zeros((m, tq, tk, s.block_m, s.block_n), dtype=torch.bool, device=kind.device)
     tiles[kind == FULL] = True
     sel = kind == PARTIAL_BITS
-    tiles[sel] = unpack_bits(s.bits[s.bits_index[:, t0:t1][sel].long()])
+    tiles[sel] = unpack_bits(s.bits[s.bits_index[:, t0:t1][sel].long()])[..., : s.block_n]
     dense = tiles.permute(0, 1, 3, 2, 4).reshape(m, tq * s.block_m, tk * s.block_n)
     off = start - t0 * s.block_m
     return dense[:, off : off + end - start, : s.kv_len]

@@ -54,6 +54,7 @@ from .resolve import check_layout, check_rules
 __all__ = ["parse", "parse_layout", "parse_rule", "parse_span", "parse_relation"]
 
 LIST_MASKS = ("per_head", "per_batch")
+MAX_PARTS = 2**24  # parts of one family written KxL (documents, users, responses)
 
 _TOKEN = re.compile(
     r"""
@@ -408,6 +409,12 @@ class _Parser:
             return Segment(name, (self.expect_int(""),))
         if tok.kind == "rep":
             count, length = (int(v) for v in tok.value.split("x"))
+            if not 1 <= count <= MAX_PARTS or count * length > 2**31 - 1:
+                raise self.error(
+                    f"{name}:{tok.value}: a family holds 1 to {MAX_PARTS} parts and at most "
+                    "2**31 - 1 tokens",
+                    tok,
+                )
             self.next()
             return Segment(name, (length,) * count)
         if self.is_op("*"):

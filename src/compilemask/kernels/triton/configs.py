@@ -145,8 +145,7 @@ class BwdConfig:
     The dK/dV kernel keeps a BLOCK_N-key tile of K, V, dK, dV on chip and streams BLOCK_M-row
     query tiles (``dkdv_block_m`` small, ``dkdv_block_n`` large); the dQ kernel keeps a
     BLOCK_M-row tile of Q, dO, dQ and streams BLOCK_N-key tiles (``dq_block_m`` large,
-    ``dq_block_n`` small). Each kernel asks the plan for its own tiling. Both BLOCK_N must be
-    multiples of 32 (bitmask tiles, and plans stored only as bitmasks, need whole words).
+    ``dq_block_n`` small). Each kernel asks the plan for its own tiling.
 
     Attributes:
         dkdv_block_m, dkdv_block_n: query rows per inner step, keys per program (dK/dV).
