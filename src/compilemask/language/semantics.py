@@ -250,11 +250,19 @@ def visible(
         tensor([ True,  True, False])
     """
     q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
-    q = torch.as_tensor(q_idx, dtype=torch.int64)
-    k = torch.as_tensor(k_idx, dtype=torch.int64)
+    q = _positions(q_idx, "q_idx")
+    k = _positions(k_idx, "k_idx")
     q, k = torch.broadcast_tensors(q, k)
     exists = (q >= 0) & (q < q_len) & (k >= 0) & (k < kv_len)
     return exists & _visible(mask, q, k, q_len, kv_len, _index(b, "b"), _index(h, "h"))
+
+
+def _positions(value: object, name: str) -> torch.Tensor:
+    """Integer positions as int64 (floats and bools are refused, not truncated)."""
+    t = torch.as_tensor(value)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise CompileMaskError(f"{name} must hold integer positions, got dtype {t.dtype}")
+    return t.to(torch.int64)
 
 
 def dense(
