@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -30,21 +31,23 @@ from compilemask.testing import check_close
 from compilemask.tools.bench_report import environment
 from compilemask.workloads import workload
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order); grid_order: see configs.GRID_ORDERS
 FWD_CANDIDATES = [
-    FwdConfig(64, 64, 4, 3),
-    FwdConfig(64, 64, 4, 4),
-    FwdConfig(128, 64, 8, 3),
-    FwdConfig(128, 64, 4, 3),
-    FwdConfig(128, 128, 8, 3),
-    FwdConfig(128, 128, 8, 2),
-    FwdConfig(64, 128, 4, 3),
+    FwdConfig(64, 64, 4, 3, 0),
+    FwdConfig(64, 64, 4, 3, 1),
+    FwdConfig(64, 64, 4, 3, 2),
+    FwdConfig(64, 64, 4, 2, 2),
+    FwdConfig(128, 64, 8, 3, 2),
+    FwdConfig(128, 64, 8, 3, 1),
+    FwdConfig(128, 64, 4, 2, 2),
+    FwdConfig(128, 128, 8, 2, 2),
 ]
 BWD_CANDIDATES = [
-    BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),
-    BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
-    BwdConfig(64, 64, 4, 3, 64, 64, 4, 3),
-    BwdConfig(32, 64, 4, 3, 64, 32, 4, 3),
-    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    BwdConfig(32, 128, 8, 2, 128, 32, 8, 2, 0, 0),
+    BwdConfig(32, 128, 8, 2, 128, 32, 8, 2, 1, 2),
+    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 64, 4, 3, 64, 64, 4, 3, 1, 2),
+    BwdConfig(32, 128, 4, 3, 128, 32, 4, 3, 1, 2),
 ]
 
 
@@ -65,8 +68,13 @@ def main() -> None:
     ap.add_argument("--part", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
     env = environment()
+    t_start = time.perf_counter()
+    summary = []
+    flex_cache: dict[str, dict[str, float]] = {}
     with open(a.out, "a") as out:
         for name in a.workloads:
             w, mask = _mask(name, a.n0)
@@ -94,7 +102,22 @@ def main() -> None:
                     q2, k2, v2, plan, do2, None, compute_dtype=torch.float32,
                     matmul_dtype=torch.bfloat16,
                 )  # fmt: skip
+            base = name.removesuffix("_tiled")  # Flex always runs the row-major mask
+            if base not in flex_cache and not a.no_flex:
+                flex_cache[base] = _time_flex(w, a.heads, a.part)
+            flex_ms = flex_cache.get(base, {})
+            for mode, ms in flex_ms.items():
+                row = {
+                    **env, "workload": name, "N0": a.n0, "N": w.N, "B": w.B, "Hq": a.heads,
+                    "Hkv": a.heads, "D": 128, "dtype": "bf16", "mode": mode,
+                    "system": "flex-triton", "ms": ms,
+                }  # fmt: skip
+                out.write(json.dumps(row) + "\n")
+                print(f"{name:<14} {mode:<8} {ms:8.3f} ms  flex-triton", flush=True)
             for mode, cfg in parts:
+                if time.perf_counter() - t_start > a.budget_s:
+                    print("budget spent: stopping", flush=True)
+                    break
                 ctx = override_forward_config if mode == "fwd" else override_backward_config
                 row = {
                     **env, "workload": name, "N0": a.n0, "N": w.N, "B": w.B, "Hq": a.heads,
@@ -145,6 +168,45 @@ def main() -> None:
                 out.flush()
             for ms, mode, cfg in sorted(results, key=lambda r: (r[1], r[0])):
                 print(f"{name:<14} {mode:<8} {ms:8.3f} ms  {cfg}", flush=True)
+            for mode in sorted({r[1] for r in results}):
+                ms, _, cfg = min(r for r in results if r[1] == mode)
+                summary.append((name, mode, ms, flex_ms.get(mode), cfg))
+    print(f"\n{'workload':<14} {'mode':<8} {'best ms':>9} {'flex ms':>9} {'ratio':>7}  config")
+    for name, mode, ms, fms, cfg in summary:
+        ratio = f"{fms / ms:6.2f}x" if fms else "      -"
+        fms_s = f"{fms:9.3f}" if fms else "        -"
+        print(f"{name:<14} {mode:<8} {ms:9.3f} {fms_s} {ratio}  {cfg}", flush=True)
+
+
+def _time_flex(w, heads: int, part: list[str]) -> dict[str, float]:
+    """FlexAttention (Triton backend, compiled) on the row-major mask: ms per mode."""
+    import triton.testing
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from compilemask.tools.peers import flex_mask_mod
+
+    torch._dynamo.config.recompile_limit = 1000
+    torch._dynamo.config.accumulated_recompile_limit = 10000
+    flex = torch.compile(flex_attention, dynamic=False)
+    bm = create_block_mask(flex_mask_mod(w.mask, "cuda"), None, None, w.N, w.N, device="cuda")
+    shape = (w.B, heads, w.N, 128)
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    res = {}
+    if "fwd" in part:
+        with torch.no_grad():
+            res["fwd"] = triton.testing.do_bench(
+                lambda: flex(q, k, v, block_mask=bm), warmup=25, rep=100, return_mode="median"
+            )
+    if "bwd" in part:
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+        def step():
+            flex(qg, kg, vg, block_mask=bm).backward(do)
+
+        res["fwd+bwd"] = triton.testing.do_bench(
+            step, warmup=10, rep=50, return_mode="median", grad_to_none=[qg, kg, vg]
+        )
+    return res
 
 
 if __name__ == "__main__":

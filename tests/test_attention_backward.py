@@ -29,6 +29,7 @@ from compilemask.kernels.reference import (  # noqa: E402
 )
 from compilemask.kernels.triton.backward import attention_backward  # noqa: E402
 from compilemask.kernels.triton.configs import (  # noqa: E402
+    GRID_ORDERS,
     SUPPORTED_HEAD_DIMS,
     BwdConfig,
     FwdConfig,
@@ -46,7 +47,8 @@ DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" 
 # (BLOCK_N % 32 == 0: bitmask tiles, and bits-only plans, need it).
 BWD_TILES = {
     "16x32/32x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1),
-    "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1),
+    # the plan's heaviest-first orders: heads fastest (dK/dV), tiles fastest (dQ)
+    "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -231,7 +233,8 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 8
+            assert len(cfg.as_list()) == 10
+            assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
 # ---------------------------------------------------------------- reference backward
@@ -334,7 +337,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 8 and len(tensors) == 18
+    assert len(ints) == 10 and len(tensors) == 18
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

@@ -35,7 +35,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 HEAD_DIMS = [32, 64, 96, 128, 256]
 # Small tiles so that small lengths give many tiles (and bitmask tiles need BLOCK_N % 32 == 0).
-TILES = [(16, 32), (32, 16)]
+# (BLOCK_M, BLOCK_N, grid_order): every launch order is exercised somewhere
+TILES = [(16, 32, 2), (32, 16, 0)]
 
 MASKS = {
     "causal": lambda: cm.masks.causal(),
@@ -56,7 +57,8 @@ def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed=0):
 
 
 def _run_triton(q, k, v, plan, tiles, **kwargs):
-    cfg = FwdConfig(tiles[0], tiles[1], num_warps=4, num_stages=1)
+    order = tiles[2] if len(tiles) > 2 else 2
+    cfg = FwdConfig(tiles[0], tiles[1], num_warps=4, num_stages=1, grid_order=order)
     with override_forward_config(cfg):
         return cm.attention(q, k, v, plan, backend="triton", **kwargs)
 
@@ -77,7 +79,7 @@ def _assert_lse(lse, q, k, v, plan, scale=None):
 # ---------------------------------------------------------------- kernel vs reference
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}-order{t[2]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mask_name", list(MASKS))
 def test_masks(mask_name, dtype, tiles):
@@ -103,7 +105,7 @@ def test_head_dims(head_dim):
     Nq, Nk = 40, 56
     plan = cm.compile(cm.masks.sliding_window(17), Nq, Nk, device=DEVICE)
     q, k, v = _inputs(1, 2, 2, Nq, Nk, head_dim, torch.float16, seed=head_dim)
-    out = _run_triton(q, k, v, plan, (16, 16))
+    out = _run_triton(q, k, v, plan, (16, 16, 1))
     _assert_matches(out, q, k, v, plan)
 
 
@@ -121,7 +123,7 @@ def test_per_batch_plan():
     mask = cm.masks.per_batch([cm.masks.causal(), cm.masks.sliding_window(9), cm.masks.chunked(16)])
     plan = cm.compile(mask, 60, 60, batch=3, device=DEVICE)
     q, k, v = _inputs(3, 2, 1, 60, 60, 32, torch.float16)
-    out = _run_triton(q, k, v, plan, (16, 16))
+    out = _run_triton(q, k, v, plan, (16, 16, 3))
     _assert_matches(out, q, k, v, plan)
     with pytest.raises(InputError, match="batch=3"):
         cm.attention(q[:2], k[:2], v[:2], plan)

@@ -6,17 +6,18 @@ bit-identical):
 1. ``_attn_bwd_preprocess``, grid (cdiv(Nq, BLOCK), B * Hq): per query row
    ``delta = rowsum(dO * O) - dlse`` and ``lse2 = lse * log2(e)`` (+inf for rows that see no
    key, so that ``exp2(s - lse2) = 0`` there: no ``-inf - -inf`` NaN), both fp32 [B, Hq, Nq].
-2. ``_attn_bwd_dkdv``, grid (B * Hkv, Tk): axis 1 is the rank of the kv-tile in ``kv_order``
-   (heaviest first). The program keeps K, V of its BLOCK_N keys and fp32 dK, dV accumulators
-   on chip and, for every query head h of its GQA group, walks the kv-tile's q-tile list
-   ``kv_list[m(b, h), kt]``: FULL q-tiles in an unmasked loop, then PARTIAL ones masked with the
-   same tile data as the forward, read transposed ([keys, queries], ``common.*_t``). It
-   recomputes ``P^T = exp2(K Q^T * scale * log2 e - lse2)`` and accumulates
-   ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``; it writes dK, dV
-   once (zero for keys nobody sees).
-3. ``_attn_bwd_dq``, grid (B * Hq, Tq) over ``q_order``: keeps Q, dO, dQ of its q-tile and walks
-   ``q_list`` (FULL first, then PARTIAL): ``dQ += dS K``; writes dQ once (zero for rows that
-   see nothing).
+2. ``_attn_bwd_dkdv``, one program per (batch row, kv head, kv-tile), launched in the order
+   ``BwdConfig.dkdv_order`` (``common.grid_position``; default: the kv-tiles of one head side
+   by side, in natural order). The program keeps K, V of its BLOCK_N keys and fp32 dK, dV
+   accumulators on chip and, for every query head h of its GQA group, walks the kv-tile's
+   q-tile list ``kv_list[m(b, h), kt]``: FULL q-tiles in an unmasked loop, then PARTIAL ones
+   masked with the same tile data as the forward, read transposed ([keys, queries],
+   ``common.*_t``). It recomputes ``P^T = exp2(K Q^T * scale * log2 e - lse2)`` and
+   accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``; it
+   writes dK, dV once (zero for keys nobody sees).
+3. ``_attn_bwd_dq``, one program per (batch row, query head, q-tile) in
+   ``BwdConfig.dq_order``: keeps Q, dO, dQ of its q-tile and walks ``q_list`` (FULL first,
+   then PARTIAL): ``dQ += dS K``; writes dQ once (zero for rows that see nothing).
 
 The two kernels use their own tilings (``BwdConfig``): dK/dV streams small query tiles past a
 large key tile, dQ the opposite. Gradient of the LSE output: ``d lse_i / d s_ij = P_ij``, so
@@ -35,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import max_span, partial_tile_mask, partial_tile_mask_t
+from .common import (
+    grid_position,
+    launch_grid,
+    launch_order,
+    max_span,
+    partial_tile_mask,
+    partial_tile_mask_t,
+    tile_of_rank,
+)
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 
 _LOG2E = 1.4426950408889634
@@ -227,14 +236,15 @@ def _attn_bwd_dkdv(
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    GRID_ORDER: tl.constexpr,
 ):  # fmt: skip
-    pid_bh = tl.program_id(0)
-    rank = tl.program_id(1)
+    pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hkv
     off_hkv = pid_bh % Hkv
     h_first = off_hkv * gqa_group
     first_mask = (off_b * mask_stride_b + h_first * mask_stride_h).to(tl.int64)
-    kt = tl.load(KvOrder + first_mask * Tk + rank)  # the group's first head orders the tiles
+    # the group's first head orders the tiles
+    kt = tile_of_rank(KvOrder + first_mask * Tk, rank, Tk, GRID_ORDER)
 
     start_n = kt * BLOCK_N
     offs_n_local = tl.arange(0, BLOCK_N)
@@ -421,15 +431,15 @@ def _attn_bwd_dq(
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    GRID_ORDER: tl.constexpr,
 ):  # fmt: skip
-    pid_bh = tl.program_id(0)
-    rank = tl.program_id(1)
+    pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_hkv = off_h // gqa_group
     mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
 
-    qt = tl.load(QOrder + mask_id * Tq + rank)
+    qt = tile_of_rank(QOrder + mask_id * Tq, rank, Tq, GRID_ORDER)
     tile_row = mask_id * Tq + qt
     count = tl.load(QCount + tile_row)
     full_count = tl.load(QFullCount + tile_row)
@@ -561,7 +571,8 @@ def attention_backward(
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bits = s["bits"]
-    _attn_bwd_dkdv[(B * Hkv, Tk)](
+    order = launch_order(cfg.dkdv_order, B * Hkv)
+    _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
         s["kv_count"], s["kv_full_count"], s["kv_list"], s["kv_order"],
@@ -572,13 +583,14 @@ def attention_backward(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        GRID_ORDER=order, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
     s = dq_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bits = s["bits"]
-    _attn_bwd_dq[(B * Hq, Tq)](
+    order = launch_order(cfg.dq_order, B * Hq)
+    _attn_bwd_dq[launch_grid(order, B * Hq, Tq)](
         q, k, v, do, lse2, delta, dq,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
         s["q_count"], s["q_full_count"], s["q_list"], s["q_order"],
@@ -589,6 +601,6 @@ def attention_backward(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        GRID_ORDER=order, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv

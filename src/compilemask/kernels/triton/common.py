@@ -222,6 +222,52 @@ def partial_tile_mask_t(
     return visible
 
 
+# ------------------------------------------------------------------------------- launch order
+
+
+@triton.jit
+def grid_position(GRID_ORDER: tl.constexpr):
+    """(pid_bh, rank) of this program: its (batch row, head) index and its tile rank.
+
+    GRID_ORDER 0 lays the grid out as (B * H, T) (heads fastest); every other order as
+    (T, B * H), so that consecutive programs are neighbouring tiles of one head (the layout of
+    FlexAttention's and Triton's tutorial kernels: programs in flight share K/V in L2).
+    """
+    if GRID_ORDER == 0:
+        pid_bh = tl.program_id(0)
+        rank = tl.program_id(1)
+    else:
+        rank = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+    return pid_bh, rank
+
+
+@triton.jit
+def tile_of_rank(Order, rank, T, GRID_ORDER: tl.constexpr):
+    """The tile a program of ``rank`` computes: ``Order[rank]`` (the plan's heaviest-first
+    order) for GRID_ORDER 0 and 3, ``rank`` for 1, ``T - 1 - rank`` for 2."""
+    if GRID_ORDER == 1:
+        tile = rank
+    elif GRID_ORDER == 2:
+        tile = T - 1 - rank
+    else:
+        tile = tl.load(Order + rank)
+    return tile
+
+
+def launch_order(grid_order: int, bh: int) -> int:
+    """``grid_order``, or 0 when the (T, B * H) layout would put more than 65,535 programs on
+    the grid's second axis (CUDA's limit)."""
+    if grid_order not in (0, 1, 2, 3):
+        raise ValueError(f"grid_order must be 0, 1, 2 or 3, got {grid_order}")
+    return grid_order if bh <= 65535 else 0
+
+
+def launch_grid(grid_order: int, bh: int, tiles: int) -> tuple[int, int]:
+    """The launch grid of :func:`grid_position` for ``bh`` (batch row, head) pairs."""
+    return (bh, tiles) if grid_order == 0 else (tiles, bh)
+
+
 # ------------------------------------------------------------------------------------ host side
 #: Interval-masked tiles whose slot range is at most this wide are masked with a fixed
 #: (unrolled) loop; a schedule with a wider one uses the loop of run-time length.

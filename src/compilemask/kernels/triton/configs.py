@@ -24,6 +24,13 @@ import torch
 
 from ...errors import CompileMaskError
 
+#: Launch orders of the programs (the ``GRID_ORDER`` constexpr of every kernel):
+#: 0 heads fastest, tiles heaviest first (the plan's ``q_order`` / ``kv_order``);
+#: 1 tiles fastest in natural order (neighbouring programs share K/V or Q/dO in L2);
+#: 2 tiles fastest in reverse order (the last tiles first: heaviest first under causal masks
+#: in the forward and dQ kernels); 3 tiles fastest, heaviest first.
+GRID_ORDERS: tuple[int, ...] = (0, 1, 2, 3)
+
 #: head_dim values the kernels (and ``compilemask.attention``) accept.
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 256)
 
@@ -37,12 +44,14 @@ class FwdConfig:
         block_n: keys per inner iteration (BLOCK_N), a power of two >= 16.
         num_warps: warps per program.
         num_stages: software-pipelining depth of the K/V loads.
+        grid_order: order in which programs are launched, one of :data:`GRID_ORDERS`.
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    grid_order: int = 2
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
@@ -152,6 +161,7 @@ class BwdConfig:
         dkdv_warps, dkdv_stages: warps and pipelining depth of the dK/dV kernel.
         dq_block_m, dq_block_n: query rows per program, keys per inner step (dQ).
         dq_warps, dq_stages: warps and pipelining depth of the dQ kernel.
+        dkdv_order, dq_order: launch orders of the two kernels, see :data:`GRID_ORDERS`.
     """
 
     dkdv_block_m: int
@@ -162,12 +172,15 @@ class BwdConfig:
     dq_block_n: int
     dq_warps: int
     dq_stages: int
+    dkdv_order: int = 1
+    dq_order: int = 2
 
     def as_list(self) -> list[int]:
-        """The eight ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The ten ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
+            self.dkdv_order, self.dq_order,
         ]  # fmt: skip
 
 

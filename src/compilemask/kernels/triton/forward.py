@@ -1,8 +1,9 @@
 """Triton forward attention over a :class:`MaskPlan` (FlashAttention-2 style).
 
-One program computes one BLOCK_M-row q-tile of one (batch row, query head). Programs are laid
-out as a grid (B * Hq, Tq): axis 0 walks heads (GQA heads that share K/V run side by side),
-axis 1 is the rank of the q-tile in ``q_order`` (heaviest first, so long programs start early).
+One program computes one BLOCK_M-row q-tile of one (batch row, query head). The launch order
+is ``FwdConfig.grid_order`` (``common.grid_position``): by default the q-tiles of one head run
+side by side (in reverse order), so that the programs in flight read the same K/V from L2;
+order 0 walks heads fastest with q-tiles heaviest first (``q_order``).
 The program walks its q-tile's kv-tile list, FULL tiles first in an unmasked loop, then the
 PARTIAL tiles in a masked loop (intervals or bitmask, see ``common.py``); online softmax in
 fp32 in base 2; it writes O and the natural-log LSE. Rows that see no key get O = 0 and
@@ -22,7 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import max_span, partial_tile_mask
+from .common import (
+    grid_position,
+    launch_grid,
+    launch_order,
+    max_span,
+    partial_tile_mask,
+    tile_of_rank,
+)
 from .configs import FwdConfig, check_head_dim, padded_head_dim
 
 _LOG2E = 1.4426950408889634
@@ -144,15 +152,15 @@ def _attn_fwd(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    GRID_ORDER: tl.constexpr,
 ):  # fmt: skip
-    pid_bh = tl.program_id(0)
-    rank = tl.program_id(1)
+    pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_hkv = off_h // gqa_group
     mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
 
-    qt = tl.load(QOrder + mask_id * Tq + rank)
+    qt = tile_of_rank(QOrder + mask_id * Tq, rank, Tq, GRID_ORDER)
     tile_row = mask_id * Tq + qt  # row of the [M, Tq, ...] schedule arrays
     count = tl.load(QCount + tile_row)
     full_count = tl.load(QFullCount + tile_row)
@@ -262,8 +270,8 @@ def attention_forward(
     if B * Hq * Nq == 0:
         return out, lse
     bits = schedule["bits"]
-    grid = (B * Hq, Tq)
-    _attn_fwd[grid](
+    order = launch_order(cfg.grid_order, B * Hq)
+    _attn_fwd[launch_grid(order, B * Hq, Tq)](
         q, k, v, out, lse,
         row_lo, row_hi, kind, schedule["jlo"], schedule["jhi"], schedule["bits_index"], bits,
         schedule["q_count"], schedule["q_full_count"], schedule["q_list"], schedule["q_order"],
@@ -279,6 +287,7 @@ def attention_forward(
         # dot path, which fails to compile this kernel on sm_90 with triton 3.6.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
         MAX_SPAN=max_span(kind, schedule["jlo"], schedule["jhi"]),
+        GRID_ORDER=order,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
