@@ -33,21 +33,18 @@ from compilemask.workloads import workload
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order); grid_order: see configs.GRID_ORDERS
 FWD_CANDIDATES = [
-    FwdConfig(64, 64, 4, 3, 0),
     FwdConfig(64, 64, 4, 3, 1),
     FwdConfig(64, 64, 4, 3, 2),
-    FwdConfig(64, 64, 4, 2, 2),
-    FwdConfig(128, 64, 8, 3, 2),
     FwdConfig(128, 64, 8, 3, 1),
-    FwdConfig(128, 64, 4, 2, 2),
-    FwdConfig(128, 128, 8, 2, 2),
+    FwdConfig(128, 64, 8, 2, 1),
+    FwdConfig(128, 128, 8, 2, 1),
+    FwdConfig(64, 128, 4, 3, 1),
 ]
 BWD_CANDIDATES = [
-    BwdConfig(32, 128, 8, 2, 128, 32, 8, 2, 0, 0),
-    BwdConfig(32, 128, 8, 2, 128, 32, 8, 2, 1, 2),
-    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 64, 4, 3, 64, 64, 4, 3, 1, 2),
-    BwdConfig(32, 128, 4, 3, 128, 32, 4, 3, 1, 2),
+    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, 1, 2),
 ]
 
 

@@ -405,14 +405,15 @@ def test_static_and_dynamic_span_paths(host_sync):
     """Interval tiles are masked by an unrolled loop of MAX_SPAN slots; a device-style build
     (no bitmasks) of a dilated mask has wider tiles and takes the loop of run-time length."""
     from compilemask.compiler.pipeline import build_plan
-    from compilemask.kernels.triton.common import max_span
+    from compilemask.kernels.triton.common import mask_constants
 
     mask = cm.masks.dilated(40, 3) | cm.masks.clear((6, 20), 3, 30)
     plan = build_plan(mask, 150, 150, None, None, 16, 32, DEVICE, host_sync=host_sync, source="")
     s = plan.tiles(16, 32)
-    span = max_span(s.kind, s.jlo, s.jhi)
+    span, slots, has_bits = mask_constants(s.kind, s.jlo, s.jhi, plan.row_lo.shape[-1])
+    assert slots == 0  # many slots per row: masked from the tiles' slot ranges
     if host_sync:
-        assert 1 < span <= 8 and bool((s.kind == 3).any())
+        assert 1 < span <= 8 and has_bits
     else:
         assert span == -1
     q, k, v = _inputs(1, 2, 2, 150, 150, 32, torch.float16)
@@ -438,3 +439,33 @@ def test_bits_plan_with_a_16_key_tiling():
     assert plan.encoding == "bits"
     q, k, v = _inputs(1, 1, 1, 64, 64, 32, torch.float16)
     _assert_matches(_run_triton(q, k, v, plan, (16, 16)), q, k, v, plan)
+
+
+@pytest.mark.parametrize(
+    "name, mask, n, slots",
+    [
+        ("causal", cm.masks.causal(), 70, 1),
+        ("window_globals", cm.masks.global_local(9, [0, 33]), 70, None),
+        ("hstu", cm.masks.hstu([30, 25, 15], [3, 2, 4], contextual=2), 70, None),
+        ("bits", None, 70, 0),
+    ],
+)
+def test_preloaded_slots_path(name, mask, n, slots):
+    """Plans with at most 4 slots per row (and no bitmask tile) are masked from intervals
+    loaded once per q-tile (SLOTS > 0); from_dense bits plans never take that path."""
+    from compilemask.kernels.triton.common import MAX_PRELOAD_SLOTS, mask_constants
+
+    if mask is None:  # a bits plan: every PARTIAL tile is a bitmask tile
+        g = torch.Generator().manual_seed(3)
+        plan = cm.from_dense(torch.rand(n, n, generator=g) < 0.5)
+    else:
+        plan = cm.compile(mask, n)
+    s = plan.tiles(16, 32)
+    k = plan.row_lo.shape[-1]
+    got = mask_constants(s.kind, s.jlo, s.jhi, k)[1]
+    assert got == (slots if slots is not None else (k if k <= MAX_PRELOAD_SLOTS else 0))
+    if mask is not None:
+        assert got > 0
+    plan = plan.to(DEVICE)
+    q, k_, v = _inputs(1, 2, 2, n, n, 32, torch.float16)
+    _assert_matches(_run_triton(q, k_, v, plan, (16, 32)), q, k_, v, plan)

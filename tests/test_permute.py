@@ -74,3 +74,21 @@ def test_tile_grid_errors():
         cm.compile(masks.tile_grid(masks.natten2d((4, 4), (3, 3))) | masks.causal(), 16)
     with pytest.raises(CompileMaskError, match="tile"):
         masks.tile_grid(masks.causal(), (0, 4))
+
+
+def test_reference_functions_apply_a_tiled_plan_permutation():
+    from compilemask.kernels.reference import reference_attention, reference_attention_backward
+
+    mask = masks.clear((6, 8), 2, 5)
+    n = 5 + 48
+    plan = cm.compile(mask, n)
+    tiled = cm.compile(masks.tile_grid(mask, (2, 4)), n)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    dlse = torch.randn(1, 2, n, generator=g, dtype=torch.float64)
+    for a, b in zip(reference_attention(q, k, v, plan), reference_attention(q, k, v, tiled)):
+        torch.testing.assert_close(a, b)
+    ga = reference_attention_backward(q, k, v, plan, do, dlse=dlse)
+    gb = reference_attention_backward(q, k, v, tiled, do, dlse=dlse)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b)

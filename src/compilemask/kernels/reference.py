@@ -86,7 +86,9 @@ def reference_attention(
     Args:
         q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 (GQA / MQA). Inputs are
             assumed validated (``compilemask.attention`` validates).
-        plan: a ``MaskPlan`` for (Nq, Nk) on q's device.
+        plan: a ``MaskPlan`` for (Nq, Nk) on q's device; a ``tile_grid`` plan's permutation is
+            applied as ``compilemask.attention`` applies it (inputs and outputs in the
+            original token order).
         scale: softmax scale, default 1 / sqrt(D).
         compute_dtype: dtype of the softmax and accumulation: float32 or float64 (default:
             float64 for float64 inputs, else float32).
@@ -104,6 +106,13 @@ def reference_attention(
         >>> same, _ = reference_attention(q, k, v, plan, compute_dtype=torch.float32,
         ...                               matmul_dtype=q.dtype)
     """
+    if plan.permutation is not None:  # a tile_grid plan: inputs and outputs in our order
+        perm, inv = plan.permutation, plan.inverse_permutation
+        out, lse = reference_attention(
+            *(t.index_select(2, perm) for t in (q, k, v)), plan.in_permuted_order(), scale,
+            compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
+        )  # fmt: skip
+        return out.index_select(2, inv), lse.index_select(2, inv)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -172,7 +181,8 @@ def reference_attention_backward(
 
     Args:
         q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; do: [B, Hq, Nq, D].
-        plan: a ``MaskPlan`` for (Nq, Nk) on q's device.
+        plan: a ``MaskPlan`` for (Nq, Nk) on q's device (a ``tile_grid`` plan's permutation is
+            applied, as in :func:`reference_attention`).
         scale: softmax scale, default 1 / sqrt(D).
         dlse: optional [B, Hq, Nq] gradient of the LSE output (None: zero).
         compute_dtype: dtype of the softmax and the accumulation (float32 or float64; default
@@ -192,6 +202,15 @@ def reference_attention_backward(
 
     Source: the FlashAttention-2 backward (Dao, 2023), without tiling.
     """
+    if plan.permutation is not None:  # a tile_grid plan: inputs and outputs in our order
+        perm, inv = plan.permutation, plan.inverse_permutation
+        grads = reference_attention_backward(
+            *(t.index_select(2, perm) for t in (q, k, v)), plan.in_permuted_order(),
+            do.index_select(2, perm), scale,
+            dlse=None if dlse is None else dlse.index_select(2, perm),
+            compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
+        )  # fmt: skip
+        return tuple(g.index_select(2, inv) for g in grads)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv

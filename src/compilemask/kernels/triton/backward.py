@@ -40,9 +40,11 @@ from .common import (
     grid_position,
     launch_grid,
     launch_order,
-    max_span,
+    mask_constants,
     partial_tile_mask,
     partial_tile_mask_t,
+    preload_row_slot,
+    slots_mask,
     tile_of_rank,
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
@@ -133,6 +135,8 @@ def _attn_bwd_dkdv_inner(
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -171,12 +175,18 @@ def _attn_bwd_dkdv_inner(
         qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
-            kind = tl.load(Kind + qt * tile_stride)
+            kind = 0
+            if HAS_BITS:
+                kind = tl.load(Kind + qt * tile_stride)
+            jlo = 0
+            jhi = 0
+            if SLOTS == 0:
+                jlo = tl.load(Jlo + qt * tile_stride)
+                jhi = tl.load(Jhi + qt * tile_stride)
             visible = partial_tile_mask_t(
-                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                tl.load(Jlo + qt * tile_stride), tl.load(Jhi + qt * tile_stride), Bits,
+                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits,
                 tl.load(BitsIndex + qt * tile_stride), stride_bits_p, stride_bits_r,
-                BLOCK_M, BLOCK_N, MAX_SPAN,
+                BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
             pT = tl.where(visible, pT, 0.0)
             do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
@@ -236,6 +246,8 @@ def _attn_bwd_dkdv(
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
@@ -287,6 +299,7 @@ def _attn_bwd_dkdv(
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
+            HAS_BITS, SLOTS,
         )  # fmt: skip
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -296,6 +309,7 @@ def _attn_bwd_dkdv(
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
+            HAS_BITS, SLOTS,
         )  # fmt: skip
 
     dk = dk * scale
@@ -338,6 +352,7 @@ def _attn_bwd_dq_inner(
     RowHi,
     row_base,
     offs_m,
+    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
     Nq,
     Nk,
     n_slots,
@@ -352,8 +367,11 @@ def _attn_bwd_dq_inner(
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
     MAX_SPAN: tl.constexpr,
-):
-    """Accumulate dQ of one q-tile over the kv-tiles ``TileList[list_start:list_end]``."""
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dQ of one q-tile over the kv-tiles ``TileList[list_start:list_end]``
+    (masks as in the forward: preloaded slots when SLOTS > 0)."""
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -386,12 +404,17 @@ def _attn_bwd_dq_inner(
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            kind = tl.load(Kind + kt)
-            visible = partial_tile_mask(
-                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
-                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN,
-            )  # fmt: skip
+            if SLOTS > 0:
+                visible = slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS)
+            else:
+                kind = 0
+                if HAS_BITS:
+                    kind = tl.load(Kind + kt)
+                visible = partial_tile_mask(
+                    kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
+                    stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
+                )  # fmt: skip
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -431,6 +454,8 @@ def _attn_bwd_dq(
     DOT_PRECISION: tl.constexpr,
     LOAD_T: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
@@ -471,21 +496,30 @@ def _attn_bwd_dq(
     V_head = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    row_ptr = row_base + offs_m.to(tl.int64) * n_slots
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
     # FULL kv-tiles: no mask, no bounds checks.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
         0, full_count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
+        HAS_BITS, SLOTS,
     )  # fmt: skip
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
         full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
+        HAS_BITS, SLOTS,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -571,6 +605,7 @@ def attention_backward(
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bits = s["bits"]
+    span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     order = launch_order(cfg.dkdv_order, B * Hkv)
     _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
@@ -582,13 +617,14 @@ def attention_backward(
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
-        MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
+        MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
         GRID_ORDER=order, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
     s = dq_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bits = s["bits"]
+    span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     order = launch_order(cfg.dq_order, B * Hq)
     _attn_bwd_dq[launch_grid(order, B * Hq, Tq)](
         q, k, v, do, lse2, delta, dq,
@@ -600,7 +636,7 @@ def attention_backward(
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
-        MAX_SPAN=max_span(s["kind"], s["jlo"], s["jhi"]),
+        MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
         GRID_ORDER=order, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv

@@ -81,6 +81,38 @@ def bits_tile_mask(
 
 
 @triton.jit
+def preload_row_slot(RowLo, RowHi, row_ptr, row_ok, slot: tl.constexpr, SLOTS: tl.constexpr):
+    """(lo, hi) of slot ``slot`` of rows ``row_ptr`` ([BLOCK_M] int32; empty where the row is
+    out of range or ``slot >= SLOTS``)."""
+    if slot < SLOTS:
+        lo = tl.load(RowLo + row_ptr + slot, mask=row_ok, other=0)
+        hi = tl.load(RowHi + row_ptr + slot, mask=row_ok, other=0)
+    else:
+        lo = tl.zeros(row_ptr.shape, dtype=tl.int32)
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS: tl.constexpr):
+    """visible[r, c] = OR over the first SLOTS (<= 4) slots of lo_j[r] <= c < hi_j[r].
+
+    The forward and dQ kernels load the intervals of their q-tile's rows once, before the kv
+    loop, when the plan has at most 4 slots per row (causal, document, hstu, shared_prompt,
+    sliding window...): a PARTIAL tile then costs comparisons only, no memory access.
+    """
+    n = offs_n[None, :]
+    visible = (n >= lo0[:, None]) & (n < hi0[:, None])
+    if SLOTS > 1:
+        visible = visible | ((n >= lo1[:, None]) & (n < hi1[:, None]))
+    if SLOTS > 2:
+        visible = visible | ((n >= lo2[:, None]) & (n < hi2[:, None]))
+    if SLOTS > 3:
+        visible = visible | ((n >= lo3[:, None]) & (n < hi3[:, None]))
+    return visible
+
+
+@triton.jit
 def partial_tile_mask(
     kind,
     RowLo,
@@ -100,26 +132,27 @@ def partial_tile_mask(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
 ):
-    """The visibility of a PARTIAL or PARTIAL_BITS tile (one branch per tile)."""
-    if kind == KIND_PARTIAL_BITS:
-        visible = bits_tile_mask(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
-        visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
+    """The visibility of a PARTIAL or PARTIAL_BITS tile (one branch per tile).
+
+    Only kernels without preloaded slots call it (``SLOTS == 0``); without bitmask tiles in the
+    schedule (``HAS_BITS`` False) the tile's kind is not read.
+    """
+    if HAS_BITS:
+        if kind == KIND_PARTIAL_BITS:
+            visible = bits_tile_mask(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
+            visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
+        else:
+            visible = interval_tile_mask(
+                RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
+                BLOCK_M, BLOCK_N, MAX_SPAN,
+            )  # fmt: skip
     else:
         visible = interval_tile_mask(
-            RowLo,
-            RowHi,
-            row_base,
-            offs_m,
-            offs_n,
-            Nq,
-            n_slots,
-            jlo,
-            jhi,
-            BLOCK_M,
-            BLOCK_N,
-            MAX_SPAN,
-        )
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
+            BLOCK_M, BLOCK_N, MAX_SPAN,
+        )  # fmt: skip
     return visible
 
 
@@ -199,26 +232,35 @@ def partial_tile_mask_t(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
-    """:func:`partial_tile_mask` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x queries)."""
-    if kind == KIND_PARTIAL_BITS:
-        visible = bits_tile_mask_t(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
-        visible = visible & (offs_m[None, :] < Nq) & (offs_n[:, None] < Nk)
+    """:func:`partial_tile_mask` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x queries).
+
+    ``SLOTS > 0``: every row has at most SLOTS (<= 4) slots and the schedule no bitmask tile;
+    the mask ORs all slots of each row (no per-tile slot range is read).
+    """
+    if SLOTS > 0:
+        visible = interval_tile_mask_t(
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, 0, SLOTS,
+            BLOCK_M, BLOCK_N, SLOTS,
+        )  # fmt: skip
+    elif HAS_BITS:
+        if kind == KIND_PARTIAL_BITS:
+            visible = bits_tile_mask_t(
+                Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N
+            )
+            visible = visible & (offs_m[None, :] < Nq) & (offs_n[:, None] < Nk)
+        else:
+            visible = interval_tile_mask_t(
+                RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
+                BLOCK_M, BLOCK_N, MAX_SPAN,
+            )  # fmt: skip
     else:
         visible = interval_tile_mask_t(
-            RowLo,
-            RowHi,
-            row_base,
-            offs_m,
-            offs_n,
-            Nq,
-            n_slots,
-            jlo,
-            jhi,
-            BLOCK_M,
-            BLOCK_N,
-            MAX_SPAN,
-        )
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
+            BLOCK_M, BLOCK_N, MAX_SPAN,
+        )  # fmt: skip
     return visible
 
 
@@ -272,23 +314,40 @@ def launch_grid(grid_order: int, bh: int, tiles: int) -> tuple[int, int]:
 #: Interval-masked tiles whose slot range is at most this wide are masked with a fixed
 #: (unrolled) loop; a schedule with a wider one uses the loop of run-time length.
 MAX_STATIC_SPAN = 8
-_SPANS: dict[int, tuple[object, int]] = {}
+#: Plans with at most this many interval slots per row are masked from preloaded slots
+#: (``slots_mask``) when their schedule has no bitmask tile.
+MAX_PRELOAD_SLOTS = 4
+_MASK_CONSTANTS: dict[int, tuple[object, tuple[int, int, bool]]] = {}
 
 
-def max_span(kind, jlo, jhi) -> int:
-    """The ``MAX_SPAN`` constexpr for a schedule: the widest slot range ``jhi - jlo`` of its
-    interval-masked (PARTIAL) tiles, or -1 when that exceeds :data:`MAX_STATIC_SPAN`. Read back
-    once per schedule (one small device-to-host copy) and cached while the tensor lives."""
+def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, bool]:
+    """The masking constexprs of a schedule: ``(MAX_SPAN, SLOTS, HAS_BITS)``.
+
+    MAX_SPAN: the widest slot range ``jhi - jlo`` of its interval-masked (PARTIAL) tiles, or
+    -1 when that exceeds :data:`MAX_STATIC_SPAN`; HAS_BITS: whether any tile is a
+    PARTIAL_BITS tile; SLOTS: ``n_slots`` when it is at most :data:`MAX_PRELOAD_SLOTS` and
+    there is no bitmask tile, else 0. Read back once per schedule (one small device-to-host
+    copy) and cached while the tensor lives.
+    """
     import weakref
 
     import torch
 
-    hit = _SPANS.get(id(jlo))
+    hit = _MASK_CONSTANTS.get(id(jlo))
     if hit is not None and hit[0]() is jlo:
         return hit[1]
-    partial = kind == int(KIND_PARTIAL)
-    span = int(torch.where(partial, jhi - jlo, 0).max()) if kind.numel() else 0
-    value = span if span <= MAX_STATIC_SPAN else -1
+    if kind.numel():
+        span = torch.where(kind == int(KIND_PARTIAL), jhi - jlo, 0).max()
+        bits = (kind == int(KIND_PARTIAL_BITS)).any()
+        span, has_bits = (int(x) for x in torch.stack([span, bits.to(span.dtype)]).tolist())
+    else:
+        span, has_bits = 0, 0
+    max_span = span if span <= MAX_STATIC_SPAN else -1
+    slots = n_slots if (n_slots <= MAX_PRELOAD_SLOTS and not has_bits) else 0
+    value = (max_span, slots, bool(has_bits))
     key = id(jlo)
-    _SPANS[key] = (weakref.ref(jlo, lambda _, key=key: _SPANS.pop(key, None)), value)
+    _MASK_CONSTANTS[key] = (
+        weakref.ref(jlo, lambda _, key=key: _MASK_CONSTANTS.pop(key, None)),
+        value,
+    )
     return value

@@ -27,8 +27,10 @@ from .common import (
     grid_position,
     launch_grid,
     launch_order,
-    max_span,
+    mask_constants,
     partial_tile_mask,
+    preload_row_slot,
+    slots_mask,
     tile_of_rank,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
@@ -60,6 +62,7 @@ def _attn_fwd_inner(
     RowHi,
     row_base,
     offs_m,
+    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
     Nq,
     Nk,
     n_slots,
@@ -73,11 +76,14 @@ def _attn_fwd_inner(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MAX_SPAN: tl.constexpr,
-):
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
+):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
     MASKED=False: the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no bounds
-    checks, no mask. MASKED=True: PARTIAL tiles; loads are bounds-checked and scores masked.
+    checks, no mask. MASKED=True: PARTIAL tiles; loads are bounds-checked and scores masked,
+    from the preloaded slots ``lo*/hi*`` when SLOTS > 0, else from the tile's data.
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -107,12 +113,17 @@ def _attn_fwd_inner(
             k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
-            kind = tl.load(Kind + kt)
-            visible = partial_tile_mask(
-                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
-                stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN,
-            )  # fmt: skip
+            if SLOTS > 0:
+                visible = slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS)
+            else:
+                kind = 0
+                if HAS_BITS:
+                    kind = tl.load(Kind + kt)
+                visible = partial_tile_mask(
+                    kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
+                    stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
+                )  # fmt: skip
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen nothing yet keeps m = -inf: subtract 0 instead (p = 0).
@@ -152,6 +163,8 @@ def _attn_fwd(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
@@ -190,22 +203,30 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    # the rows' intervals, loaded once when there are few slots (SLOTS > 0)
+    row_ptr = row_base + offs_m.to(tl.int64) * n_slots
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
 
     # FULL tiles: no mask, no bounds checks.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
-        0, full_count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, full_count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+        SLOTS,
     )  # fmt: skip
     # PARTIAL tiles: interval or bitmask masking.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots,
-        full_count, count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+        SLOTS,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -270,6 +291,7 @@ def attention_forward(
     if B * Hq * Nq == 0:
         return out, lse
     bits = schedule["bits"]
+    span, slots, has_bits = mask_constants(kind, schedule["jlo"], schedule["jhi"], n_slots)
     order = launch_order(cfg.grid_order, B * Hq)
     _attn_fwd[launch_grid(order, B * Hq, Tq)](
         q, k, v, out, lse,
@@ -286,7 +308,9 @@ def attention_forward(
         # fp32: three TF32 MMAs per dot (about fp32 accuracy). "ieee" would take Triton's FMA
         # dot path, which fails to compile this kernel on sm_90 with triton 3.6.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-        MAX_SPAN=max_span(kind, schedule["jlo"], schedule["jhi"]),
+        MAX_SPAN=span,
+        HAS_BITS=has_bits,
+        SLOTS=slots,
         GRID_ORDER=order,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
