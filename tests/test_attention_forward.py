@@ -469,3 +469,25 @@ def test_preloaded_slots_path(name, mask, n, slots):
     plan = plan.to(DEVICE)
     q, k_, v = _inputs(1, 2, 2, n, n, 32, torch.float16)
     _assert_matches(_run_triton(q, k_, v, plan, (16, 32)), q, k_, v, plan)
+
+
+def test_plan_dependent_configs():
+    """D=128 16-bit: dense plans (tile efficiency >= 0.94 at 128x128) get 128x128 forward
+    tiles and a 128-row dQ tile; sparse ones keep 64x64 (sweep in configs.py)."""
+    from compilemask.kernels.triton.configs import (
+        backward_config,
+        forward_config,
+        tile_efficiency_128,
+    )
+
+    causal = cm.compile(cm.masks.causal(), 8192)
+    sparse = cm.compile(cm.masks.clear((16, 16), 3, 8), 264)
+    eff_c, eff_s = tile_efficiency_128(causal), tile_efficiency_128(sparse)
+    assert eff_c > 0.98 and eff_s < 0.5
+    assert tile_efficiency_128(causal) == eff_c  # cached
+    assert forward_config(128, torch.bfloat16, None, eff_c).block_m == 128
+    assert forward_config(128, torch.bfloat16, None, eff_s).block_m == 64
+    assert forward_config(128, torch.float32, None, eff_c).block_m == 64
+    assert forward_config(64, torch.bfloat16, None, eff_c) == forward_config(64, torch.bfloat16)
+    assert backward_config(128, torch.bfloat16, None, eff_c).dq_block_m == 128
+    assert backward_config(128, torch.bfloat16, None, eff_s).dq_block_m == 64

@@ -124,16 +124,21 @@ def _build(plan: MaskPlan, cfg: BwdConfig) -> list[torch.Tensor]:
 
 
 def backward_inputs(
-    plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    plan: MaskPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile_efficiency: float | None = None,
 ) -> tuple[list[torch.Tensor], list[int]]:
-    """The forward op's ``bwd_schedule`` and ``bwd_config`` for these inputs.
+    """The forward op's ``bwd_schedule`` and ``bwd_config`` for these inputs
+    (``tile_efficiency``: see ``configs.tile_efficiency_128``).
 
     Empty lists when no gradient will be taken (grad mode off, or none of q, k, v requires
     grad), so inference pays nothing for the backward's tilings.
     """
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return [], []
-    cfg = backward_config(q.shape[-1], q.dtype, q.device)
+    cfg = backward_config(q.shape[-1], q.dtype, q.device, tile_efficiency)
     if torch.compiler.is_compiling():
         return _build(plan, cfg), cfg.as_list()
     s1 = plan.tiles(cfg.dkdv_block_m, cfg.dkdv_block_n)

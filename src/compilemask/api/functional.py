@@ -17,7 +17,7 @@ import torch
 
 from ..compiler.plan import MaskPlan
 from ..kernels.reference import reference_attention
-from ..kernels.triton.configs import FwdConfig, forward_config
+from ..kernels.triton.configs import FwdConfig, forward_config, tile_efficiency_128
 from ..kernels.triton.schedule import FWD_SCHEDULE_FIELDS, forward_schedule
 from . import validate
 from .autograd import backward, backward_inputs, setup_context
@@ -162,11 +162,12 @@ def attention(
         lse = lse.to(torch.float32)
     else:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        cfg = forward_config(q.shape[-1], q.dtype, q.device)
+        eff = tile_efficiency_128(plan)
+        cfg = forward_config(q.shape[-1], q.dtype, q.device, eff)
         heads = plan.heads or 1
         mask_stride_b = heads if plan.batch else 0
         mask_stride_h = 1 if plan.heads else 0
-        bwd_schedule, bwd_config = backward_inputs(plan, q, k, v)
+        bwd_schedule, bwd_config = backward_inputs(plan, q, k, v, eff)
         out, lse = torch.ops.compilemask.attention_fwd(
             q, k, v, plan.row_lo, plan.row_hi, _forward_schedule(plan, cfg), bwd_schedule,
             scale, mask_stride_b, mask_stride_h,

@@ -11,7 +11,7 @@ Shared memory of one program is about ``(BLOCK_M + 2 * num_stages * BLOCK_N) * D
 Example::
 
     >>> forward_config(128, torch.float16)
-    FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, grid_order=1)
 """
 
 from __future__ import annotations
@@ -51,12 +51,19 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    grid_order: int = 2
+    grid_order: int = 1
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
 # document(8 x 1024)): 64x64 beats 128x128 at D=128 on masked work (less partial-tile waste)
 # and ties on causal; 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256.
+#: D=128, 16-bit, plans whose 128x128 tiles are nearly all visible (tile efficiency >=
+#: :data:`DENSE_TILE_EFFICIENCY`: causal, shared_prompt): larger tiles win there (H200 sweep,
+#: benchmarks/results/h200-tune-2026-11-30.jsonl: causal 9.63 vs 10.58 ms, shared_prompt 1.89
+#: vs 1.94 ms at 32K); masks with more waste at 128x128 (hstu, clear) keep 64x64.
+_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+DENSE_TILE_EFFICIENCY = 0.94
+
 _FWD_16BIT: dict[int, FwdConfig] = {
     32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
@@ -123,9 +130,15 @@ def _device_smem_limit(device: torch.device | None) -> int:
 
 
 def forward_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device | None = None
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    tile_efficiency: float | None = None,
 ) -> FwdConfig:
     """The forward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
+
+    ``tile_efficiency``: the plan's visible pairs / pairs of its touched 128x128 tiles
+    (:func:`tile_efficiency_128`), or None when unknown; dense plans get larger tiles.
 
     Raises:
         CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
@@ -135,6 +148,9 @@ def forward_config(
         return _OVERRIDE[-1]
     table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
     cfg = table[head_dim]
+    dense = tile_efficiency is not None and tile_efficiency >= DENSE_TILE_EFFICIENCY
+    if dense and head_dim == 128 and dtype != torch.float32:
+        cfg = _FWD_DENSE_128
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
     while cfg.num_stages > 1 and _shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
@@ -186,13 +202,19 @@ class BwdConfig:
 
 # fp16 / bf16 on sm_90. Register budget of dK/dV: two fp32 [BLOCK_N, D] accumulators over
 # 32 * num_warps threads (D=128, BLOCK_N=128, 8 warps: 128 registers per thread).
+# D=128 from the H200 sweep (benchmarks/results/h200-tune-2026-11-30.jsonl, 32K, 16 heads):
+# dK/dV 64x64 with 4 warps ties 64x128 with 8 on causal and wins on the other seeds; dQ 128x64
+# wins where 128x128 tiles are mostly visible (tile efficiency >= DQ_WIDE_TILE_EFFICIENCY:
+# causal, hstu, shared_prompt), 64x64 on clear (row-major and tile_grid).
 _BWD_16BIT: dict[int, BwdConfig] = {
     32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     96: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),  # D padded to 128
-    128: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),
+    128: BwdConfig(64, 64, 4, 3, 64, 64, 4, 3),
     256: BwdConfig(32, 64, 8, 2, 64, 32, 8, 2),
 }
+_BWD_WIDE_DQ_128 = BwdConfig(64, 64, 4, 3, 128, 64, 8, 3)
+DQ_WIDE_TILE_EFFICIENCY = 0.8
 
 # fp32 (tf32x3 dots: about fp32 accuracy): a correctness path; smaller tiles.
 _BWD_32BIT: dict[int, BwdConfig] = {
@@ -229,9 +251,13 @@ def _bwd_shared_memory_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int) -> 
 
 
 def backward_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device | None = None
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    tile_efficiency: float | None = None,
 ) -> BwdConfig:
-    """The backward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
+    """The backward launch configuration for ``head_dim`` and ``dtype`` on ``device``
+    (``tile_efficiency`` as in :func:`forward_config`).
 
     Raises:
         CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
@@ -241,6 +267,9 @@ def backward_config(
         return _BWD_OVERRIDE[-1]
     table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
     cfg = table[head_dim]
+    wide = tile_efficiency is not None and tile_efficiency >= DQ_WIDE_TILE_EFFICIENCY
+    if wide and head_dim == 128 and dtype != torch.float32:
+        cfg = _BWD_WIDE_DQ_128
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
     while _bwd_shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
@@ -257,3 +286,28 @@ def backward_config(
         else:
             break
     return cfg
+
+
+# ------------------------------------------------------------------------ plan-dependent choice
+_EFFICIENCY_KEY = "tile_efficiency_128"
+
+
+def tile_efficiency_128(plan) -> float | None:
+    """Visible pairs / pairs of the touched tiles of ``plan`` at 128x128 (all masks together).
+
+    Read back from the device once per plan (one small copy, then kept in the plan's cache).
+    Under ``torch.compile`` tracing nothing is read: the cached value, or None before the
+    first eager call.
+    """
+    cache = plan._cache
+    if _EFFICIENCY_KEY in cache:
+        return cache[_EFFICIENCY_KEY]
+    if torch.compiler.is_compiling():
+        return None
+    sched = plan.tiles(128, 128)
+    touched = (sched.kind != 0).sum()
+    pairs = sched.pairs.sum()
+    touched, pairs = (int(x) for x in torch.stack([touched, pairs.to(touched.dtype)]).tolist())
+    value = pairs / (touched * 128 * 128) if touched else 1.0
+    cache[_EFFICIENCY_KEY] = value
+    return value
