@@ -489,5 +489,7 @@ def test_plan_dependent_configs():
     assert forward_config(128, torch.bfloat16, None, eff_s).block_m == 64
     assert forward_config(128, torch.float32, None, eff_c).block_m == 64
     assert forward_config(64, torch.bfloat16, None, eff_c) == forward_config(64, torch.bfloat16)
-    assert backward_config(128, torch.bfloat16, None, eff_c).dq_block_m == 128
+    assert backward_config(128, torch.bfloat16, None, eff_c).dq_block_n == 128
+    assert backward_config(128, torch.bfloat16, None, 0.9).dq_block_m == 128
+    assert backward_config(128, torch.bfloat16, None, 0.9).dq_block_n == 64
     assert backward_config(128, torch.bfloat16, None, eff_s).dq_block_m == 64

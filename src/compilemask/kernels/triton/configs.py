@@ -202,10 +202,12 @@ class BwdConfig:
 
 # fp16 / bf16 on sm_90. Register budget of dK/dV: two fp32 [BLOCK_N, D] accumulators over
 # 32 * num_warps threads (D=128, BLOCK_N=128, 8 warps: 128 registers per thread).
-# D=128 from the H200 sweep (benchmarks/results/h200-tune-2026-11-30.jsonl, 32K, 16 heads):
-# dK/dV 64x64 with 4 warps ties 64x128 with 8 on causal and wins on the other seeds; dQ 128x64
-# wins where 128x128 tiles are mostly visible (tile efficiency >= DQ_WIDE_TILE_EFFICIENCY:
-# causal, hstu, shared_prompt), 64x64 on clear (row-major and tile_grid).
+# D=128 from the H200 sweeps (benchmarks/results/h200-tune-2026-11-30.jsonl, 32K, 16 heads,
+# fwd+bwd): dK/dV 64x64 with 4 warps wins on hstu, shared_prompt and clear; dQ 128x64 (2
+# stages) wins where 128x128 tiles are mostly visible (tile efficiency >=
+# DQ_WIDE_TILE_EFFICIENCY: hstu, shared_prompt), 64x64 on clear (row-major and tile_grid);
+# nearly dense plans (>= DENSE_BWD_TILE_EFFICIENCY: causal) take dK/dV 64x128 with 8 warps
+# and dQ 128x128 (causal 39.4 ms against 41.5 ms).
 _BWD_16BIT: dict[int, BwdConfig] = {
     32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
@@ -213,8 +215,10 @@ _BWD_16BIT: dict[int, BwdConfig] = {
     128: BwdConfig(64, 64, 4, 3, 64, 64, 4, 3),
     256: BwdConfig(32, 64, 8, 2, 64, 32, 8, 2),
 }
-_BWD_WIDE_DQ_128 = BwdConfig(64, 64, 4, 3, 128, 64, 8, 3)
+_BWD_WIDE_DQ_128 = BwdConfig(64, 64, 4, 3, 128, 64, 8, 2)
 DQ_WIDE_TILE_EFFICIENCY = 0.8
+_BWD_DENSE_128 = BwdConfig(64, 128, 8, 3, 128, 128, 8, 2)
+DENSE_BWD_TILE_EFFICIENCY = 0.98
 
 # fp32 (tf32x3 dots: about fp32 accuracy): a correctness path; smaller tiles.
 _BWD_32BIT: dict[int, BwdConfig] = {
@@ -267,9 +271,11 @@ def backward_config(
         return _BWD_OVERRIDE[-1]
     table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
     cfg = table[head_dim]
-    wide = tile_efficiency is not None and tile_efficiency >= DQ_WIDE_TILE_EFFICIENCY
-    if wide and head_dim == 128 and dtype != torch.float32:
-        cfg = _BWD_WIDE_DQ_128
+    if tile_efficiency is not None and head_dim == 128 and dtype != torch.float32:
+        if tile_efficiency >= DENSE_BWD_TILE_EFFICIENCY:
+            cfg = _BWD_DENSE_128
+        elif tile_efficiency >= DQ_WIDE_TILE_EFFICIENCY:
+            cfg = _BWD_WIDE_DQ_128
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
     while _bwd_shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
