@@ -184,7 +184,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument(
+        "--json", type=Path, default=None,
+        help="append the results as JSON lines (date, GPU, versions, commit) to this file",
+    )  # fmt: skip
     args = parser.parse_args()
+    rows: list[dict] = []
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -203,6 +208,9 @@ def main() -> None:
     for s, c in zip(sentences, cos.tolist()):
         print(f"  {c:.6f}  {s[:70]}")
     print(f"min cosine {cos.min().item():.6f} (need >= {need})")
+    common = {"model": weights, "dtype": str(dtype).removeprefix("torch."), "device": device.type}
+    rows.append({**common, "kind": "accuracy", "sentences": len(docs),
+                 "min_cosine": cos.min().item(), "threshold": need})  # fmt: skip
 
     if device.type == "cuda":
         many = docs * args.repeat
@@ -215,9 +223,22 @@ def main() -> None:
         model.set_attn_implementation("sdpa")
         ms = _time_ms(lambda: forward_padded(model, *padded_in))
         print(f"{'padded, sdpa':<22}{ms:>10.3f}{n_tok / ms * 1e3:>14.0f}")
+        rows.append({**common, "kind": "speed", "system": "padded, sdpa", "ms": ms,
+                     "sentences": len(many), "tokens": padded_in[0].numel()})  # fmt: skip
         model.set_attn_implementation(cm_hf.register())
         ms = _time_ms(lambda: forward_packed(model, packed_in, args.backend))
         print(f"{'packed, compilemask':<22}{ms:>10.3f}{n_tok / ms * 1e3:>14.0f}")
+        rows.append({**common, "kind": "speed", "system": "packed, compilemask", "ms": ms,
+                     "sentences": len(many), "tokens": n_tok})  # fmt: skip
+
+    if args.json is not None:
+        import json
+
+        from compilemask.tools.bench_report import environment
+
+        with args.json.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({**environment(), **row}) + "\n")
 
     if cos.min().item() < need:
         raise SystemExit(f"packed and padded embeddings differ: min cosine {cos.min():.6f}")
