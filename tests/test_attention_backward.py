@@ -49,6 +49,8 @@ BWD_TILES = {
     "16x32/32x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1),
     # the plan's heaviest-first orders: heads fastest (dK/dV), tiles fastest (dQ)
     "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3),
+    # dK/dV and dQ in one launch (_attn_bwd_fused)
+    "fused-32x32/32x16": BwdConfig(32, 32, 4, 1, 32, 16, 4, 1, fused=1),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -139,13 +141,15 @@ def test_head_dims(head_dim):
     _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
 
 
+@pytest.mark.parametrize("fused", [0, 1], ids=["two-launches", "fused"])
 @pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("lengths", [(50, 90), (90, 50)], ids=["q<kv", "q>kv"])
-def test_gqa_and_unequal_lengths(hkv, lengths):
+def test_gqa_and_unequal_lengths(hkv, lengths, fused):
     Nq, Nk = lengths
     plan = cm.compile(cm.masks.prefix_lm(9) | cm.masks.sliding_window(33), Nq, Nk, device=DEVICE)
     q, k, v, do = _inputs(2, 4, hkv, Nq, Nk, 64, torch.float16, seed=hkv)
-    grads = _triton_grads(q, k, v, do, plan, scale=0.3)
+    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, fused=fused)
+    grads = _triton_grads(q, k, v, do, plan, cfg, scale=0.3)
     _assert_grads(grads, q, k, v, do, plan, scale=0.3)
 
 
@@ -233,7 +237,7 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 10
+            assert len(cfg.as_list()) == 11
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -337,7 +341,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 10 and len(tensors) == 18
+    assert len(ints) == 11 and len(tensors) == 18
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

@@ -249,8 +249,13 @@ def _attn_bwd_dkdv(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
+    FUSED: tl.constexpr = False,
 ):  # fmt: skip
-    pid_bh, rank = grid_position(GRID_ORDER)
+    if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
+        rank = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+    else:
+        pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hkv
     off_hkv = pid_bh % Hkv
     h_first = off_hkv * gqa_group
@@ -457,8 +462,18 @@ def _attn_bwd_dq(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
+    Hkv=1,
+    fused_offset=0,
+    FUSED: tl.constexpr = False,
 ):  # fmt: skip
-    pid_bh, rank = grid_position(GRID_ORDER)
+    if FUSED:  # called by _attn_bwd_fused: programs fused_offset + g * Tq + rank of kv head
+        r = tl.program_id(0) - fused_offset
+        g = r // Tq
+        rank = r % Tq
+        pid_kv = tl.program_id(1)
+        pid_bh = (pid_kv // Hkv) * Hq + (pid_kv % Hkv) * gqa_group + g
+    else:
+        pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hq
     off_h = pid_bh % Hq
     off_hkv = off_h // gqa_group
@@ -528,6 +543,182 @@ def _attn_bwd_dq(
         + offs_m_local[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
         dq.to(DQ.dtype.element_ty), mask=md_ok,
     )  # fmt: skip
+
+
+@triton.jit
+def _attn_bwd_fused(
+    Q, K, V, DO, Lse2, Delta, DK, DV, DQ, RowLo, RowHi,
+    Kind1, Jlo1, Jhi1, BitsIndex1, Bits1, KvCount, KvFullCount, KvList, KvOrder,
+    Kind2, Jlo2, Jhi2, BitsIndex2, Bits2, QCount, QFullCount, QList, QOrder,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_bits1_p, stride_bits1_r, stride_bits2_p, stride_bits2_r,
+    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq1, Tk1, Tq2, Tk2, mask_stride_b, mask_stride_h,
+    scale, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M1: tl.constexpr,
+    BLOCK_N1: tl.constexpr,
+    BLOCK_M2: tl.constexpr,
+    BLOCK_N2: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LOAD_T: tl.constexpr,
+    MAX_SPAN1: tl.constexpr,
+    HAS_BITS1: tl.constexpr,
+    SLOTS1: tl.constexpr,
+    MAX_SPAN2: tl.constexpr,
+    HAS_BITS2: tl.constexpr,
+    SLOTS2: tl.constexpr,
+    ORDER1: tl.constexpr,
+    ORDER2: tl.constexpr,
+):  # fmt: skip
+    """dK/dV and dQ in one launch (the layout of FlexAttention's backward): grid
+    (Tk1 + G * Tq2, B * Hkv); programs [0, Tk1) of a kv head compute dK/dV of its kv-tiles,
+    the next G * Tq2 the dQ of its G query heads. The dK/dV and dQ programs of one head run
+    side by side and share Q, dO, K, V in L2; one launch has no tail between the two passes."""
+    if tl.program_id(0) < Tk1:
+        _attn_bwd_dkdv(
+            Q,
+            K,
+            V,
+            DO,
+            Lse2,
+            Delta,
+            DK,
+            DV,
+            RowLo,
+            RowHi,
+            Kind1,
+            Jlo1,
+            Jhi1,
+            BitsIndex1,
+            Bits1,
+            KvCount,
+            KvFullCount,
+            KvList,
+            KvOrder,
+            stride_qb,
+            stride_qh,
+            stride_qm,
+            stride_qd,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            stride_dob,
+            stride_doh,
+            stride_dom,
+            stride_dod,
+            stride_dkb,
+            stride_dkh,
+            stride_dkn,
+            stride_dkd,
+            stride_dvb,
+            stride_dvh,
+            stride_dvn,
+            stride_dvd,
+            stride_bits1_p,
+            stride_bits1_r,
+            Hq,
+            Hkv,
+            gqa_group,
+            Nq,
+            Nk,
+            n_slots,
+            Tq1,
+            Tk1,
+            mask_stride_b,
+            mask_stride_h,
+            scale,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_M1,
+            BLOCK_N1,
+            DOT_PRECISION,
+            LOAD_T,
+            MAX_SPAN1,
+            HAS_BITS1,
+            SLOTS1,
+            ORDER1,
+            True,
+        )
+    else:
+        _attn_bwd_dq(
+            Q,
+            K,
+            V,
+            DO,
+            Lse2,
+            Delta,
+            DQ,
+            RowLo,
+            RowHi,
+            Kind2,
+            Jlo2,
+            Jhi2,
+            BitsIndex2,
+            Bits2,
+            QCount,
+            QFullCount,
+            QList,
+            QOrder,
+            stride_qb,
+            stride_qh,
+            stride_qm,
+            stride_qd,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            stride_dob,
+            stride_doh,
+            stride_dom,
+            stride_dod,
+            stride_dqb,
+            stride_dqh,
+            stride_dqm,
+            stride_dqd,
+            stride_bits2_p,
+            stride_bits2_r,
+            Hq,
+            gqa_group,
+            Nq,
+            Nk,
+            n_slots,
+            Tq2,
+            Tk2,
+            mask_stride_b,
+            mask_stride_h,
+            scale,
+            qk_scale,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_M2,
+            BLOCK_N2,
+            DOT_PRECISION,
+            LOAD_T,
+            MAX_SPAN2,
+            HAS_BITS2,
+            SLOTS2,
+            ORDER2,
+            Hkv,
+            Tk1,
+            True,
+        )
 
 
 def attention_backward(
@@ -602,6 +793,13 @@ def attention_backward(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK, HAS_DLSE=dlse is not None,
     )  # fmt: skip
 
+    if cfg.fused and B * Hkv <= 65535:
+        _launch_fused(
+            q, k, v, do, lse2, delta, dq, dk, dv, row_lo, row_hi, dkdv_schedule, dq_schedule,
+            n_slots, scale, mask_stride_b, mask_stride_h, cfg, d_pad, dot_precision, load_t,
+        )  # fmt: skip
+        return dq, dk, dv
+
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bits = s["bits"]
@@ -640,3 +838,40 @@ def attention_backward(
         GRID_ORDER=order, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv
+
+
+def _launch_fused(
+    q, k, v, do, lse2, delta, dq, dk, dv, row_lo, row_hi, s1, s2,
+    n_slots, scale, mask_stride_b, mask_stride_h, cfg, d_pad, dot_precision, load_t,
+):  # fmt: skip
+    """One launch of ``_attn_bwd_fused`` (``BwdConfig.fused``): the dK/dV kernel's warps and
+    stages for both halves."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    Tq1, Tk1 = s1["kind"].shape[1], s1["kind"].shape[2]
+    Tq2, Tk2 = s2["kind"].shape[1], s2["kind"].shape[2]
+    span1, slots1, bits1 = mask_constants(s1["kind"], s1["jlo"], s1["jhi"], n_slots)
+    span2, slots2, bits2 = mask_constants(s2["kind"], s2["jlo"], s2["jhi"], n_slots)
+    order1 = cfg.dkdv_order if cfg.dkdv_order != 0 else 3
+    order2 = cfg.dq_order if cfg.dq_order != 0 else 3
+    _attn_bwd_fused[(Tk1 + G * Tq2, B * Hkv)](
+        q, k, v, do, lse2, delta, dk, dv, dq, row_lo, row_hi,
+        s1["kind"], s1["jlo"], s1["jhi"], s1["bits_index"], s1["bits"],
+        s1["kv_count"], s1["kv_full_count"], s1["kv_list"], s1["kv_order"],
+        s2["kind"], s2["jlo"], s2["jhi"], s2["bits_index"], s2["bits"],
+        s2["q_count"], s2["q_full_count"], s2["q_list"], s2["q_order"],
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        *dq.stride(),
+        s1["bits"].stride(0), s1["bits"].stride(1), s2["bits"].stride(0), s2["bits"].stride(1),
+        Hq, Hkv, G, Nq, Nk, n_slots, Tq1, Tk1, Tq2, Tk2, mask_stride_b, mask_stride_h,
+        scale, scale * _LOG2E,
+        HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
+        BLOCK_M1=cfg.dkdv_block_m, BLOCK_N1=cfg.dkdv_block_n,
+        BLOCK_M2=cfg.dq_block_m, BLOCK_N2=cfg.dq_block_n,
+        DOT_PRECISION=dot_precision, LOAD_T=load_t,
+        MAX_SPAN1=span1, HAS_BITS1=bits1, SLOTS1=slots1,
+        MAX_SPAN2=span2, HAS_BITS2=bits2, SLOTS2=slots2,
+        ORDER1=order1, ORDER2=order2,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )  # fmt: skip

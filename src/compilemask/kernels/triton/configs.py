@@ -178,6 +178,8 @@ class BwdConfig:
         dq_block_m, dq_block_n: query rows per program, keys per inner step (dQ).
         dq_warps, dq_stages: warps and pipelining depth of the dQ kernel.
         dkdv_order, dq_order: launch orders of the two kernels, see :data:`GRID_ORDERS`.
+        fused: 1 runs dK/dV and dQ as one launch (grid (Tk + G * Tq, B * Hkv), the dK/dV
+            kernel's warps and stages for both; order 0 is read as 3), 0 as two launches.
     """
 
     dkdv_block_m: int
@@ -190,13 +192,14 @@ class BwdConfig:
     dq_stages: int
     dkdv_order: int = 1
     dq_order: int = 2
+    fused: int = 0
 
     def as_list(self) -> list[int]:
-        """The ten ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The eleven ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
-            self.dkdv_order, self.dq_order,
+            self.dkdv_order, self.dq_order, self.fused,
         ]  # fmt: skip
 
 
