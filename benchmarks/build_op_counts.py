@@ -1,0 +1,80 @@
+"""Count the tensor operations of a device-style plan build (CPU, no GPU needed).
+
+    PYTHONPATH=src python3 benchmarks/build_op_counts.py [--out benchmarks/results/...jsonl]
+
+On a GPU every non-view operation is at least one kernel launch, and the builder is
+launch-bound: these counts bound how fast a plan can be built there. Stages: ``lower`` (row
+intervals), ``tiles`` (the 128x128 tile schedule) and ``schedules`` (the forward and dK/dV
+schedules the kernels read). Seed workloads at N0 = 32768.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from compilemask.compiler.lower import lower
+from compilemask.compiler.pipeline import build_plan
+from compilemask.compiler.tiles import build_tiles
+from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
+from compilemask.tools.bench_report import environment
+from compilemask.workloads import SEED_WORKLOADS, workload
+
+VIEWS = {
+    "aten.view.default", "aten.unsqueeze.default", "aten.slice.Tensor", "aten.select.int",
+    "aten.expand.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.t.default",
+    "aten.transpose.int", "aten.squeeze.dim", "aten.permute.default", "aten.alias.default",
+    "aten.detach.default",
+}  # fmt: skip
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def real(self) -> int:
+        return sum(n for op, n in self.ops.items() if op not in VIEWS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--n0", type=int, default=32768)
+    a = ap.parse_args()
+    rows = []
+    for name in SEED_WORKLOADS:
+        w = workload(name, a.n0)
+        with _Count() as c_lower:
+            lo, hi, cnt = lower(w.mask, w.N, w.N, "cpu", trim=False)
+        m = lo.shape[0] * lo.shape[1]
+        lo, hi = (t.reshape(m, w.N, -1).contiguous() for t in (lo, hi))
+        cnt = cnt.reshape(m, w.N).contiguous()
+        with _Count() as c_tiles:
+            build_tiles(lo, hi, cnt, w.N, w.N, 128, 128, use_bits=False)
+        plan = build_plan(w.mask, w.N, w.N, None, None, 128, 128, "cpu", host_sync=False, source="")
+        with _Count() as c_sched:
+            forward_schedule(plan, 128, 128)
+            dkdv_schedule(plan, 128, 128)
+        row = {
+            **environment(), "workload": name, "N0": a.n0, "N": w.N, "kind": "op_count",
+            "lower_ops": c_lower.real(), "tiles_ops": c_tiles.real(),
+            "schedules_ops": c_sched.real(), "slots": lo.shape[-1],
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in row if k not in ("date", "torch", "triton")}))
+    if a.out:
+        with open(a.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
