@@ -31,6 +31,17 @@ import torch
 EMPTY, FULL, PARTIAL, PARTIAL_BITS = 0, 1, 2, 3
 BITS_MIN_SPAN = 8  # a PARTIAL tile whose slot range is wider than this is stored as bits
 
+# An optional builder of schedules without bitmask tiles (e.g. the Triton kernels of
+# ``kernels/triton/tile_builder.py``, registered by their ``enable()``): called as
+# ``builder(lo, hi, count, q_len, kv_len, block_m, block_n)``; it may decline with None.
+_DEVICE_TILE_BUILDER = None
+
+
+def register_device_tile_builder(builder) -> None:
+    """Use ``builder`` for schedules that need no bitmask tile (None: the tensor builder)."""
+    global _DEVICE_TILE_BUILDER
+    _DEVICE_TILE_BUILDER = builder
+
 
 @dataclass(frozen=True)
 class TileSchedule:
@@ -222,6 +233,10 @@ def build_tiles(
     ``use_bits``: store PARTIAL tiles whose slot range is wide as bitmasks (needs one host
     synchronisation to size them; builds that must not synchronise pass False).
     """
+    if _DEVICE_TILE_BUILDER is not None and not (use_bits and lo.shape[-1] > BITS_MIN_SPAN):
+        built = _DEVICE_TILE_BUILDER(lo, hi, count, q_len, kv_len, block_m, block_n)
+        if built is not None:
+            return built
     tq, tk = math.ceil(q_len / block_m), math.ceil(kv_len / block_n)
     pairs = _pairs_per_tile(lo, hi, tq, tk, block_m, block_n)
     dev = lo.device

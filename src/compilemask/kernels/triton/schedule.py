@@ -6,6 +6,8 @@ synchronisation), so they run anywhere and trace under ``torch.compile``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...compiler.tiles import FULL
@@ -49,6 +51,21 @@ def split_full_first(
     return reordered.to(torch.int32).contiguous(), is_full.sum(-1).to(torch.int32)
 
 
+def _full_first(kind, lists, counts, transposed: bool):
+    """:func:`split_full_first`, or one ``_tile_lists`` launch when the Triton tile builder is
+    enabled (``tile_builder.enable()``) and the schedule is on a device it serves."""
+    from ...compiler import tiles as tiles_mod
+
+    if tiles_mod._DEVICE_TILE_BUILDER is not None and not torch.compiler.is_compiling():
+        on_cpu = kind.device.type == "cpu"
+        if not on_cpu or os.environ.get("TRITON_INTERPRET") == "1":
+            from .tile_builder import tile_lists
+
+            _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
+            return full_first, full_count
+    return split_full_first(kind, lists, counts, transposed=transposed)
+
+
 def _bits_or_dummy(sched) -> torch.Tensor:
     """The schedule's bitmasks, or a 1x1x1 dummy when it has none (kernels need a pointer)."""
     if sched.bits.shape[0] == 0 or sched.bits.shape[-1] == 0:
@@ -66,7 +83,7 @@ def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor
         ``q_full_count`` (see :func:`split_full_first`).
     """
     sched = plan.tiles(block_m, block_n)
-    q_list, q_full_count = split_full_first(sched.kind, sched.q_list, sched.q_count)
+    q_list, q_full_count = _full_first(sched.kind, sched.q_list, sched.q_count, False)
     bits = _bits_or_dummy(sched)
     return {
         "kind": sched.kind,
@@ -97,9 +114,7 @@ def dkdv_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
         ``kv_list`` (q-tiles per kv-tile) reordered FULL tiles first and ``kv_full_count``.
     """
     sched = plan.tiles(block_m, block_n)
-    kv_list, kv_full_count = split_full_first(
-        sched.kind, sched.kv_list, sched.kv_count, transposed=True
-    )
+    kv_list, kv_full_count = _full_first(sched.kind, sched.kv_list, sched.kv_count, True)
     bits = _bits_or_dummy(sched)
     return {
         "kind": sched.kind,

@@ -1,0 +1,124 @@
+"""The Triton tile-schedule builder (kernels/triton/tile_builder.py) equals the tensor builder
+(compiler/tiles.py, ``use_bits=False``) field by field, through Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="the tile builder needs triton installed")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+import compilemask as cm  # noqa: E402
+from compilemask.compiler import tiles as tiles_mod  # noqa: E402
+from compilemask.compiler.tiles import build_tiles  # noqa: E402
+from compilemask.errors import LayoutError  # noqa: E402
+from compilemask.kernels.triton import tile_builder  # noqa: E402
+from compilemask.kernels.triton.schedule import split_full_first  # noqa: E402
+from compilemask.language.semantics import dense  # noqa: E402
+from test_compiler import cases  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FIELDS = ("kind", "pairs", "jlo", "jhi", "bits_index", "q_count", "q_list", "kv_count",
+          "kv_list", "q_order", "kv_order")  # fmt: skip
+
+
+def _intervals(mask, n, kv, batch=None, heads=None):
+    plan = cm.compile(mask, n, kv, batch=batch, heads=heads, cache=False)
+    if plan.encoding != "intervals":
+        pytest.skip("bits plan")
+    return plan.row_lo.to(DEVICE), plan.row_hi.to(DEVICE), plan.row_count.to(DEVICE), plan
+
+
+def _assert_same(lo, hi, count, q_len, kv_len, bm, bn):
+    want = build_tiles(lo, hi, count, q_len, kv_len, bm, bn, use_bits=False)
+    got = tile_builder.build_tiles_triton(lo, hi, q_len, kv_len, bm, bn)
+    for name in FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a, b), f"{name} differs"
+    assert got.bits.shape == want.bits.shape
+    for transposed, lists, counts in ((False, want.q_list, want.q_count),
+                                      (True, want.kv_list, want.kv_count)):  # fmt: skip
+        ref_list, ref_full = split_full_first(want.kind, lists, counts, transposed=transposed)
+        _, _, full_first, full_count = tile_builder.tile_lists(got.kind, transposed=transposed)
+        assert torch.equal(full_count, ref_full)
+        assert torch.equal(full_first, ref_list)
+
+
+@pytest.mark.parametrize(
+    "mask, n, kv, tiles",
+    [
+        (cm.masks.causal(), 100, None, (16, 32)),
+        (cm.masks.sliding_window(20) | cm.masks.prefix_lm(7), 90, 70, (32, 16)),
+        (cm.masks.shared_prompt(22, [26, 26, 26]), None, None, (16, 16)),
+        (cm.masks.hstu([30, 25, 15], [3, 2, 4], contextual=2), None, None, (16, 32)),
+        (cm.masks.clear((8, 12), 3, 16), None, None, (32, 32)),
+        (cm.masks.dilated(40, 3), 120, None, (16, 64)),
+    ],
+    ids=["causal", "window_prefix", "shared_prompt", "hstu", "clear", "dilated"],
+)
+def test_seed_like_masks(mask, n, kv, tiles):
+    lo, hi, count, plan = _intervals(mask, n, kv)
+    _assert_same(lo, hi, count, plan.q_len, plan.kv_len, *tiles)
+
+
+def test_per_head_and_per_batch_masks():
+    mask = cm.masks.per_head([cm.masks.causal(), cm.masks.dilated(30, 4)])
+    lo, hi, count, plan = _intervals(mask, 75, None, heads=2)
+    _assert_same(lo, hi, count, 75, 75, 16, 32)
+    mask = cm.masks.per_batch([cm.masks.chunked(16), cm.masks.sliding_window(5)])
+    lo, hi, count, plan = _intervals(mask, 60, 80, batch=2)
+    _assert_same(lo, hi, count, 60, 80, 32, 16)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases())
+def test_random_masks(case):
+    mask, n, kv, bm, bn = case
+    try:
+        dense(mask, n, kv)
+    except LayoutError:
+        return
+    heads = mask.head_count or None
+    batch = mask.batch_count or None
+    plan = cm.compile(mask, n, kv, batch=batch, heads=heads, cache=False)
+    if plan.encoding != "intervals":
+        return
+    lo, hi, count = (t.to(DEVICE) for t in (plan.row_lo, plan.row_hi, plan.row_count))
+    bm = 1 << max(4, (bm - 1).bit_length())  # the kernel's BLOCK_M: a power of two >= 16
+    _assert_same(lo, hi, count, plan.q_len, plan.kv_len, bm, bn)
+
+
+def test_enable_routes_compile_and_attention_through_the_kernels():
+    mask = cm.masks.document([40, 25, 35])
+    ref_plan = cm.compile(mask, None, block_m=16, block_n=32, cache=False)
+    calls = []
+    real = tile_builder.build_tiles_triton
+
+    def spy(*args, **kwargs):
+        calls.append(args[2:])
+        return real(*args, **kwargs)
+
+    tile_builder.build_tiles_triton = spy
+    tile_builder.enable()
+    try:
+        plan = cm.compile(mask, None, block_m=16, block_n=32, cache=False)
+        assert calls, "the Triton builder was not used"
+        for name in FIELDS:
+            assert torch.equal(getattr(plan.schedule, name), getattr(ref_plan.schedule, name))
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 100, 32, generator=g, dtype=torch.float16) for _ in range(3))
+        out = cm.attention(q, k, v, plan, backend="triton")
+        ref = cm.attention(q, k, v, ref_plan, backend="triton")
+        torch.testing.assert_close(out, ref)
+    finally:
+        tile_builder.enable(False)
+        tile_builder.build_tiles_triton = real
+    assert tiles_mod._DEVICE_TILE_BUILDER is None
