@@ -2,12 +2,12 @@
 
     PYTHONPATH=src python3 benchmarks/build_op_counts.py [--out benchmarks/results/...jsonl]
 
-On a GPU every operation other than views and allocations is at least one kernel launch, and the builder is
-launch-bound: these counts bound how fast a plan can be built there. Stages: ``lower`` (row
-intervals), ``tiles`` (the 128x128 tile schedule) and ``schedules`` (the forward and dK/dV
-schedules the kernels read). Seed workloads at N0 = 32768. ``--triton-builder`` builds the
-schedules with ``kernels/triton/tile_builder.py`` (on the CPU through Triton's interpreter, so
-use a small ``--n0``) and adds its kernel launches to the counts.
+On a GPU every operation other than views and allocations is at least one kernel launch, and
+the builder is launch-bound: these counts bound how fast a plan can be built there. Stages:
+``lower`` (row intervals), ``tiles`` (the 128x128 tile schedule) and ``schedules`` (the forward
+and dK/dV schedules the kernels read). Seed workloads at N0 = 32768. ``--triton-builder``
+builds the schedules with ``kernels/triton/tile_builder.py`` (on the CPU through Triton's
+interpreter, so use a small ``--n0``) and adds its kernel launches to the counts.
 """
 
 from __future__ import annotations
