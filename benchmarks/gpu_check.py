@@ -251,6 +251,37 @@ def plan_build(out, N0=32768):
         mm = flex_mask_mod(w.mask, "cuda")
         ours = med(lambda w=w: cm.compile(w.mask, w.N, device="cuda", cache=False))
         flex = med(lambda w=w, mm=mm: create_block_mask(mm, None, None, w.N, w.N, device="cuda"))
+        # the opt-in Triton tile-schedule builder (kernels/triton/tile_builder.py), with the
+        # forward and dK/dV schedules the kernels read
+        from compilemask.kernels.triton import tile_builder
+        from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
+
+        def build_all(w=w):
+            plan = cm.compile(w.mask, w.N, device="cuda", cache=False)
+            forward_schedule(plan, 128, 128)
+            dkdv_schedule(plan, 128, 128)
+
+        tile_builder.enable()
+        try:
+            ours_triton = med(build_all)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                build_all()
+                sync_free_triton = True
+            except RuntimeError as e:
+                sync_free_triton = str(e)[:120]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        finally:
+            tile_builder.enable(False)
+        ours_all = med(build_all)
+        for sys_name, ms, sf in (
+            ("compilemask-cuda+schedules", ours_all, None),
+            ("compilemask-cuda-triton-builder+schedules", ours_triton, sync_free_triton),
+        ):
+            record(out, workload=name, N0=N0, N=w.N, B=w.B, Hq=None, Hkv=None, D=None,
+                   dtype=None, mode="plan", system=sys_name, ms=ms, tflops=None, rel_err=None,
+                   sync_free=sf, kind="plan")  # fmt: skip
         try:
             torch.cuda.set_sync_debug_mode("error")
             cm.compile(w.mask, w.N, device="cuda", cache=False)
