@@ -493,3 +493,16 @@ def test_plan_dependent_configs():
     assert backward_config(128, torch.bfloat16, None, 0.9).dq_block_m == 128
     assert backward_config(128, torch.bfloat16, None, 0.9).dq_block_n == 64
     assert backward_config(128, torch.bfloat16, None, eff_s).dq_block_m == 64
+
+
+def test_compiled_before_eager_chooses_the_eager_configs():
+    """The plan-dependent tiling is decided while tracing (a constant of the graph): a compiled
+    call made before any eager call runs exactly what eager runs."""
+    torch._dynamo.reset()
+    plan = cm.compile(cm.masks.prefix_lm(256), 256, device=DEVICE, cache=False)  # all visible
+    q, k, v = _inputs(1, 1, 1, 256, 256, 128, torch.float16)
+    f = torch.compile(lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
+                      fullgraph=True, backend="aot_eager")  # fmt: skip
+    compiled = f(q, k, v)
+    assert plan._cache["tile_efficiency_128"] == 1.0
+    assert torch.equal(compiled, cm.attention(q, k, v, plan, backend="triton"))

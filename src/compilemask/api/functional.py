@@ -162,7 +162,10 @@ def attention(
         lse = lse.to(torch.float32)
     else:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        eff = tile_efficiency_128(plan)
+        # plan-dependent tilings exist for head_dim 128 in 16 bits only (configs.py)
+        eff = None
+        if q.shape[-1] == 128 and q.dtype in (torch.float16, torch.bfloat16):
+            eff = tile_efficiency_128(plan)
         cfg = forward_config(q.shape[-1], q.dtype, q.device, eff)
         heads = plan.heads or 1
         mask_stride_b = heads if plan.batch else 0

@@ -131,6 +131,18 @@ def build_plan(
     """Lower and tile (lengths already validated). ``host_sync=False`` is the device build:
     K stays at its static bound and no tile is stored as a bitmask, so nothing waits for the
     device (no ``.item()``, no ``nonzero``); CPU builds trim K and use bitmasks."""
+    # a plan outlives this call (and the plan cache hands it to later calls): never build it
+    # as inference tensors, which a later training step could not save for backward
+    with torch.inference_mode(False):
+        return _build_plan(
+            mask, q_len, kv_len, batch, heads, block_m, block_n, device,
+            host_sync=host_sync, source=source,
+        )  # fmt: skip
+
+
+def _build_plan(
+    mask: Mask, q_len, kv_len, batch, heads, block_m, block_n, device, *, host_sync, source
+) -> MaskPlan:
     perm = None
     if isinstance(mask, TiledGrid):
         perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)

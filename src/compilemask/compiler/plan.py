@@ -108,6 +108,14 @@ class MaskPlan:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
         key = ("tiles", block_m, block_n)
+        if key not in self._cache:
+            # cached schedules outlive this call: never build them as inference tensors
+            # (a later training step saves them for backward)
+            with torch.inference_mode(False):
+                self._build_tiles(key, block_m, block_n)
+        return self._cache[key]
+
+    def _build_tiles(self, key, block_m: int, block_n: int) -> None:
         if key not in self._cache and self.encoding == "bits":
             rows = max(1, (1 << 22) // self.kv_len) // block_m * block_m or block_m
             chunks = (
@@ -127,7 +135,6 @@ class MaskPlan:
                 block_n,
                 use_bits=True,  # one host read per tiling (kernels derive theirs on first use)
             )
-        return self._cache[key]
 
     def _columns(self):
         if "cols" not in self._cache and self.encoding == "bits":  # O(Nq * Nk) for bits plans
@@ -245,6 +252,10 @@ class MaskPlan:
         device = torch.device(device)
         if device == self.device:
             return self
+        with torch.inference_mode(False):  # the copy outlives the call: no inference tensors
+            return self._to(device)
+
+    def _to(self, device: torch.device) -> MaskPlan:
         return MaskPlan(
             self.q_len,
             self.kv_len,
@@ -272,8 +283,9 @@ class MaskPlan:
         if self.permutation is None:
             return None
         if "inverse" not in self._cache:
-            inv = torch.empty_like(self.permutation)
-            inv[self.permutation] = torch.arange(len(inv), device=inv.device)
+            with torch.inference_mode(False):  # cached: must not be an inference tensor
+                inv = torch.empty_like(self.permutation)
+                inv[self.permutation] = torch.arange(len(inv), device=inv.device)
             self._cache["inverse"] = inv
         return self._cache["inverse"]
 

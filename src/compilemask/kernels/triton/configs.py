@@ -301,22 +301,35 @@ def backward_config(
 _EFFICIENCY_KEY = "tile_efficiency_128"
 
 
-def tile_efficiency_128(plan) -> float | None:
-    """Visible pairs / pairs of the touched tiles of ``plan`` at 128x128 (all masks together).
+def tile_efficiency_128(plan) -> float:
+    """Visible pairs / pairs of the touched tiles of ``plan`` at 128x128 (edge tiles clipped to
+    the lengths; all masks together).
 
-    Read back from the device once per plan (one small copy, then kept in the plan's cache).
-    Under ``torch.compile`` tracing nothing is read: the cached value, or None before the
-    first eager call.
+    Read back from the device once per plan (one small copy), then kept in the plan's cache.
+    Under ``torch.compile`` the value is computed while tracing and enters the graph as a
+    constant, so compiled and eager calls choose the same launch configurations.
     """
     cache = plan._cache
     if _EFFICIENCY_KEY in cache:
         return cache[_EFFICIENCY_KEY]
     if torch.compiler.is_compiling():
-        return None
+        return _efficiency_while_tracing(plan)
+    return _efficiency(plan)
+
+
+def _efficiency(plan) -> float:
     sched = plan.tiles(128, 128)
-    touched = (sched.kind != 0).sum()
+    touched = sched.kind != 0
+    tq, tk = touched.shape[1], touched.shape[2]
+    dev = touched.device
+    rows = (plan.q_len - 128 * torch.arange(tq, device=dev)).clamp(max=128)
+    cols = (plan.kv_len - 128 * torch.arange(tk, device=dev)).clamp(max=128)
+    area = (touched * (rows[:, None] * cols[None, :])).sum()
     pairs = sched.pairs.sum()
-    touched, pairs = (int(x) for x in torch.stack([touched, pairs.to(touched.dtype)]).tolist())
-    value = pairs / (touched * 128 * 128) if touched else 1.0
-    cache[_EFFICIENCY_KEY] = value
+    area, pairs = (int(x) for x in torch.stack([area, pairs.to(area.dtype)]).tolist())
+    value = pairs / area if area else 1.0
+    plan._cache[_EFFICIENCY_KEY] = value
     return value
+
+
+_efficiency_while_tracing = torch._dynamo.assume_constant_result(_efficiency)

@@ -2,7 +2,7 @@
 
 One program computes one BLOCK_M-row q-tile of one (batch row, query head). The launch order
 is ``FwdConfig.grid_order`` (``common.grid_position``): by default the q-tiles of one head run
-side by side (in reverse order), so that the programs in flight read the same K/V from L2;
+side by side (in natural order), so that the programs in flight read the same K/V from L2;
 order 0 walks heads fastest with q-tiles heaviest first (``q_order``).
 The program walks its q-tile's kv-tile list, FULL tiles first in an unmasked loop, then the
 PARTIAL tiles in a masked loop (intervals or bitmask, see ``common.py``); online softmax in
