@@ -332,4 +332,11 @@ def _efficiency(plan) -> float:
     return value
 
 
-_efficiency_while_tracing = torch._dynamo.assume_constant_result(_efficiency)
+def _efficiency_while_tracing(plan) -> float:
+    return _efficiency(plan)
+
+
+# What ``torch.compiler.assume_constant_result`` does (Dynamo calls the function while tracing
+# and puts its result in the graph as a constant), set without importing torch._dynamo here:
+# that import would load Triton with ``import compilemask``.
+_efficiency_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
