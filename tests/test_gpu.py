@@ -116,3 +116,34 @@ def test_demo_runs_from_the_source_tree():
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "triton" in done.stdout and "FAIL" not in done.stdout
+
+
+@pytest.mark.parametrize("name", SEED_WORKLOADS)
+def test_triton_tile_builder_equals_the_tensor_builder(name):
+    """The opt-in Triton tile-schedule builder (kernels/triton/tile_builder.py), compiled for
+    the GPU: every schedule field and both kernel schedules equal the tensor builder's, and a
+    build with it does not synchronise."""
+    from compilemask.kernels.triton import tile_builder
+    from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
+
+    w = workload(name, 32768)
+    ref = cm.compile(w.mask, w.N, device="cuda", cache=False)
+    want = [forward_schedule(ref, 128, 128), dkdv_schedule(ref, 128, 128)]
+    tile_builder.enable()
+    try:
+        cm.compile(w.mask, w.N, device="cuda", cache=False)  # warm: compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            plan = cm.compile(w.mask, w.N, device="cuda", cache=False)
+            got = [forward_schedule(plan, 128, 128), dkdv_schedule(plan, 128, 128)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        tile_builder.enable(False)
+    for field in ("kind", "pairs", "jlo", "jhi", "q_count", "q_list", "kv_count", "kv_list",
+                  "q_order", "kv_order"):  # fmt: skip
+        assert torch.equal(getattr(plan.schedule, field), getattr(ref.schedule, field)), field
+    for a, b in zip(got, want):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
