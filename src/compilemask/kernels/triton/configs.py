@@ -55,15 +55,8 @@ class FwdConfig:
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
-# document(8 x 1024)): 64x64 beats 128x128 at D=128 on masked work (less partial-tile waste)
-# and ties on causal; 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256.
-#: D=128, 16-bit, plans whose 128x128 tiles are nearly all visible (tile efficiency >=
-#: :data:`DENSE_TILE_EFFICIENCY`: causal, shared_prompt): larger tiles win there (H200 sweep,
-#: benchmarks/results/h200-tune-2026-11-30.jsonl: causal 9.63 vs 10.58 ms, shared_prompt 1.89
-#: vs 1.94 ms at 32K); masks with more waste at 128x128 (hstu, clear) keep 64x64.
-_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
-DENSE_TILE_EFFICIENCY = 0.94
-
+# document(8 x 1024)): 64x64 beats 128x128 at D=128 on masked work (less partial-tile waste);
+# 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256. Dense plans at D=128: below.
 _FWD_16BIT: dict[int, FwdConfig] = {
     32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
@@ -71,6 +64,13 @@ _FWD_16BIT: dict[int, FwdConfig] = {
     128: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
     256: FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
+
+#: D=128, 16-bit, plans whose 128x128 tiles are nearly all visible (tile efficiency >=
+#: :data:`DENSE_TILE_EFFICIENCY`: causal, shared_prompt): larger tiles win there (H200 sweep,
+#: benchmarks/results/h200-tune-2026-11-30.jsonl: causal 9.63 vs 10.58 ms, shared_prompt 1.89
+#: vs 1.94 ms at 32K); masks with more waste at 128x128 (hstu, clear) keep 64x64.
+_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+DENSE_TILE_EFFICIENCY = 0.94
 
 # fp32 (tf32x3 dots, about fp32 accuracy): a correctness path, not a fast one; smaller tiles.
 _FWD_32BIT: dict[int, FwdConfig] = {
