@@ -1,12 +1,12 @@
 """The schedule tensors the Triton kernels read, derived from a plan's :class:`TileSchedule`.
 
 Pure tensor operations with static shapes on the plan's device (no Triton, no host
-synchronisation), so they run anywhere and trace under ``torch.compile``.
+synchronisation), so they run anywhere and trace under ``torch.compile``. With the opt-in
+Triton tile builder enabled (``tile_builder.enable()``), the FULL-first lists come from one
+``_tile_lists`` launch instead, in eager calls on a device it serves.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -57,10 +57,9 @@ def _full_first(kind, lists, counts, transposed: bool):
     from ...compiler import tiles as tiles_mod
 
     if tiles_mod._DEVICE_TILE_BUILDER is not None and not torch.compiler.is_compiling():
-        on_cpu = kind.device.type == "cpu"
-        if not on_cpu or os.environ.get("TRITON_INTERPRET") == "1":
-            from .tile_builder import tile_lists
+        from .tile_builder import serves, tile_lists
 
+        if serves(kind):
             _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
             return full_first, full_count
     return split_full_first(kind, lists, counts, transposed=transposed)

@@ -184,11 +184,16 @@ def build_tiles_triton(
     )  # fmt: skip
 
 
+def serves(t: torch.Tensor) -> bool:
+    """Whether the kernels can run on ``t``'s device (a GPU, or the CPU through Triton's
+    interpreter)."""
+    return t.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     """The hook ``compiler.tiles.build_tiles`` calls; None declines (the CPU without Triton's
     interpreter, or shapes the kernels do not take)."""
-    on_cpu = lo.device.type == "cpu"
-    if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+    if not serves(lo):
         return None
     if block_m & (block_m - 1) or block_m < 16:
         return None
