@@ -16,18 +16,14 @@ import torch
 from ..errors import CompileMaskError
 from . import intervals as iv
 from .pipeline import positive_int, resolve_device
-from .plan import MaskPlan
+from .plan import MaskPlan, outside_inference_mode
 from .tiles import build_tiles, build_tiles_from_dense
 
 _CHUNK_ELEMS = 1 << 22
 
 
+@outside_inference_mode
 def _build(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source) -> MaskPlan:
-    with torch.inference_mode(False):  # plans outlive the call: no inference tensors
-        return _build_inner(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source)
-
-
-def _build_inner(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source) -> MaskPlan:
     """``chunks()``: a fresh iterator, per mask, of boolean row blocks ``[rows, Nk]`` (rows a
     multiple of ``block_m`` but the last). Two passes: the first counts each row's intervals;
     the plan stores intervals unless per-tile bitmasks are smaller."""

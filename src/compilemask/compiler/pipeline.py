@@ -12,7 +12,7 @@ from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths, natural_lengths
 from .lower import lower
 from .permute import permute_rows
-from .plan import MaskPlan
+from .plan import MaskPlan, outside_inference_mode
 from .tiles import build_tiles
 
 _CACHE: OrderedDict = OrderedDict()
@@ -125,24 +125,13 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     return plan
 
 
+@outside_inference_mode
 def build_plan(
     mask: Mask, q_len, kv_len, batch, heads, block_m, block_n, device, *, host_sync, source
 ) -> MaskPlan:
     """Lower and tile (lengths already validated). ``host_sync=False`` is the device build:
     K stays at its static bound and no tile is stored as a bitmask, so nothing waits for the
     device (no ``.item()``, no ``nonzero``); CPU builds trim K and use bitmasks."""
-    # a plan outlives this call (and the plan cache hands it to later calls): never build it
-    # as inference tensors, which a later training step could not save for backward
-    with torch.inference_mode(False):
-        return _build_plan(
-            mask, q_len, kv_len, batch, heads, block_m, block_n, device,
-            host_sync=host_sync, source=source,
-        )  # fmt: skip
-
-
-def _build_plan(
-    mask: Mask, q_len, kv_len, batch, heads, block_m, block_n, device, *, host_sync, source
-) -> MaskPlan:
     perm = None
     if isinstance(mask, TiledGrid):
         perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,19 @@ from .tiles import (
     dense_from_tiles,
 )
 from .transpose import column_intervals
+
+
+def outside_inference_mode(fn):
+    """Run ``fn`` with inference mode off: what it builds outlives the call (plans, the plan
+    cache, cached tilings), and a later training step must be able to save it for backward
+    (inference tensors cannot be). Reading inference tensors stays allowed."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,12 +123,10 @@ class MaskPlan:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
         key = ("tiles", block_m, block_n)
         if key not in self._cache:
-            # cached schedules outlive this call: never build them as inference tensors
-            # (a later training step saves them for backward)
-            with torch.inference_mode(False):
-                self._build_tiles(key, block_m, block_n)
+            self._build_tiles(key, block_m, block_n)
         return self._cache[key]
 
+    @outside_inference_mode
     def _build_tiles(self, key, block_m: int, block_n: int) -> None:
         if key not in self._cache and self.encoding == "bits":
             rows = max(1, (1 << 22) // self.kv_len) // block_m * block_m or block_m
@@ -252,9 +264,9 @@ class MaskPlan:
         device = torch.device(device)
         if device == self.device:
             return self
-        with torch.inference_mode(False):  # the copy outlives the call: no inference tensors
-            return self._to(device)
+        return self._to(device)
 
+    @outside_inference_mode
     def _to(self, device: torch.device) -> MaskPlan:
         return MaskPlan(
             self.q_len,
@@ -283,10 +295,7 @@ class MaskPlan:
         if self.permutation is None:
             return None
         if "inverse" not in self._cache:
-            with torch.inference_mode(False):  # cached: must not be an inference tensor
-                inv = torch.empty_like(self.permutation)
-                inv[self.permutation] = torch.arange(len(inv), device=inv.device)
-            self._cache["inverse"] = inv
+            self._cache["inverse"] = _inverse(self.permutation)
         return self._cache["inverse"]
 
     def verify(self) -> None:
@@ -346,3 +355,10 @@ class MaskPlan:
 def _require(ok: bool, what: str) -> None:
     if not ok:
         raise CompileMaskError(f"MaskPlan.verify failed: {what}")
+
+
+@outside_inference_mode
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(len(inv), device=inv.device)
+    return inv
