@@ -61,6 +61,16 @@ BWD_SPILL = [
     BwdConfig(64, 64, 8, 2, 128, 64, 8, 2, 1, 2),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 2, 1, 2),
 ]
+# --bwd-set pipelined: after the tile index is loaded one iteration ahead (session 3), the
+# 3-stage loops really pipeline (async-copy waits 0x4 / 0x2 instead of 0x0 in the SASS)
+BWD_PIPELINED = [
+    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, 1, 2),
+    BwdConfig(32, 128, 8, 3, 128, 64, 8, 3, 1, 2),
+    BwdConfig(32, 128, 8, 4, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -92,7 +102,9 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
-    ap.add_argument("--bwd-set", default="default", choices=["default", "wide", "fused", "spill"])
+    ap.add_argument(
+        "--bwd-set", default="default", choices=["default", "wide", "fused", "spill", "pipelined"]
+    )
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
     env = environment()
@@ -117,9 +129,12 @@ def main() -> None:
             )[0]
             results = []
             parts = [("fwd", c) for c in FWD_CANDIDATES] if "fwd" in a.part else []
-            bwd_list = {"wide": BWD_WIDE, "fused": BWD_FUSED, "spill": BWD_SPILL}.get(
-                a.bwd_set, BWD_CANDIDATES
-            )
+            bwd_list = {
+                "wide": BWD_WIDE,
+                "fused": BWD_FUSED,
+                "spill": BWD_SPILL,
+                "pipelined": BWD_PIPELINED,
+            }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:
                 g64 = reference_attention_backward(

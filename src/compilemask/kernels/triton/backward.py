@@ -146,8 +146,11 @@ def _attn_bwd_dkdv_inner(
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
+    # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
+    qt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
     for i in range(list_start, list_end):
-        qt = tl.load(TileList + i)
+        qt = qt_next
+        qt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
         start_m = qt * BLOCK_M
         offs_m = start_m + offs_m_local
         qT_ptrs = (
@@ -230,10 +233,10 @@ def _attn_bwd_dkdv_inner(
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse2, Delta, DK, DV,
     RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, KvCount, KvFullCount, KvList, KvOrder,
-    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_qb, stride_qh, stride_qm: tl.constexpr, stride_qd: tl.constexpr,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dob, stride_doh, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_bits_p, stride_bits_r,
@@ -296,16 +299,6 @@ def _attn_bwd_dkdv(
         row_base = mask_id * Nq * n_slots
         Q_head = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         DO_head = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        # FULL q-tiles: no mask, no bounds checks.
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, Q_head, DO_head, Lse2 + bh * Nq, Delta + bh * Nq,
-            stride_qm, stride_qd, stride_dom, stride_dod,
-            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-            Bits, stride_bits_p, stride_bits_r, Tk,
-            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS,
-        )  # fmt: skip
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_head, DO_head, Lse2 + bh * Nq, Delta + bh * Nq,
@@ -314,6 +307,16 @@ def _attn_bwd_dkdv(
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
+            HAS_BITS, SLOTS,
+        )  # fmt: skip
+        # FULL q-tiles: no mask, no bounds checks.
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_head, DO_head, Lse2 + bh * Nq, Delta + bh * Nq,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+            Bits, stride_bits_p, stride_bits_r, Tk,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS,
         )  # fmt: skip
 
@@ -380,8 +383,11 @@ def _attn_bwd_dq_inner(
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
+    # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
+    kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
     for i in range(list_start, list_end):
-        kt = tl.load(TileList + i)
+        kt = kt_next
+        kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
         kT_ptrs = (
@@ -516,16 +522,6 @@ def _attn_bwd_dq(
     lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 1, SLOTS)
     lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
     lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
-    # FULL kv-tiles: no mask, no bounds checks.
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
-        0, full_count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-        HAS_BITS, SLOTS,
-    )  # fmt: skip
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -534,6 +530,16 @@ def _attn_bwd_dq(
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
         full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
+        HAS_BITS, SLOTS,
+    )  # fmt: skip
+    # FULL kv-tiles: no mask, no bounds checks.
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
+        0, full_count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
         HAS_BITS, SLOTS,
     )  # fmt: skip
     dq = dq * scale

@@ -88,8 +88,13 @@ def _attn_fwd_inner(
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
+    # The next tile index is loaded one iteration ahead with a plain load: an index load inside
+    # the pipelined loop becomes the last async copy group of each iteration, and waiting for
+    # it at the top of the next one waits for every copy in flight (no pipelining at all).
+    kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
     for i in range(list_start, list_end):
-        kt = tl.load(TileList + i)
+        kt = kt_next
+        kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
         k_ptrs = (
@@ -210,15 +215,6 @@ def _attn_fwd(
     lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
     lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
 
-    # FULL tiles: no mask, no bounds checks.
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
-        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, full_count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS,
-    )  # fmt: skip
     # PARTIAL tiles: interval or bitmask masking.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -226,6 +222,15 @@ def _attn_fwd(
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+        SLOTS,
+    )  # fmt: skip
+    # FULL tiles: no mask, no bounds checks.
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
+        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, full_count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
         SLOTS,
     )  # fmt: skip
 
