@@ -251,8 +251,8 @@ def plan_build(out, N0=32768):
         mm = flex_mask_mod(w.mask, "cuda")
         ours = med(lambda w=w: cm.compile(w.mask, w.N, device="cuda", cache=False))
         flex = med(lambda w=w, mm=mm: create_block_mask(mm, None, None, w.N, w.N, device="cuda"))
-        # the opt-in Triton tile-schedule builder (kernels/triton/tile_builder.py), with the
-        # forward and dK/dV schedules the kernels read
+        # with the forward and dK/dV schedules the kernels read: the Triton tile-schedule
+        # builder (kernels/triton/tile_builder.py, the default on CUDA) and the tensor builder
         from compilemask.kernels.triton import tile_builder
         from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
 
@@ -261,8 +261,7 @@ def plan_build(out, N0=32768):
             forward_schedule(plan, 128, 128)
             dkdv_schedule(plan, 128, 128)
 
-        tile_builder.enable()
-        try:
+        with tile_builder.using(True):
             ours_triton = med(build_all)
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -272,9 +271,8 @@ def plan_build(out, N0=32768):
                 sync_free_triton = str(e)[:120]
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        finally:
-            tile_builder.enable(False)
-        ours_all = med(build_all)
+        with tile_builder.using(False):
+            ours_all = med(build_all)
         for sys_name, ms, sf in (
             ("compilemask-cuda+schedules", ours_all, None),
             ("compilemask-cuda-triton-builder+schedules", ours_triton, sync_free_triton),

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import compilemask as cm
-from compilemask.kernels.triton.common import max_span
+from compilemask.kernels.triton.common import mask_constants
 from compilemask.tools.bench_report import environment
 from compilemask.workloads import workload
 
@@ -45,7 +45,7 @@ def main() -> None:
                 "tile_efficiency": round(pairs / ((full + partial) * bm * bn), 4),
                 "kv_tiles_per_q_tile_max": int(qc.max()),
                 "kv_tiles_per_q_tile_mean": round(float(qc.mean()), 2),
-                "max_span": max_span(s.kind, s.jlo, s.jhi),
+                "max_span": mask_constants(s.kind, s.jlo, s.jhi, plan.row_lo.shape[-1])[0],
             }  # fmt: skip
             rows.append(row)
             print(json.dumps({k: row[k] for k in list(row)[5:]}))

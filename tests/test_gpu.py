@@ -120,17 +120,17 @@ def test_demo_runs_from_the_source_tree():
 
 @pytest.mark.parametrize("name", SEED_WORKLOADS)
 def test_triton_tile_builder_equals_the_tensor_builder(name):
-    """The opt-in Triton tile-schedule builder (kernels/triton/tile_builder.py), compiled for
-    the GPU: every schedule field and both kernel schedules equal the tensor builder's, and a
-    build with it does not synchronise."""
+    """The Triton tile-schedule builder (kernels/triton/tile_builder.py, the default for CUDA
+    plans), compiled for the GPU: every schedule field and both kernel schedules equal the
+    tensor builder's, and a build with it does not synchronise."""
     from compilemask.kernels.triton import tile_builder
     from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
 
     w = workload(name, 32768)
-    ref = cm.compile(w.mask, w.N, device="cuda", cache=False)
-    want = [forward_schedule(ref, 128, 128), dkdv_schedule(ref, 128, 128)]
-    tile_builder.enable()
-    try:
+    with tile_builder.using(False):  # the tensor builder as the reference
+        ref = cm.compile(w.mask, w.N, device="cuda", cache=False)
+        want = [forward_schedule(ref, 128, 128), dkdv_schedule(ref, 128, 128)]
+    with tile_builder.using(True):
         cm.compile(w.mask, w.N, device="cuda", cache=False)  # warm: compiles the kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -139,8 +139,6 @@ def test_triton_tile_builder_equals_the_tensor_builder(name):
             got = [forward_schedule(plan, 128, 128), dkdv_schedule(plan, 128, 128)]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    finally:
-        tile_builder.enable(False)
     for field in ("kind", "pairs", "jlo", "jhi", "q_count", "q_list", "kv_count", "kv_list",
                   "q_order", "kv_order"):  # fmt: skip
         assert torch.equal(getattr(plan.schedule, field), getattr(ref.schedule, field)), field

@@ -107,8 +107,9 @@ def test_enable_routes_compile_and_attention_through_the_kernels():
         return real(*args, **kwargs)
 
     tile_builder.build_tiles_triton = spy
-    tile_builder.enable()
+    before = tiles_mod.device_tile_builder()
     try:
+        tile_builder.enable()
         plan = cm.compile(mask, None, block_m=16, block_n=32, cache=False)
         assert calls, "the Triton builder was not used"
         for name in FIELDS:
@@ -119,6 +120,35 @@ def test_enable_routes_compile_and_attention_through_the_kernels():
         ref = cm.attention(q, k, v, ref_plan, backend="triton")
         torch.testing.assert_close(out, ref)
     finally:
-        tile_builder.enable(False)
+        tiles_mod.register_device_tile_builder(before)
         tile_builder.build_tiles_triton = real
-    assert tiles_mod._DEVICE_TILE_BUILDER is None
+    assert tiles_mod.device_tile_builder() is before
+
+
+def test_cuda_plans_take_the_triton_builder_by_default():
+    """``import compilemask`` registers a builder that serves CUDA tensors only and declines
+    CPU ones (CPU plans keep the tensor builder) without loading Triton for them."""
+    from compilemask.api import device_builder
+
+    assert tiles_mod.device_tile_builder() is device_builder.triton_tile_builder
+    lo = torch.zeros((1, 8, 1), dtype=torch.int32)
+    hi = torch.full((1, 8, 1), 8, dtype=torch.int32)
+    count = torch.ones((1, 8), dtype=torch.int32)
+    assert not device_builder.triton_tile_builder.serves(lo)
+    assert device_builder.triton_tile_builder(lo, hi, count, 8, 8, 16, 16) is None
+
+
+def test_tile_builder_environment_variable(monkeypatch):
+    from compilemask.api import device_builder
+
+    try:
+        monkeypatch.setenv(device_builder.ENV, "tensor")
+        device_builder.install_default()
+        assert tiles_mod.device_tile_builder() is None
+        monkeypatch.setenv(device_builder.ENV, "cuda-graphs")
+        with pytest.raises(ValueError, match="COMPILEMASK_TILE_BUILDER"):
+            device_builder.install_default()
+    finally:
+        monkeypatch.delenv(device_builder.ENV)
+        device_builder.install_default()
+    assert tiles_mod.device_tile_builder() is device_builder.triton_tile_builder

@@ -31,16 +31,26 @@ import torch
 EMPTY, FULL, PARTIAL, PARTIAL_BITS = 0, 1, 2, 3
 BITS_MIN_SPAN = 8  # a PARTIAL tile whose slot range is wider than this is stored as bits
 
-# An optional builder of schedules without bitmask tiles (e.g. the Triton kernels of
-# ``kernels/triton/tile_builder.py``, registered by their ``enable()``): called as
+# An optional builder of schedules without bitmask tiles (the Triton kernels of
+# ``kernels/triton/tile_builder.py``: registered for CUDA plans by ``api/device_builder.py``,
+# for every device Triton serves by ``tile_builder.enable()``): called as
 # ``builder(lo, hi, count, q_len, kv_len, block_m, block_n)``; it may decline with None.
 _DEVICE_TILE_BUILDER = None
 
 
 def register_device_tile_builder(builder) -> None:
-    """Use ``builder`` for schedules that need no bitmask tile (None: the tensor builder)."""
+    """Use ``builder`` for schedules that need no bitmask tile (None: the tensor builder).
+
+    ``builder.serves(t)``, when the builder has it, says on which tensors the kernel schedules
+    may also take the builder's FULL-first lists (``kernels/triton/schedule.py``).
+    """
     global _DEVICE_TILE_BUILDER
     _DEVICE_TILE_BUILDER = builder
+
+
+def device_tile_builder():
+    """The registered builder, or None (the tensor builder)."""
+    return _DEVICE_TILE_BUILDER
 
 
 @dataclass(frozen=True)

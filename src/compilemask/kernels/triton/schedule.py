@@ -1,9 +1,9 @@
 """The schedule tensors the Triton kernels read, derived from a plan's :class:`TileSchedule`.
 
 Pure tensor operations with static shapes on the plan's device (no Triton, no host
-synchronisation), so they run anywhere and trace under ``torch.compile``. With the opt-in
-Triton tile builder enabled (``tile_builder.enable()``), the FULL-first lists come from one
-``_tile_lists`` launch instead, in eager calls on a device it serves.
+synchronisation), so they run anywhere and trace under ``torch.compile``. Where the Triton
+tile builder serves (CUDA plans by default, any device after ``tile_builder.enable()``), the
+FULL-first lists come from one ``_tile_lists`` launch instead, in eager calls.
 """
 
 from __future__ import annotations
@@ -52,16 +52,17 @@ def split_full_first(
 
 
 def _full_first(kind, lists, counts, transposed: bool):
-    """:func:`split_full_first`, or one ``_tile_lists`` launch when the Triton tile builder is
-    enabled (``tile_builder.enable()``) and the schedule is on a device it serves."""
+    """:func:`split_full_first`, or one ``_tile_lists`` launch when the registered tile builder
+    serves the schedule's device (see ``compiler.tiles.register_device_tile_builder``)."""
     from ...compiler import tiles as tiles_mod
 
-    if tiles_mod._DEVICE_TILE_BUILDER is not None and not torch.compiler.is_compiling():
-        from .tile_builder import serves, tile_lists
+    builder = tiles_mod.device_tile_builder()
+    serves = getattr(builder, "serves", None)
+    if serves is not None and not torch.compiler.is_compiling() and serves(kind):
+        from .tile_builder import tile_lists
 
-        if serves(kind):
-            _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
-            return full_first, full_count
+        _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
+        return full_first, full_count
     return split_full_first(kind, lists, counts, transposed=transposed)
 
 

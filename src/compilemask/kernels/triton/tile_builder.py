@@ -16,14 +16,18 @@ on the mask, only on the row intervals, so it fits in two kernels:
 No bitmask tiles (they need a host synchronisation to size): used where the tensor builder
 would not make them either (``use_bits=False``, or at most ``BITS_MIN_SPAN`` slots per row).
 
-Opt-in for now (:func:`enable`); ``tests/test_tile_builder.py`` checks it against the tensor
-builder through Triton's interpreter.
+The default for plans built on a CUDA device (``api/device_builder.py``; the environment
+variable ``COMPILEMASK_TILE_BUILDER=tensor`` turns it off); :func:`enable` / :func:`using`
+switch it for every device Triton serves. ``tests/test_tile_builder.py`` checks it against the
+tensor builder through Triton's interpreter, ``tests/test_gpu.py`` on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -200,10 +204,32 @@ def _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     return build_tiles_triton(lo.contiguous(), hi.contiguous(), q_len, kv_len, block_m, block_n)
 
 
+_device_builder.serves = serves  # type: ignore[attr-defined]
+
+
 def enable(on: bool = True) -> None:
-    """Build tile schedules with the Triton kernels (``on=False``: the tensor builder again).
+    """Build tile schedules with the Triton kernels on every device they serve, the CPU
+    through Triton's interpreter included (``on=False``: the tensor builder everywhere).
 
     Applies where no bitmask tile is needed: GPU plan builds (``compile(..., device="cuda")``)
-    and plans with at most ``BITS_MIN_SPAN`` slots per row.
+    and plans with at most ``BITS_MIN_SPAN`` slots per row. CUDA plans use these kernels by
+    default (``api/device_builder.py``); this switch is for tests and comparisons.
     """
     tiles_mod.register_device_tile_builder(_device_builder if on else None)
+
+
+@contextlib.contextmanager
+def using(on: bool) -> Iterator[None]:
+    """:func:`enable` (``on``) inside the block, then the builder registered before it.
+
+    Example::
+
+        >>> with tile_builder.using(False):  # the tensor builder, e.g. as a reference
+        ...     ref = cm.compile(mask, n, device="cuda", cache=False)
+    """
+    before = tiles_mod.device_tile_builder()
+    enable(on)
+    try:
+        yield
+    finally:
+        tiles_mod.register_device_tile_builder(before)

@@ -1,0 +1,48 @@
+"""The default tile-schedule builder of plans on a CUDA device: two Triton kernels.
+
+On a GPU the tensor-operation builder of ``compiler/tiles.py`` is launch-bound (89 operations
+for a 128x128 tile schedule and 40 for the kernels' schedules, against 11 and 4 launches of
+``kernels/triton/tile_builder.py``; ``benchmarks/results/build-op-counts-cpu.jsonl``). The
+compiler may not import the kernels, so this layer registers a builder that imports them on
+first use: ``import compilemask`` still loads no Triton. CPU plans keep the tensor builder.
+``COMPILEMASK_TILE_BUILDER=tensor`` in the environment keeps the tensor builder everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..compiler.tiles import register_device_tile_builder
+
+ENV = "COMPILEMASK_TILE_BUILDER"
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def triton_tile_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
+    """The registered hook (arguments as for ``compiler.tiles.register_device_tile_builder``):
+    the Triton builder for CUDA tensors, None (decline) elsewhere."""
+    if not _on_cuda(lo):
+        return None
+    from ..kernels.triton.tile_builder import _device_builder
+
+    return _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n)
+
+
+triton_tile_builder.serves = _on_cuda  # type: ignore[attr-defined]
+
+
+def install_default() -> None:
+    """Register :func:`triton_tile_builder` unless ``COMPILEMASK_TILE_BUILDER=tensor``.
+
+    Raises:
+        ValueError: the variable holds something other than ``triton`` or ``tensor``.
+    """
+    choice = os.environ.get(ENV, "triton").strip().lower()
+    if choice not in ("triton", "tensor"):
+        raise ValueError(f"{ENV}={choice!r}: expected 'triton' or 'tensor'")
+    register_device_tile_builder(triton_tile_builder if choice == "triton" else None)
