@@ -77,7 +77,7 @@ def main() -> None:
         from compilemask.kernels.triton import tile_builder
 
         tile_builder.enable()
-        for name in ("_classify_tiles", "_tile_lists"):
+        for name in ("_classify_tiles", "_tile_lists", "_heaviest_first_kernel"):
             launches.append(_Launches(getattr(tile_builder, name)))
             setattr(tile_builder, name, launches[-1])
     rows = []

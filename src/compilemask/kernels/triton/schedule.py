@@ -59,18 +59,32 @@ def _full_first(kind, lists, counts, transposed: bool):
     builder = tiles_mod.device_tile_builder()
     serves = getattr(builder, "serves", None)
     if serves is not None and not torch.compiler.is_compiling() and serves(kind):
-        from .tile_builder import tile_lists
+        from .tile_builder import full_first_lists, tile_lists
 
+        made = full_first_lists(kind, transposed)  # by the Triton builder, with this schedule
+        if made is not None:
+            return made
         _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
         return full_first, full_count
     return split_full_first(kind, lists, counts, transposed=transposed)
 
 
+_DUMMY_BITS: dict[torch.device, torch.Tensor] = {}
+
+
 def _bits_or_dummy(sched) -> torch.Tensor:
-    """The schedule's bitmasks, or a 1x1x1 dummy when it has none (kernels need a pointer)."""
-    if sched.bits.shape[0] == 0 or sched.bits.shape[-1] == 0:
-        return torch.zeros((1, 1, 1), dtype=torch.int32, device=sched.kind.device)
-    return sched.bits
+    """The schedule's bitmasks, or a 1x1x1 dummy when it has none (kernels need a pointer;
+    never read). One dummy per device in eager calls: no operation per schedule."""
+    if sched.bits.shape[0] and sched.bits.shape[-1]:
+        return sched.bits
+    dev = sched.kind.device
+    if torch.compiler.is_compiling():
+        return torch.zeros((1, 1, 1), dtype=torch.int32, device=dev)
+    dummy = _DUMMY_BITS.get(dev)
+    if dummy is None:
+        with torch.inference_mode(False):
+            dummy = _DUMMY_BITS[dev] = torch.zeros((1, 1, 1), dtype=torch.int32, device=dev)
+    return dummy
 
 
 def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -37,11 +38,16 @@ from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import TileSchedule
 
 _LIST_CHUNK = 128
+_ORDER_BLOCK = 64
+_ORDER_CHUNK = 64
+# FULL-first lists made while building a schedule, for the kernels' schedules to reuse
+# (``full_first_lists``): id(kind) -> (weakref to kind, q lists, kv lists).
+_FULL_FIRST: dict[int, tuple] = {}
 
 
 @triton.jit
 def _classify_tiles(
-    Lo, Hi, Kind, Pairs, Jlo, Jhi,
+    Lo, Hi, Kind, Pairs, Jlo, Jhi, BitsIndex,
     q_len, kv_len, n_slots, Tq, Tk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,51 +81,120 @@ def _classify_tiles(
         tl.store(Pairs + out + t, pairs)
         tl.store(Jlo + out + t, jlo)
         tl.store(Jhi + out + t, jhi)
+        tl.store(BitsIndex + out + t, -1)
 
 
 @triton.jit
 def _tile_lists(
-    Kind, Count, List, FullFirst, FullCount,
-    n_rows, length, stride_m, stride_row, stride_col,
+    Kind, Count, List, FullFirst, FullCount, Count2, List2, FullFirst2, FullCount2,
+    Tq, Tk,
     CHUNK: tl.constexpr,
+    BOTH: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):  # fmt: skip
-    """Lists of one row of the [M, rows, length] view of ``Kind`` given by the strides."""
+    """Lists of one row of the [M, Tq, Tk] ``Kind``: a q-tile's kv-tiles or, transposed, a
+    kv-tile's q-tiles. BOTH: axis 2 of the grid picks the direction (0: q-tiles into Count,
+    List, ...; 1: kv-tiles into Count2, List2, ...) so one launch writes both; else
+    TRANSPOSED picks it and only the first outputs are written."""
+    if BOTH:
+        t = tl.program_id(2)
+    else:
+        t = TRANSPOSED * 1
     r = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    src = Kind + m * stride_m + r.to(tl.int64) * stride_row
-    dst = (m * n_rows + r) * length
-    n_touched = 0
-    n_full = 0
-    for c0 in range(0, length, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        inside = idx < length
-        kind = tl.load(src + idx.to(tl.int64) * stride_col, mask=inside, other=0)
-        touched = (kind > 0).to(tl.int32)
-        full = (kind == 1).to(tl.int32)
-        pos = n_touched + tl.cumsum(touched, 0) - 1
-        tl.store(List + dst + pos, idx, mask=touched > 0)
-        n_touched += tl.sum(touched)
-        n_full += tl.sum(full)
-    n_partial = 0
-    n_full_seen = 0
-    for c0 in range(0, length, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        inside = idx < length
-        kind = tl.load(src + idx.to(tl.int64) * stride_col, mask=inside, other=0)
-        full = (kind == 1).to(tl.int32)
-        part = (kind > 1).to(tl.int32)
-        pos_full = n_full_seen + tl.cumsum(full, 0) - 1
-        pos_part = n_full + n_partial + tl.cumsum(part, 0) - 1
-        pos = tl.where(full > 0, pos_full, pos_part)
-        tl.store(FullFirst + dst + pos, idx, mask=(full + part) > 0)
-        n_full_seen += tl.sum(full)
-        n_partial += tl.sum(part)
-        # padding past the count: -1 in the ascending list, 0 in the FULL-first list
-        tail = inside & (idx >= n_touched)
-        tl.store(List + dst + idx, tl.full([CHUNK], -1, tl.int32), mask=tail)
-        tl.store(FullFirst + dst + idx, tl.zeros([CHUNK], tl.int32), mask=tail)
-    tl.store(Count + m * n_rows + r, n_touched)
-    tl.store(FullCount + m * n_rows + r, n_full)
+    n_rows = tl.where(t == 0, Tq, Tk)
+    length = tl.where(t == 0, Tk, Tq)
+    stride_row = tl.where(t == 0, Tk, 1).to(tl.int64)
+    stride_col = tl.where(t == 0, 1, Tk).to(tl.int64)
+    count_out = tl.where(t == 0, Count, Count2)
+    list_out = tl.where(t == 0, List, List2)
+    full_first_out = tl.where(t == 0, FullFirst, FullFirst2)
+    full_count_out = tl.where(t == 0, FullCount, FullCount2)
+    if r < n_rows:
+        src = Kind + m * Tq * Tk + r.to(tl.int64) * stride_row
+        dst = (m * n_rows + r) * length
+        n_touched = 0
+        n_full = 0
+        for c0 in range(0, length, CHUNK):
+            idx = c0 + tl.arange(0, CHUNK)
+            inside = idx < length
+            kind = tl.load(src + idx.to(tl.int64) * stride_col, mask=inside, other=0)
+            touched = (kind > 0).to(tl.int32)
+            full = (kind == 1).to(tl.int32)
+            pos = n_touched + tl.cumsum(touched, 0) - 1
+            tl.store(list_out + dst + pos, idx, mask=touched > 0)
+            n_touched += tl.sum(touched)
+            n_full += tl.sum(full)
+        n_partial = 0
+        n_full_seen = 0
+        for c0 in range(0, length, CHUNK):
+            idx = c0 + tl.arange(0, CHUNK)
+            inside = idx < length
+            kind = tl.load(src + idx.to(tl.int64) * stride_col, mask=inside, other=0)
+            full = (kind == 1).to(tl.int32)
+            part = (kind > 1).to(tl.int32)
+            pos_full = n_full_seen + tl.cumsum(full, 0) - 1
+            pos_part = n_full + n_partial + tl.cumsum(part, 0) - 1
+            pos = tl.where(full > 0, pos_full, pos_part)
+            tl.store(full_first_out + dst + pos, idx, mask=(full + part) > 0)
+            n_full_seen += tl.sum(full)
+            n_partial += tl.sum(part)
+            # padding past the count: -1 in the ascending list, 0 in the FULL-first list
+            tail = inside & (idx >= n_touched)
+            tl.store(list_out + dst + idx, tl.full([CHUNK], -1, tl.int32), mask=tail)
+            tl.store(full_first_out + dst + idx, tl.zeros([CHUNK], tl.int32), mask=tail)
+        tl.store(count_out + m * n_rows + r, n_touched)
+        tl.store(full_count_out + m * n_rows + r, n_full)
+
+
+@triton.jit
+def _heaviest_first_kernel(
+    CountQ, CountK, OrderQ, OrderK, Tq, Tk,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """``order[m, rank(t)] = t`` with rank(t) = #{u: c[u] > c[t]} + #{u < t: c[u] == c[t]}:
+    the tiles by decreasing count, ties by index (a stable argsort of -count). Axis 2 of the
+    grid picks the q-tiles (0) or the kv-tiles (1)."""
+    which = tl.program_id(2)
+    m = tl.program_id(1).to(tl.int64)
+    n = tl.where(which == 0, Tq, Tk)
+    count = tl.where(which == 0, CountQ, CountK) + m * n
+    order = tl.where(which == 0, OrderQ, OrderK) + m * n
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    t_ok = t < n
+    c = tl.load(count + t, mask=t_ok, other=0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for u0 in range(0, n, CHUNK):
+        u = u0 + tl.arange(0, CHUNK)
+        cu = tl.load(count + u, mask=u < n, other=-1)
+        heavier = cu[None, :] > c[:, None]
+        tie_before = (cu[None, :] == c[:, None]) & (u[None, :] < t[:, None])
+        rank += tl.sum((heavier | tie_before).to(tl.int32), axis=1)
+    tl.store(order + rank, t, mask=t_ok)
+
+
+def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor):
+    """``(q_order, kv_order)``: per mask the tiles by decreasing count, ties by lower index
+    (``argsort(-count, stable=True)``) in one launch; int32 ``[M, Tq]`` and ``[M, Tk]``."""
+    m, tq = q_count.shape
+    tk = kv_count.shape[1]
+    q_order = torch.empty_like(q_count)
+    kv_order = torch.empty_like(kv_count)
+    if m and max(tq, tk):
+        grid = (triton.cdiv(max(tq, tk), _ORDER_BLOCK), m, 2)
+        _heaviest_first_kernel[grid](
+            q_count, kv_count, q_order, kv_order, tq, tk, BLOCK=_ORDER_BLOCK, CHUNK=_ORDER_CHUNK
+        )
+    return q_order, kv_order
+
+
+def _list_buffers(m: int, rows: int, length: int, dev) -> list[torch.Tensor]:
+    """Empty ``(count, list, full_first, full_count)`` for ``rows`` lists of ``length``."""
+    return [
+        torch.empty(shape, dtype=torch.int32, device=dev)
+        for shape in ((m, rows), (m, rows, length), (m, rows, length), (m, rows))
+    ]
 
 
 def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
@@ -135,26 +210,29 @@ def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
     """
     m, tq, tk = kind.shape
     rows, length = (tk, tq) if transposed else (tq, tk)
-    stride_row, stride_col = (1, tk) if transposed else (tk, 1)
-    dev = kind.device
-    count = torch.empty((m, rows), dtype=torch.int32, device=dev)
-    full_count = torch.empty((m, rows), dtype=torch.int32, device=dev)
-    lists = torch.empty((m, rows, length), dtype=torch.int32, device=dev)
-    full_first = torch.empty((m, rows, length), dtype=torch.int32, device=dev)
+    out = _list_buffers(m, rows, length, kind.device)
     if m * rows and length:
         _tile_lists[(rows, m)](
-            kind, count, lists, full_first, full_count,
-            rows, length, tq * tk, stride_row, stride_col,
-            CHUNK=_LIST_CHUNK,
-        )  # fmt: skip
+            kind, *out, *out, tq, tk, CHUNK=_LIST_CHUNK, BOTH=False, TRANSPOSED=transposed
+        )
     elif m * rows:
-        count.zero_()
-        full_count.zero_()
-    return count, lists, full_first, full_count
+        out[0].zero_()
+        out[3].zero_()
+    return tuple(out)
 
 
-def _heaviest_first(count: torch.Tensor) -> torch.Tensor:
-    return torch.argsort(-count, dim=-1, stable=True).to(torch.int32)
+def tile_lists_both(kind: torch.Tensor):
+    """:func:`tile_lists` of the q-tiles and of the kv-tiles in one launch:
+    ``(q lists, kv lists)``, each a 4-tuple as there."""
+    m, tq, tk = kind.shape
+    q_out = _list_buffers(m, tq, tk, kind.device)
+    kv_out = _list_buffers(m, tk, tq, kind.device)
+    if m * tq * tk:
+        _tile_lists[(max(tq, tk), m, 2)](
+            kind, *q_out, *kv_out, tq, tk, CHUNK=_LIST_CHUNK, BOTH=True, TRANSPOSED=False
+        )
+        return tuple(q_out), tuple(kv_out)
+    return tile_lists(kind), tile_lists(kind, transposed=True)
 
 
 def build_tiles_triton(
@@ -172,20 +250,35 @@ def build_tiles_triton(
     tq, tk = math.ceil(q_len / block_m), math.ceil(kv_len / block_n)
     dev = lo.device
     shape = (m, tq, tk)
-    kind, pairs, jlo, jhi = (torch.empty(shape, dtype=torch.int32, device=dev) for _ in range(4))
+    kind, pairs, jlo, jhi, bits_index = (
+        torch.empty(shape, dtype=torch.int32, device=dev) for _ in range(5)
+    )
     if m * tq * tk:
         _classify_tiles[(tq, m)](
-            lo, hi, kind, pairs, jlo, jhi, q_len, kv_len, k, tq, tk,
+            lo, hi, kind, pairs, jlo, jhi, bits_index, q_len, kv_len, k, tq, tk,
             BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=max(triton.next_power_of_2(max(k, 1)), 2),
         )  # fmt: skip
-    q_count, q_list, _, _ = tile_lists(kind)
-    kv_count, kv_list, _, _ = tile_lists(kind, transposed=True)
-    bits_index = torch.full_like(kind, -1)
-    bits = torch.zeros((0, block_m, -(-block_n // 32)), dtype=torch.int32, device=dev)
+    q_lists, kv_lists = tile_lists_both(kind)
+    q_count, q_list, q_full_first, q_full_count = q_lists
+    kv_count, kv_list, kv_full_first, kv_full_count = kv_lists
+    q_order, kv_order = heaviest_first(q_count, kv_count)
+    bits = torch.empty((0, block_m, -(-block_n // 32)), dtype=torch.int32, device=dev)
+    key = id(kind)
+    ref = weakref.ref(kind, lambda _, key=key: _FULL_FIRST.pop(key, None))
+    _FULL_FIRST[key] = (ref, (q_full_first, q_full_count), (kv_full_first, kv_full_count))
     return TileSchedule(
         block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits,
-        q_count, q_list, kv_count, kv_list, _heaviest_first(q_count), _heaviest_first(kv_count),
+        q_count, q_list, kv_count, kv_list, q_order, kv_order,
     )  # fmt: skip
+
+
+def full_first_lists(kind: torch.Tensor, transposed: bool):
+    """``(full_first, full_count)`` that :func:`build_tiles_triton` made with ``kind`` (the
+    kv-tiles' lists when ``transposed``), or None for a schedule it did not build."""
+    hit = _FULL_FIRST.get(id(kind))
+    if hit is None or hit[0]() is not kind:
+        return None
+    return hit[2] if transposed else hit[1]
 
 
 def serves(t: torch.Tensor) -> bool:
