@@ -4,11 +4,12 @@
         [--fwd 128,128,8,2] [--bwd 64,64,4,2,128,64,8,3] [--dump /tmp/sass]
 
 Launches of the forward and backward kernels are compiled for sm_90 and not run
-(``compilemask.tools.sass.capture_sm90``). For each kernel it prints registers, spills, shared
-memory, the async-copy waits (``DEPBAR.LE SB0, N``: N = 0 in a loop means no pipelining) and
-SASS instruction counts of the whole kernel and of its loops (HGMMA, LDGSTS, LDG, LDS, MUFU.EX2,
-BAR, branches, spill loads LDL): the cheapest way to see what a kernel change did to the code
-before spending GPU time on it. ``--dump`` writes the SASS and PTX.
+(``compilemask.kernels.triton.sass.capture_sm90``; start it without ``TRITON_INTERPRET``). For
+each kernel it prints registers, spills, shared memory, the async-copy waits
+(``DEPBAR.LE SB0, N``: N = 0 in a loop means no pipelining) and SASS instruction counts of the
+whole kernel and of its loops (HGMMA, LDGSTS, LDG, LDS, MUFU.EX2, BAR, branches, spill loads
+LDL): the cheapest way to see what a kernel change did to the code before spending GPU time on
+it. ``--dump`` writes the SASS and PTX.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import compilemask as cm
 from compilemask.kernels.triton import configs as cfgs
 from compilemask.kernels.triton.backward import attention_backward
 from compilemask.kernels.triton.forward import attention_forward
-from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
-from compilemask.tools.sass import (
+from compilemask.kernels.triton.sass import (
     COUNTED,
     async_copy_waits,
     capture_sm90,
@@ -32,6 +32,7 @@ from compilemask.tools.sass import (
     resources,
     sass,
 )
+from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
 from compilemask.workloads import workload
 
 

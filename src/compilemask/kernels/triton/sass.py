@@ -40,7 +40,12 @@ def available() -> bool:
 @contextlib.contextmanager
 def capture_sm90() -> Iterator[list[tuple[str, object]]]:
     """Within the block, Triton launches compile for sm_90 and return without running; yields
-    the list of ``(kernel name, CompiledKernel)`` it fills."""
+    the list of ``(kernel name, CompiledKernel)`` it fills.
+
+    Needs kernels decorated without ``TRITON_INTERPRET=1`` in the environment (under it
+    ``@triton.jit`` makes interpreted functions that this cannot compile): run it in a
+    process started without that variable.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
