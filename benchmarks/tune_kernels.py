@@ -40,6 +40,18 @@ FWD_CANDIDATES = [
     FwdConfig(128, 128, 8, 2, 1),
     FwdConfig(64, 128, 4, 3, 1),
 ]
+# --fwd-set tma: K/V through TMA descriptors (session 3: 201-230 registers instead of 255 at
+# 128x128, so 3 stages fit; 164 at 64x64), against the pointer loads of the defaults
+FWD_TMA = [
+    FwdConfig(128, 128, 8, 2, 1, 0),
+    FwdConfig(128, 128, 8, 2, 1, 1),
+    FwdConfig(128, 128, 8, 3, 1, 1),
+    FwdConfig(128, 128, 8, 3, 1, 0),
+    FwdConfig(64, 64, 4, 3, 1, 0),
+    FwdConfig(64, 64, 4, 3, 1, 1),
+    FwdConfig(64, 64, 4, 4, 1, 1),
+    FwdConfig(128, 64, 8, 3, 1, 1),
+]
 BWD_CANDIDATES = [
     BwdConfig(64, 64, 4, 3, 64, 64, 4, 3, 1, 2),
     BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
@@ -70,6 +82,16 @@ BWD_PIPELINED = [
     BwdConfig(32, 128, 8, 4, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
+]
+# --bwd-set tma: Q/dO (dK/dV) and K/V (dQ) through TMA descriptors: dK/dV spills 40 bytes
+# instead of 88-240 in the SASS (session 3), so 3 stages and 64x128 tiles may pay now
+BWD_TMA = [
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
+    BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2, tma=1),
+    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2, tma=1),
+    BwdConfig(64, 128, 8, 3, 128, 128, 8, 2, 1, 2, tma=1),
+    BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, 1, 2, tma=1),
 ]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
@@ -102,9 +124,9 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
-    ap.add_argument(
-        "--bwd-set", default="default", choices=["default", "wide", "fused", "spill", "pipelined"]
-    )
+    bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma"]
+    ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
+    ap.add_argument("--fwd-set", default="default", choices=["default", "tma"])
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
     env = environment()
@@ -128,7 +150,8 @@ def main() -> None:
                 q2, k2, v2, plan, compute_dtype=torch.float32, matmul_dtype=torch.bfloat16
             )[0]
             results = []
-            parts = [("fwd", c) for c in FWD_CANDIDATES] if "fwd" in a.part else []
+            fwd_list = FWD_TMA if a.fwd_set == "tma" else FWD_CANDIDATES
+            parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
                 "wide": BWD_WIDE,
                 "fused": BWD_FUSED,

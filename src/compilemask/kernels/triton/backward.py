@@ -48,6 +48,7 @@ from .common import (
     tile_of_rank,
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
+from .forward import tma_descriptors
 
 _LOG2E = 1.4426950408889634
 _PRE_BLOCK = 64
@@ -100,6 +101,10 @@ def _attn_bwd_dkdv_inner(
     dv,
     k,
     v,
+    Q_desc,
+    DO_desc,
+    off_b,
+    off_h,
     Q_head,
     DO_head,
     Lse2_head,
@@ -137,11 +142,14 @@ def _attn_bwd_dkdv_inner(
     MAX_SPAN: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
     ``Kind`` etc. point at this kv-tile's column of the [Tq, Tk] tile arrays (entry of q-tile qt
     at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks).
+    USE_TMA: Q and dO tiles through the descriptors ``Q_desc, DO_desc`` (rows past Nq read as
+    zeros), not per-thread pointers.
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -167,6 +175,13 @@ def _attn_bwd_dkdv_inner(
         )
         if MASKED:
             m_ok = offs_m < Nq
+        if USE_TMA:
+            qT = tl.trans(Q_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_PAD))
+            if MASKED:
+                lse2 = tl.load(Lse2_head + offs_m, mask=m_ok, other=float("inf"))
+            else:
+                lse2 = tl.load(Lse2_head + offs_m)
+        elif MASKED:
             qT = tl.load(qT_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
             lse2 = tl.load(Lse2_head + offs_m, mask=m_ok, other=float("inf"))
         elif HEAD_DIM == HEAD_DIM_PAD:
@@ -192,6 +207,13 @@ def _attn_bwd_dkdv_inner(
                 BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
             pT = tl.where(visible, pT, 0.0)
+        if USE_TMA:
+            do = DO_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
+            if MASKED:
+                delta = tl.load(Delta_head + offs_m, mask=m_ok, other=0.0)
+            else:
+                delta = tl.load(Delta_head + offs_m)
+        elif MASKED:
             do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             delta = tl.load(Delta_head + offs_m, mask=m_ok, other=0.0)
         elif HEAD_DIM == HEAD_DIM_PAD:
@@ -253,6 +275,9 @@ def _attn_bwd_dkdv(
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
     FUSED: tl.constexpr = False,
+    Q_desc=None,
+    DO_desc=None,
+    USE_TMA: tl.constexpr = False,
 ):  # fmt: skip
     if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
         rank = tl.program_id(0)
@@ -301,23 +326,25 @@ def _attn_bwd_dkdv(
         DO_head = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, Q_head, DO_head, Lse2 + bh * Nq, Delta + bh * Nq,
+            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+            Lse2 + bh * Nq, Delta + bh * Nq,
             stride_qm, stride_qd, stride_dom, stride_dod,
             tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS,
+            HAS_BITS, SLOTS, USE_TMA,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, Q_head, DO_head, Lse2 + bh * Nq, Delta + bh * Nq,
+            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+            Lse2 + bh * Nq, Delta + bh * Nq,
             stride_qm, stride_qd, stride_dom, stride_dod,
             tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS,
+            HAS_BITS, SLOTS, USE_TMA,
         )  # fmt: skip
 
     dk = dk * scale
@@ -342,6 +369,10 @@ def _attn_bwd_dq_inner(
     do,
     lse2,
     delta,
+    K_desc,
+    V_desc,
+    off_b,
+    off_hkv,
     K_head,
     V_head,
     stride_kn,
@@ -377,9 +408,11 @@ def _attn_bwd_dq_inner(
     MAX_SPAN: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dQ of one q-tile over the kv-tiles ``TileList[list_start:list_end]``
-    (masks as in the forward: preloaded slots when SLOTS > 0)."""
+    (masks as in the forward: preloaded slots when SLOTS > 0; USE_TMA: K and V tiles through
+    the descriptors ``K_desc, V_desc``, rows past Nk read as zeros)."""
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -404,6 +437,11 @@ def _attn_bwd_dq_inner(
         )
         if MASKED:
             n_ok = offs_n < Nk
+        if USE_TMA:
+            k_tile = K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
+            kT = tl.trans(k_tile)
+            vT = tl.trans(V_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD))
+        elif MASKED:
             kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             vT = tl.load(vT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         elif HEAD_DIM == HEAD_DIM_PAD:
@@ -440,6 +478,8 @@ def _attn_bwd_dq_inner(
                 k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             else:
                 k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        elif USE_TMA:
+            k = k_tile
         else:
             k = tl.trans(kT)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -471,6 +511,9 @@ def _attn_bwd_dq(
     Hkv=1,
     fused_offset=0,
     FUSED: tl.constexpr = False,
+    K_desc=None,
+    V_desc=None,
+    USE_TMA: tl.constexpr = False,
 ):  # fmt: skip
     if FUSED:  # called by _attn_bwd_fused: programs fused_offset + g * Tq + rank of kv head
         r = tl.program_id(0) - fused_offset
@@ -524,23 +567,25 @@ def _attn_bwd_dq(
     lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
+        stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
         full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-        HAS_BITS, SLOTS,
+        HAS_BITS, SLOTS, USE_TMA,
     )  # fmt: skip
     # FULL kv-tiles: no mask, no bounds checks.
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
+        stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
         0, full_count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-        HAS_BITS, SLOTS,
+        HAS_BITS, SLOTS, USE_TMA,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -806,6 +851,11 @@ def attention_backward(
         )  # fmt: skip
         return dq, dk, dv
 
+    # TMA (cfg.tma, 16-bit, aligned strides): Q / dO tiles of dK/dV, K / V tiles of dQ
+    tma = bool(cfg.tma) and not load_t
+    qdo_descs = tma_descriptors(q, do, cfg.dkdv_block_m, d_pad) if tma else None
+    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma else None
+
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bits = s["bits"]
@@ -822,7 +872,9 @@ def attention_backward(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
-        GRID_ORDER=order, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        GRID_ORDER=order, FUSED=False, Q_desc=qdo_descs[0] if qdo_descs else None,
+        DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
     s = dq_schedule
@@ -841,7 +893,9 @@ def attention_backward(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
-        GRID_ORDER=order, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        GRID_ORDER=order, Hkv=1, fused_offset=0, FUSED=False,
+        K_desc=kv_descs[0] if kv_descs else None, V_desc=kv_descs[1] if kv_descs else None,
+        USE_TMA=kv_descs is not None, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv
 

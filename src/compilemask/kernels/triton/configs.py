@@ -45,6 +45,8 @@ class FwdConfig:
         num_warps: warps per program.
         num_stages: software-pipelining depth of the K/V loads.
         grid_order: order in which programs are launched, one of :data:`GRID_ORDERS`.
+        tma: 1 loads K and V through Hopper TMA tensor descriptors (16-bit, head_dim <= 128,
+            16-byte aligned strides; else pointers as with 0). Not yet timed: off.
     """
 
     block_m: int
@@ -52,6 +54,7 @@ class FwdConfig:
     num_warps: int
     num_stages: int
     grid_order: int = 1
+    tma: int = 0
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
@@ -180,6 +183,9 @@ class BwdConfig:
         dkdv_order, dq_order: launch orders of the two kernels, see :data:`GRID_ORDERS`.
         fused: 1 runs dK/dV and dQ as one launch (grid (Tk + G * Tq, B * Hkv), the dK/dV
             kernel's warps and stages for both; order 0 is read as 3), 0 as two launches.
+        tma: 1 loads the streamed tiles (Q, dO in dK/dV; K, V in dQ) through Hopper TMA
+            tensor descriptors in the two-launch backward (16-bit, head_dim <= 128, 16-byte
+            aligned strides; else pointers). Not yet timed: off.
     """
 
     dkdv_block_m: int
@@ -193,13 +199,14 @@ class BwdConfig:
     dkdv_order: int = 1
     dq_order: int = 2
     fused: int = 0
+    tma: int = 0
 
     def as_list(self) -> list[int]:
-        """The eleven ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The twelve ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
-            self.dkdv_order, self.dq_order, self.fused,
+            self.dkdv_order, self.dq_order, self.fused, self.tma,
         ]  # fmt: skip
 
 

@@ -46,6 +46,10 @@ def _attn_fwd_inner(
     q,
     K_tile,
     V_tile,
+    K_desc,
+    V_desc,
+    off_b,
+    off_hkv,
     stride_kn,
     stride_kd,
     stride_vn,
@@ -78,12 +82,15 @@ def _attn_fwd_inner(
     MAX_SPAN: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
     MASKED=False: the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no bounds
     checks, no mask. MASKED=True: PARTIAL tiles; loads are bounds-checked and scores masked,
     from the preloaded slots ``lo*/hi*`` when SLOTS > 0, else from the tile's data.
+    USE_TMA: K and V tiles come through the tensor descriptors ``K_desc, V_desc`` (Hopper TMA;
+    rows past Nk and columns past HEAD_DIM read as zeros), not per-thread pointers.
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -111,6 +118,9 @@ def _attn_fwd_inner(
         )
         if MASKED:
             n_ok = offs_n < Nk
+        if USE_TMA:
+            k = tl.trans(K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD))
+        elif MASKED:
             k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         elif HEAD_DIM == HEAD_DIM_PAD:
             k = tl.load(k_ptrs)
@@ -140,7 +150,9 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
+        if USE_TMA:
+            v = V_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
+        elif MASKED:
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif HEAD_DIM == HEAD_DIM_PAD:
             v = tl.load(v_ptrs)
@@ -153,7 +165,7 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, K_desc, V_desc,
     RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -171,6 +183,7 @@ def _attn_fwd(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hq
@@ -217,21 +230,23 @@ def _attn_fwd(
 
     # PARTIAL tiles: interval or bitmask masking.
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
+        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+        stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS,
+        SLOTS, USE_TMA,
     )  # fmt: skip
     # FULL tiles: no mask, no bounds checks.
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_tile, V_tile, stride_kn, stride_kd, stride_vn, stride_vd,
+        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+        stride_kn, stride_kd, stride_vn, stride_vd,
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, full_count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS,
+        SLOTS, USE_TMA,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -298,8 +313,10 @@ def attention_forward(
     bits = schedule["bits"]
     span, slots, has_bits = mask_constants(kind, schedule["jlo"], schedule["jhi"], n_slots)
     order = launch_order(cfg.grid_order, B * Hq)
+    d_pad = padded_head_dim(D)
+    descs = tma_descriptors(k, v, cfg.block_n, d_pad) if cfg.tma else None
     _attn_fwd[launch_grid(order, B * Hq, Tq)](
-        q, k, v, out, lse,
+        q, k, v, out, lse, *(descs or (k, v)),
         row_lo, row_hi, kind, schedule["jlo"], schedule["jhi"], schedule["bits_index"], bits,
         schedule["q_count"], schedule["q_full_count"], schedule["q_list"], schedule["q_order"],
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -307,7 +324,7 @@ def attention_forward(
         Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
         scale * _LOG2E,
         HEAD_DIM=D,
-        HEAD_DIM_PAD=padded_head_dim(D),
+        HEAD_DIM_PAD=d_pad,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         # fp32: three TF32 MMAs per dot (about fp32 accuracy). "ieee" would take Triton's FMA
@@ -317,10 +334,32 @@ def attention_forward(
         HAS_BITS=has_bits,
         SLOTS=slots,
         GRID_ORDER=order,
+        USE_TMA=descs is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
+
+
+def tma_descriptors(
+    k: torch.Tensor, v: torch.Tensor, block_n: int, d_pad: int
+) -> tuple[object, object] | None:
+    """Host TMA descriptors of ``k`` and ``v`` ([B, H, N, D]) with [1, 1, block_n, d_pad]
+    blocks, or None where TMA cannot take them: not 16-bit, d_pad > 128, an empty dimension,
+    a last stride other than 1, or a base or stride that is not 16-byte aligned (the kernel
+    then loads through pointers)."""
+    if k.dtype not in (torch.float16, torch.bfloat16) or d_pad > 128:
+        return None
+    for t in (k, v):
+        if min(t.shape) == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return None
+        if any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, d_pad]) for t in (k, v)
+    )
 
 
 def default_scale(head_dim: int) -> float:
