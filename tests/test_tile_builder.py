@@ -152,3 +152,14 @@ def test_tile_builder_environment_variable(monkeypatch):
         monkeypatch.delenv(device_builder.ENV)
         device_builder.install_default()
     assert tiles_mod.device_tile_builder() is device_builder.triton_tile_builder
+
+
+def test_cuda_plans_keep_the_tensor_builder_without_triton(monkeypatch):
+    """Where Triton is not installed, CUDA plans fall back to the tensor builder (as
+    ``backend="auto"`` falls back to the reference) instead of failing to import it."""
+    from compilemask.api import device_builder, validate
+
+    assert device_builder.serves_device(torch.device("cuda"))
+    assert not device_builder.serves_device(torch.device("cpu"))
+    monkeypatch.setattr(validate, "_TRITON_INSTALLED", False)
+    assert not device_builder.serves_device(torch.device("cuda"))

@@ -15,17 +15,24 @@ import os
 import torch
 
 from ..compiler.tiles import register_device_tile_builder
+from .validate import triton_usable
 
 ENV = "COMPILEMASK_TILE_BUILDER"
 
 
+def serves_device(device: torch.device) -> bool:
+    """CUDA devices, where Triton is installed (else the tensor builder, as ``backend="auto"``
+    falls back to the reference)."""
+    return device.type == "cuda" and triton_usable(device)[0]
+
+
 def _on_cuda(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+    return serves_device(t.device)
 
 
 def triton_tile_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     """The registered hook (arguments as for ``compiler.tiles.register_device_tile_builder``):
-    the Triton builder for CUDA tensors, None (decline) elsewhere."""
+    the Triton builder for CUDA tensors, None (decline) elsewhere or without Triton."""
     if not _on_cuda(lo):
         return None
     from ..kernels.triton.tile_builder import _device_builder
