@@ -163,3 +163,18 @@ def test_cuda_plans_keep_the_tensor_builder_without_triton(monkeypatch):
     assert not device_builder.serves_device(torch.device("cpu"))
     monkeypatch.setattr(validate, "_TRITON_INSTALLED", False)
     assert not device_builder.serves_device(torch.device("cuda"))
+
+
+def test_rows_with_many_slots_go_to_the_tensor_builder():
+    """More than MAX_SLOTS intervals per row (a dilated mask): the Triton builder declines
+    (its per-program interval tile would not fit) and the schedule equals the tensor
+    builder's."""
+    plan = cm.compile(cm.masks.dilated(200, 2), 64, 512, block_m=32, block_n=64, cache=False)
+    assert plan.row_lo.shape[-1] > tile_builder.MAX_SLOTS
+    args = (plan.row_lo, plan.row_hi, plan.row_count, 64, 512, 32, 64)
+    assert tile_builder._device_builder(*args) is None
+    ref = build_tiles(*args, use_bits=False)
+    with tile_builder.using(True):
+        got = build_tiles(*args, use_bits=False)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name

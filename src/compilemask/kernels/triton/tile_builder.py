@@ -287,12 +287,19 @@ def serves(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: ``_classify_tiles`` holds a [BLOCK_M, next_pow2(K)] tile of a q-tile's intervals in
+#: registers: rows with more slots than this go to the tensor builder (a dilated mask can have
+#: thousands; the seeds have at most 32).
+MAX_SLOTS = 64
+
+
 def _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     """The hook ``compiler.tiles.build_tiles`` calls; None declines (the CPU without Triton's
-    interpreter, or shapes the kernels do not take)."""
+    interpreter, or shapes the kernels do not take: block_m not a power of two >= 16, more
+    than :data:`MAX_SLOTS` interval slots per row)."""
     if not serves(lo):
         return None
-    if block_m & (block_m - 1) or block_m < 16:
+    if block_m & (block_m - 1) or block_m < 16 or lo.shape[-1] > MAX_SLOTS:
         return None
     return build_tiles_triton(lo.contiguous(), hi.contiguous(), q_len, kv_len, block_m, block_n)
 
