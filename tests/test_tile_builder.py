@@ -178,3 +178,14 @@ def test_rows_with_many_slots_go_to_the_tensor_builder():
         got = build_tiles(*args, use_bits=False)
     for name in FIELDS:
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+def test_heaviest_first_kernel_equals_a_stable_argsort(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    q_count = torch.randint(0, 5, (3, 150), generator=g, dtype=torch.int32)
+    kv_count = torch.randint(0, 5, (3, 70), generator=g, dtype=torch.int32)
+    want = [torch.argsort(-c, dim=-1, stable=True).to(torch.int32) for c in (q_count, kv_count)]
+    for limit in (8192, 100):  # the kernel, then the sort fallback for the longer axis
+        monkeypatch.setattr(tile_builder, "_ORDER_KERNEL_MAX_TILES", limit)
+        got = tile_builder.heaviest_first(q_count, kv_count)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

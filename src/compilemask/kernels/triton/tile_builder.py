@@ -40,6 +40,7 @@ from ...compiler.tiles import TileSchedule
 _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
 _ORDER_CHUNK = 64
+_ORDER_KERNEL_MAX_TILES = 8192  # heaviest_first: one launch of O(T^2) compares up to here
 # FULL-first lists made while building a schedule, for the kernels' schedules to reuse
 # (``full_first_lists``): id(kind) -> (weakref to kind, q lists, kv lists).
 _FULL_FIRST: dict[int, tuple] = {}
@@ -179,6 +180,10 @@ def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor):
     (``argsort(-count, stable=True)``) in one launch; int32 ``[M, Tq]`` and ``[M, Tk]``."""
     m, tq = q_count.shape
     tk = kv_count.shape[1]
+    if max(tq, tk) > _ORDER_KERNEL_MAX_TILES:  # O(T^2) compares: a sort beyond this
+        return tuple(
+            torch.argsort(-c, dim=-1, stable=True).to(torch.int32) for c in (q_count, kv_count)
+        )
     q_order = torch.empty_like(q_count)
     kv_order = torch.empty_like(kv_count)
     if m and max(tq, tk):
