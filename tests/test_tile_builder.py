@@ -145,9 +145,13 @@ def test_tile_builder_environment_variable(monkeypatch):
         monkeypatch.setenv(device_builder.ENV, "tensor")
         device_builder.install_default()
         assert tiles_mod.device_tile_builder() is None
+        monkeypatch.setenv(device_builder.ENV, "")  # empty: the default
+        device_builder.install_default()
+        assert tiles_mod.device_tile_builder() is device_builder.triton_tile_builder
         monkeypatch.setenv(device_builder.ENV, "cuda-graphs")
-        with pytest.raises(ValueError, match="COMPILEMASK_TILE_BUILDER"):
+        with pytest.warns(RuntimeWarning, match="COMPILEMASK_TILE_BUILDER"):
             device_builder.install_default()
+        assert tiles_mod.device_tile_builder() is device_builder.triton_tile_builder
     finally:
         monkeypatch.delenv(device_builder.ENV)
         device_builder.install_default()

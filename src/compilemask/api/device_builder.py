@@ -11,6 +11,7 @@ first use: ``import compilemask`` still loads no Triton. CPU plans keep the tens
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -46,10 +47,16 @@ triton_tile_builder.serves = _on_cuda  # type: ignore[attr-defined]
 def install_default() -> None:
     """Register :func:`triton_tile_builder` unless ``COMPILEMASK_TILE_BUILDER=tensor``.
 
-    Raises:
-        ValueError: the variable holds something other than ``triton`` or ``tensor``.
+    Runs at ``import compilemask``, so a bad value does not raise (that would break CPU-only
+    use too): an empty variable means the default, any value other than ``triton`` or
+    ``tensor`` warns (naming the variable and the values it takes) and keeps the default.
     """
-    choice = os.environ.get(ENV, "triton").strip().lower()
+    choice = os.environ.get(ENV, "").strip().lower() or "triton"
     if choice not in ("triton", "tensor"):
-        raise ValueError(f"{ENV}={choice!r}: expected 'triton' or 'tensor'")
+        warnings.warn(
+            f"{ENV}={choice!r} is not one of 'triton', 'tensor'; using 'triton'",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        choice = "triton"
     register_device_tile_builder(triton_tile_builder if choice == "triton" else None)

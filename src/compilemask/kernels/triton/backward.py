@@ -10,14 +10,17 @@ bit-identical):
    ``BwdConfig.dkdv_order`` (``common.grid_position``; default: the kv-tiles of one head side
    by side, in natural order). The program keeps K, V of its BLOCK_N keys and fp32 dK, dV
    accumulators on chip and, for every query head h of its GQA group, walks the kv-tile's
-   q-tile list ``kv_list[m(b, h), kt]``: FULL q-tiles in an unmasked loop, then PARTIAL ones
+   q-tile list ``kv_list[m(b, h), kt]`` (stored FULL first): the PARTIAL q-tiles first,
    masked with the same tile data as the forward, read transposed ([keys, queries],
-   ``common.*_t``). It recomputes ``P^T = exp2(K Q^T * scale * log2 e - lse2)`` and
-   accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``; it
+   ``common.*_t``), then the FULL ones in an unmasked loop. It recomputes
+   ``P^T = exp2(K Q^T * scale * log2 e - lse2)`` and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``; it
    writes dK, dV once (zero for keys nobody sees).
 3. ``_attn_bwd_dq``, one program per (batch row, query head, q-tile) in
-   ``BwdConfig.dq_order``: keeps Q, dO, dQ of its q-tile and walks ``q_list`` (FULL first,
-   then PARTIAL): ``dQ += dS K``; writes dQ once (zero for rows that see nothing).
+   ``BwdConfig.dq_order``: keeps Q, dO, dQ of its q-tile and walks ``q_list`` (PARTIAL
+   tiles, then FULL): ``dQ += dS K``; writes dQ once (zero for rows that see nothing).
+
+Both walk their lists loading the next tile index one iteration ahead (see the forward);
+``BwdConfig.tma`` loads the streamed tiles through TMA tensor descriptors.
 
 The two kernels use their own tilings (``BwdConfig``): dK/dV streams small query tiles past a
 large key tile, dQ the opposite. Gradient of the LSE output: ``d lse_i / d s_ij = P_ij``, so

@@ -4,10 +4,13 @@ One program computes one BLOCK_M-row q-tile of one (batch row, query head). The 
 is ``FwdConfig.grid_order`` (``common.grid_position``): by default the q-tiles of one head run
 side by side (in natural order), so that the programs in flight read the same K/V from L2;
 order 0 walks heads fastest with q-tiles heaviest first (``q_order``).
-The program walks its q-tile's kv-tile list, FULL tiles first in an unmasked loop, then the
-PARTIAL tiles in a masked loop (intervals or bitmask, see ``common.py``); online softmax in
-fp32 in base 2; it writes O and the natural-log LSE. Rows that see no key get O = 0 and
-LSE = -inf.
+The program walks its q-tile's kv-tile list (stored FULL first): the PARTIAL tiles first in
+a masked loop (intervals or bitmask, see ``common.py``), then the FULL tiles in an unmasked
+loop, so that nothing the masked loop needs stays live across the long one (FlexAttention's
+order); the next tile index is loaded one iteration ahead, which keeps the K/V copies of a
+multi-stage loop in flight. Online softmax in fp32 in base 2; it writes O and the
+natural-log LSE. Rows that see no key get O = 0 and LSE = -inf. With ``FwdConfig.tma`` K and
+V come through TMA tensor descriptors.
 
 Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D head_dim,
 M = number of masks in the plan, Tq / Tk = number of q- / kv-tiles.
