@@ -13,8 +13,9 @@ bit-identical):
    q-tile list ``kv_list[m(b, h), kt]`` (stored FULL first): the PARTIAL q-tiles first,
    masked with the same tile data as the forward, read transposed ([keys, queries],
    ``common.*_t``), then the FULL ones in an unmasked loop. It recomputes
-   ``P^T = exp2(K Q^T * scale * log2 e - lse2)`` and accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``; it
-   writes dK, dV once (zero for keys nobody sees).
+   ``P^T = exp2(K Q^T * scale * log2 e - lse2)`` and accumulates ``dV += P^T dO`` and
+   ``dK += dS^T Q`` with ``dS = P * (dO V^T - delta)``; it writes dK, dV once (zero for keys
+   nobody sees).
 3. ``_attn_bwd_dq``, one program per (batch row, query head, q-tile) in
    ``BwdConfig.dq_order``: keeps Q, dO, dQ of its q-tile and walks ``q_list`` (PARTIAL
    tiles, then FULL): ``dQ += dS K``; writes dQ once (zero for rows that see nothing).
