@@ -10,6 +10,7 @@ lowering (``language.semantics.accepted_lengths``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -114,10 +115,11 @@ class _Ctx:
 
     def _segment_of(self, lengths):
         """For each query row: (index of its part, start, end) in a packed list of lengths."""
-        ends = torch.cumsum(self.t(lengths), 0, dtype=I32)
-        idx = torch.searchsorted(ends, self.q, right=True)
-        starts = ends - self.t(lengths)
-        return idx, starts[idx], ends[idx]
+        ends_host = list(itertools.accumulate(lengths))
+        starts_host = [e - n for e, n in zip(ends_host, lengths)]
+        bounds = self.t([starts_host, ends_host])  # one host-to-device copy
+        idx = torch.searchsorted(bounds[1], self.q, right=True)
+        return idx, bounds[0][idx], bounds[1][idx]
 
     def _b_document(self, lengths, causal):
         _, s, e = self._segment_of(lengths)
@@ -147,15 +149,16 @@ class _Ctx:
                 is_resp.append(r)
                 pos += n
         idx, s, _ = self._segment_of(lengths)
-        gs, pe, resp = self.t(group_start)[idx], self.t(prompt_end)[idx], self.t(is_resp)[idx] > 0
+        # one host table, one copy, one gather: [group start, prompt end, is response] per part
+        gs, pe, resp = self.t([group_start, prompt_end, [int(r) for r in is_resp]])[:, idx]
+        resp = resp > 0
         q1 = self.q + 1
         lo = torch.stack([gs, torch.where(resp, s, q1)], -1)
         hi = torch.stack([torch.where(resp, pe, q1), q1], -1)
         return lo, hi
 
     def _b_hstu(self, lengths, num_targets, contextual):
-        _, s, e = self._segment_of(lengths)
-        idx, _, _ = self._segment_of(lengths)
+        idx, s, e = self._segment_of(lengths)
         hist_end = e - self.t(num_targets)[idx]
         ctx_rows = torch.minimum(self.t([contextual]), hist_end - s)
         q, q1 = self.q, self.q + 1
