@@ -439,3 +439,18 @@ def test_tma_descriptors_give_the_same_gradients(monkeypatch, mask, nq, nk, d, h
     grads = _triton_grads(q, k, v, do, plan, dataclasses.replace(SMALL, tma=1))
     _assert_grads(grads, q, k, v, do, plan)
     assert made == [True, True, True]  # forward K/V, dK/dV Q/dO, dQ K/V
+
+
+def test_tma_descriptors_refuse_what_tma_cannot_address():
+    from compilemask.kernels.triton.forward import tma_descriptors
+
+    k = torch.randn(2, 3, 40, 64, dtype=torch.float16)
+    assert tma_descriptors(k, k, 32, 64) is not None
+    assert tma_descriptors(k.float(), k.float(), 32, 64) is None  # 32-bit
+    grad = torch.randn(1, 1, 40, 64, dtype=torch.float16).expand(2, 3, 40, 64)
+    assert tma_descriptors(grad, grad, 32, 64) is None  # stride 0 on B and H
+    odd = torch.randn(2, 3, 40, 68, dtype=torch.float16)[..., :64]  # row stride 136 bytes
+    assert tma_descriptors(odd, odd, 32, 64) is None
+    one = torch.randn(1, 3, 40, 64, dtype=torch.float16).transpose(0, 1)  # size-1 dim, any stride
+    assert tma_descriptors(one, one, 32, 64) is not None
+    assert tma_descriptors(k, k, 32, 256) is None  # head_dim > 128

@@ -349,19 +349,24 @@ def tma_descriptors(
 ) -> tuple[object, object] | None:
     """Host TMA descriptors of ``k`` and ``v`` ([B, H, N, D]) with [1, 1, block_n, d_pad]
     blocks, or None where TMA cannot take them: not 16-bit, d_pad > 128, an empty dimension,
-    a last stride other than 1, or a base or stride that is not 16-byte aligned (the kernel
-    then loads through pointers)."""
+    a last stride other than 1, a zero stride (``expand``) on a dimension longer than 1, or a
+    base or stride that is not 16-byte aligned (the kernel then loads through pointers)."""
     if k.dtype not in (torch.float16, torch.bfloat16) or d_pad > 128:
         return None
+    strides = []
     for t in (k, v):
         if min(t.shape) == 0 or t.stride(-1) != 1 or t.data_ptr() % 16:
             return None
-        if any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        # a dimension of size 1 is never stepped: any valid stride will do (views may carry 0)
+        st = [t.stride(i) if t.shape[i] > 1 else t.shape[-1] * 8 for i in range(t.dim() - 1)]
+        if any(s <= 0 or s * t.element_size() % 16 for s in st):  # e.g. expand()ed: stride 0
             return None
+        strides.append([*st, 1])
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return tuple(
-        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, d_pad]) for t in (k, v)
+        TensorDescriptor(t, list(t.shape), st, [1, 1, block_n, d_pad])
+        for t, st in zip((k, v), strides)
     )
 
 
