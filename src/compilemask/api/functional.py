@@ -50,7 +50,7 @@ def attention_fwd(
             grad (then backward raises).
         scale: softmax scale.
         mask_stride_b, mask_stride_h: mask index ``m = b * mask_stride_b + h * mask_stride_h``.
-        config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order, tma]``.
+        config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order, tma, overlap]``.
     """
     from ..kernels.triton.forward import attention_forward
 
@@ -174,7 +174,10 @@ def attention(
         out, lse = torch.ops.compilemask.attention_fwd(
             q, k, v, plan.row_lo, plan.row_hi, _forward_schedule(plan, cfg), bwd_schedule,
             scale, mask_stride_b, mask_stride_h,
-            [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.grid_order, cfg.tma],
+            [
+                cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.grid_order,
+                cfg.tma, cfg.overlap,
+            ],  # fmt: skip
             bwd_config,
         )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -47,6 +47,8 @@ class FwdConfig:
         grid_order: order in which programs are launched, one of :data:`GRID_ORDERS`.
         tma: 1 loads K and V through Hopper TMA tensor descriptors (16-bit, head_dim <= 128,
             16-byte aligned strides; else pointers as with 0). Not yet timed: off.
+        overlap: 1 issues Q K^T of the next FULL tile before the softmax of the current one
+            (FlashAttention-3's intra-warpgroup overlap). Not yet timed: off.
     """
 
     block_m: int
@@ -55,6 +57,7 @@ class FwdConfig:
     num_stages: int
     grid_order: int = 1
     tma: int = 0
+    overlap: int = 0
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),

@@ -167,6 +167,94 @@ def _attn_fwd_inner(
 
 
 @triton.jit
+def _load_kv_tile(
+    Tile, Desc, off_b, off_hkv, start_n, stride_n, stride_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """A FULL tile's K (TRANSPOSED: [HEAD_DIM_PAD, BLOCK_N]) or V ([BLOCK_N, HEAD_DIM_PAD])."""
+    if USE_TMA:
+        tile = Desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
+        if TRANSPOSED:
+            tile = tl.trans(tile)
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        base = Tile + start_n.to(tl.int64) * stride_n
+        if TRANSPOSED:
+            ptrs = base + offs_n[None, :] * stride_n + offs_d[:, None] * stride_d
+            d_ok = (offs_d < HEAD_DIM)[:, None]
+        else:
+            ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
+            d_ok = (offs_d < HEAD_DIM)[None, :]
+        if HEAD_DIM == HEAD_DIM_PAD:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=d_ok, other=0.0)
+    return tile
+
+
+@triton.jit
+def _attn_fwd_full_overlap(
+    acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    TileList, list_start, list_end, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """The FULL-tile loop of :func:`_attn_fwd_inner` with Q K^T of the next tile issued before
+    the softmax of the current one (FlashAttention-3's intra-warpgroup overlap: the tensor
+    cores compute S_{j+1} while the exponentials of S_j run), the scale folded into the
+    exponent so that nothing reads S_{j+1} until the next iteration. Opt-in
+    (``FwdConfig.overlap``); the last tile is peeled off the loop."""
+    if list_start < list_end:
+        kt = tl.load(TileList + list_start)
+        k = _load_kv_tile(
+            K_tile, K_desc, off_b, off_hkv, kt * BLOCK_N, stride_kn, stride_kd,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
+        )  # fmt: skip
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        for i in range(list_start, list_end - 1):
+            kt_next = tl.load(TileList + i + 1)
+            k = _load_kv_tile(
+                K_tile, K_desc, off_b, off_hkv, kt_next * BLOCK_N, stride_kn, stride_kd,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
+            )  # fmt: skip
+            qk_next = tl.dot(q, k, input_precision=DOT_PRECISION)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = _load_kv_tile(
+                V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn, stride_vd,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
+            )  # fmt: skip
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+            qk = qk_next
+            kt = kt_next
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_kv_tile(
+            V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn, stride_vd,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
+        )  # fmt: skip
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse, K_desc, V_desc,
     RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
@@ -187,6 +275,7 @@ def _attn_fwd(
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
     USE_TMA: tl.constexpr,
+    OVERLAP: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hq
@@ -242,15 +331,22 @@ def _attn_fwd(
         SLOTS, USE_TMA,
     )  # fmt: skip
     # FULL tiles: no mask, no bounds checks.
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-        stride_kn, stride_kd, stride_vn, stride_vd,
-        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, full_count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS, USE_TMA,
-    )  # fmt: skip
+    if OVERLAP:
+        acc, l_i, m_i = _attn_fwd_full_overlap(
+            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+            stride_kn, stride_kd, stride_vn, stride_vd, tile_list, 0, full_count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
+            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, full_count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+            SLOTS, USE_TMA,
+        )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -338,6 +434,7 @@ def attention_forward(
         SLOTS=slots,
         GRID_ORDER=order,
         USE_TMA=descs is not None,
+        OVERLAP=bool(cfg.overlap),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
