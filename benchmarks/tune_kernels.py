@@ -98,6 +98,9 @@ BWD_TMA = [
     BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2, tma=1),
     BwdConfig(64, 128, 8, 3, 128, 128, 8, 2, 1, 2, tma=1),
     BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, 1, 2, tma=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, overlap=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
+    BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
 ]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [

@@ -237,7 +237,7 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 12
+            assert len(cfg.as_list()) == 13
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -341,7 +341,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 12 and len(tensors) == 18
+    assert len(ints) == 13 and len(tensors) == 18
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 
@@ -454,3 +454,16 @@ def test_tma_descriptors_refuse_what_tma_cannot_address():
     one = torch.randn(1, 3, 40, 64, dtype=torch.float16).transpose(0, 1)  # size-1 dim, any stride
     assert tma_descriptors(one, one, 32, 64) is not None
     assert tma_descriptors(k, k, 32, 256) is None  # head_dim > 128
+
+
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("mask_name", ["causal", "document"])
+def test_overlapped_dq_loop(mask_name, tma):
+    """``BwdConfig.overlap`` (dQ: S of the next FULL tile issued before dS of the current one,
+    the last tile peeled) gives gradients that pass the float64 check."""
+    import dataclasses
+
+    plan = cm.compile(MASKS[mask_name](), 100, 100, device=DEVICE)
+    q, k, v, do = (torch.randn(1, 2, 100, 32, device=DEVICE, dtype=torch.float16) for _ in range(4))
+    cfg = dataclasses.replace(SMALL, overlap=1, tma=tma)
+    _assert_grads(_triton_grads(q, k, v, do, plan, cfg), q, k, v, do, plan)

@@ -189,6 +189,8 @@ class BwdConfig:
         tma: 1 loads the streamed tiles (Q, dO in dK/dV; K, V in dQ) through Hopper TMA
             tensor descriptors in the two-launch backward (16-bit, head_dim <= 128, 16-byte
             aligned strides; else pointers). Not yet timed: off.
+        overlap: 1 issues S = Q K^T of the next FULL tile before dS of the current one in dQ
+            (16-bit; as ``FwdConfig.overlap``). Not yet timed: off.
     """
 
     dkdv_block_m: int
@@ -203,13 +205,14 @@ class BwdConfig:
     dq_order: int = 2
     fused: int = 0
     tma: int = 0
+    overlap: int = 0
 
     def as_list(self) -> list[int]:
-        """The twelve ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The thirteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
-            self.dkdv_order, self.dq_order, self.fused, self.tma,
+            self.dkdv_order, self.dq_order, self.fused, self.tma, self.overlap,
         ]  # fmt: skip
 
 
