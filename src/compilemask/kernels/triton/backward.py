@@ -491,6 +491,27 @@ def _attn_bwd_dq_inner(
 
 
 @triton.jit
+def _dq_step(
+    dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """``dq += dS K`` for one FULL tile from its unscaled scores ``qk`` and its K tile ``k``."""
+    vT = _load_kv_tile(
+        V_head, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
+    )  # fmt: skip
+    dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
+    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _attn_bwd_dq_full_overlap(
     dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
     stride_kn, stride_kd, stride_vn, stride_vd, TileList, list_start, list_end, qk_scale,
@@ -518,25 +539,19 @@ def _attn_bwd_dq_full_overlap(
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
             )  # fmt: skip
             qk_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
-            vT = _load_kv_tile(
-                V_head, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn, stride_vd,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
+            dq = _dq_step(
+                dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, kt * BLOCK_N,
+                stride_vn, stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION,
+                USE_TMA,
             )  # fmt: skip
-            dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
-            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
             qk = qk_next
             k = k_next
             kt = kt_next
-        vT = _load_kv_tile(
-            V_head, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn, stride_vd,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
+        dq = _dq_step(
+            dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, kt * BLOCK_N,
+            stride_vn, stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION,
+            USE_TMA,
         )  # fmt: skip
-        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 

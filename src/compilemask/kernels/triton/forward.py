@@ -198,6 +198,30 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _softmax_pv_step(
+    acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step of a FULL tile from its unscaled scores ``qk`` (the scale is
+    folded into the exponent), then ``acc += P V``: ``(acc, l_i, m_i)``."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = _load_kv_tile(
+        V_tile, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
+    )  # fmt: skip
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attn_fwd_full_overlap(
     acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
     stride_kn, stride_kd, stride_vn, stride_vd,
@@ -227,30 +251,16 @@ def _attn_fwd_full_overlap(
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
             )  # fmt: skip
             qk_next = tl.dot(q, k, input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = _load_kv_tile(
-                V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn, stride_vd,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
+            acc, l_i, m_i = _softmax_pv_step(
+                acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn,
+                stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
             )  # fmt: skip
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
             qk = qk_next
             kt = kt_next
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load_kv_tile(
-            V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn, stride_vd,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
+        acc, l_i, m_i = _softmax_pv_step(
+            acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn,
+            stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
         )  # fmt: skip
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
