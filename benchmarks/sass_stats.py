@@ -9,13 +9,19 @@ each kernel it prints registers, spills, shared memory, the async-copy waits
 (``DEPBAR.LE SB0, N``: N = 0 in a loop means no pipelining) and SASS instruction counts of the
 whole kernel and of its loops (HGMMA, LDGSTS, LDG, LDS, MUFU.EX2, BAR, branches, spill loads
 LDL): the cheapest way to see what a kernel change did to the code before spending GPU time on
-it. ``--dump`` writes the SASS and PTX.
+it. ``--dump`` writes the SASS and PTX. ``--inductor-file F`` compiles instead a Triton
+template kernel that Inductor generated (e.g. FlexAttention's backward, copied from
+``$TORCHINDUCTOR_CACHE_DIR`` on the GPU machine), with its own launch options.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import os
+import re
+import tempfile
 
 import torch
 
@@ -54,6 +60,40 @@ def launch_all(w, fwd: cfgs.FwdConfig, bwd: cfgs.BwdConfig, heads: int = 2) -> N
     )  # fmt: skip
 
 
+def compile_inductor_file(path: str):
+    """``(name, CompiledKernel)`` of the Triton template kernel in an Inductor output file:
+    its signature, num_warps and num_stages come from the file's ``triton_meta`` header,
+    every pointer 16-byte aligned (as Inductor specialises them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    src = open(path).read()
+    meta = re.search(r"triton_meta=(\{'signature': \{[^}]*\})", src).group(1) + "}"
+    signature = ast.literal_eval(meta)["signature"]
+    warps = int(re.search(r"num_warps=(\d+)", src).group(1))
+    stages = int(re.search(r"num_stages=(\d+)", src).group(1))
+    src = re.sub(r"@triton_heuristics\.template\(.*?\n\)\n", "", src, flags=re.S)
+    name = re.search(r"def (triton_\w+)\(", src).group(1)
+    with tempfile.TemporaryDirectory() as d:
+        module_path = os.path.join(d, "inductor_kernel.py")
+        with open(module_path, "w") as f:
+            f.write(src)
+        spec = importlib.util.spec_from_file_location("inductor_kernel", module_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        target = GPUTarget("cuda", 90, 32)
+        backend = make_backend(target)
+        options = backend.parse_options({"num_warps": warps, "num_stages": stages})
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
+        kernel = triton.compile(
+            ASTSource(getattr(module, name), signature, {}, attrs),
+            target=target,
+            options=options.__dict__,
+        )
+    return name, kernel
+
+
 def _fmt(c) -> str:
     return " ".join(f"{k}={c[k]}" for k in ("total", *COUNTED) if c[k])
 
@@ -65,12 +105,16 @@ def main() -> None:
     ap.add_argument("--fwd", help="block_m,block_n,warps,stages (default: the library's)")
     ap.add_argument("--bwd", help="BwdConfig ints (default: the library's)")
     ap.add_argument("--dump", help="folder for <kernel>.sass and .ptx")
+    ap.add_argument("--inductor-file", help="an Inductor-generated Triton kernel to compile")
     a = ap.parse_args()
     dtype = torch.bfloat16
     fwd = cfgs.FwdConfig(*map(int, a.fwd.split(","))) if a.fwd else cfgs.forward_config(128, dtype)
     bwd = cfgs.BwdConfig(*map(int, a.bwd.split(","))) if a.bwd else cfgs.backward_config(128, dtype)
-    with capture_sm90() as kernels:
-        launch_all(workload(a.workload, a.n0), fwd, bwd)
+    if a.inductor_file:
+        kernels = [compile_inductor_file(a.inductor_file)]
+    else:
+        with capture_sm90() as kernels:
+            launch_all(workload(a.workload, a.n0), fwd, bwd)
     for name, kernel in kernels:
         listing = sass(kernel)
         waits = dict(sorted(async_copy_waits(listing).items()))

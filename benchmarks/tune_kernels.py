@@ -89,8 +89,8 @@ BWD_PIPELINED = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
 ]
-# --bwd-set tma: Q/dO (dK/dV) and K/V (dQ) through TMA descriptors: dK/dV spills 40 bytes
-# instead of 88-240 in the SASS (session 3), so 3 stages and 64x128 tiles may pay now
+# --bwd-set tma: Q/dO (dK/dV) and K/V (dQ) through TMA descriptors: dK/dV spills 24-40 bytes
+# instead of 80-120 in the SASS (session 3), so 3 stages and 64x128 tiles may pay now
 BWD_TMA = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
