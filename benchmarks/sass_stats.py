@@ -44,9 +44,10 @@ from compilemask.workloads import workload
 
 def launch_all(w, fwd: cfgs.FwdConfig, bwd: cfgs.BwdConfig, heads: int = 2) -> None:
     """One forward and one backward launch of every kernel on CPU tensors (inside
-    ``capture_sm90`` they compile and do not run)."""
-    plan = cm.compile(w.mask, w.N)
-    q, k, v, do = (torch.randn(1, heads, w.N, 128, dtype=torch.bfloat16) for _ in range(4))
+    ``capture_sm90`` they compile and do not run). ``w`` is a workload, or a (mask, N) pair."""
+    mask, n = (w.mask, w.N) if hasattr(w, "mask") else w
+    plan = cm.compile(mask, n)
+    q, k, v, do = (torch.randn(1, heads, n, 128, dtype=torch.bfloat16) for _ in range(4))
     strides = dict(mask_stride_b=0, mask_stride_h=0)
     fwd_sched = forward_schedule(plan, fwd.block_m, fwd.block_n)
     out, lse = attention_forward(
@@ -100,7 +101,7 @@ def _fmt(c) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="causal")
+    ap.add_argument("--workload", default="causal", help="a seed, or clear_tiled (tile_grid)")
     ap.add_argument("--n0", type=int, default=4096)
     ap.add_argument("--fwd", help="block_m,block_n,warps,stages (default: the library's)")
     ap.add_argument("--bwd", help="BwdConfig ints (default: the library's)")
@@ -114,7 +115,11 @@ def main() -> None:
         kernels = [compile_inductor_file(a.inductor_file)]
     else:
         with capture_sm90() as kernels:
-            launch_all(workload(a.workload, a.n0), fwd, bwd)
+            if a.workload == "clear_tiled":
+                w = workload("clear", a.n0)
+                launch_all((cm.tile_grid(w.mask, (8, 16)), w.N), fwd, bwd)
+            else:
+                launch_all(workload(a.workload, a.n0), fwd, bwd)
     for name, kernel in kernels:
         listing = sass(kernel)
         waits = dict(sorted(async_copy_waits(listing).items()))

@@ -133,6 +133,53 @@ def test_bitmask_tiles_are_exercised():
             assert bool((kinds == 3).any()), "expected PARTIAL_BITS tiles"
 
 
+@pytest.mark.parametrize(
+    "tiled, cfg, mode",
+    [
+        (False, SMALL, 1),
+        (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1), 2),
+        (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1, fused=1), 2),
+    ],
+)
+def test_bitmask_modes(tiled, cfg, mode):
+    """Both masking modes with bitmask tiles (HAS_BITS 1: a branch per tile between intervals
+    and bits; 2: bits only), in dK/dV (transposed bitmasks) and dQ."""
+    from compilemask.kernels.triton.common import mask_constants
+
+    mask = cm.masks.clear((8, 16), 5, 20)
+    plan = cm.compile(cm.tile_grid(mask, (4, 8)) if tiled else mask, 148, device=DEVICE)
+    for bm, bn in ((cfg.dkdv_block_m, cfg.dkdv_block_n), (cfg.dq_block_m, cfg.dq_block_n)):
+        s = plan.tiles(bm, bn)
+        assert mask_constants(s.kind, s.jlo, s.jhi, plan.row_lo.shape[-1])[2] == mode
+    q, k, v, do = _inputs(1, 2, 1, 148, 148, 32, torch.float16)
+    if not tiled:  # the kernels launched directly
+        _assert_grads(_triton_grads(q, k, v, do, plan, cfg), q, k, v, do, plan)
+        return
+    # a tile_grid plan: through the autograd function, which permutes the tokens
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    with override_forward_config(FwdConfig(32, 64, 4, 1)), override_backward_config(cfg):
+        out = cm.attention(q, k, v, plan, backend="triton")
+        (out.float() * do.float()).sum().backward()
+    _assert_grads((q.grad, k.grad, v.grad), q, k, v, do, plan)
+
+
+def test_transposed_bits_are_the_transpose():
+    from compilemask.compiler.tiles import unpack_bits
+    from compilemask.kernels.triton.schedule import transposed_bits
+
+    g = torch.Generator().manual_seed(5)
+    for bm, bn in ((16, 32), (64, 64), (40, 48)):
+        bits = torch.randint(-(2**31), 2**31 - 1, (3, bm, -(-bn // 32)), generator=g)
+        bits = bits.to(torch.int32)
+        if bn % 32:  # pack_bits leaves the padding bits of a last partial word zero
+            bits[..., -1] &= (1 << (bn % 32)) - 1
+        t = transposed_bits(bits, bm, bn)
+        assert t.shape == (3, bn, -(-bm // 32))
+        dense = unpack_bits(bits)[..., :bn]
+        assert torch.equal(unpack_bits(t)[..., :bm], dense.transpose(1, 2))
+        assert transposed_bits(bits, bm, bn) is t  # cached while bits lives
+
+
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 def test_head_dims(head_dim):
     Nq, Nk = (40, 56) if head_dim <= 128 else (24, 40)

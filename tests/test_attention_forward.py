@@ -144,6 +144,27 @@ def test_per_head_plan():
         cm.attention(q[:, :2], k[:, :1], v[:, :1], plan)
 
 
+def _clear_small(tiled: bool):
+    mask = cm.masks.clear((8, 16), 5, 20)
+    return cm.tile_grid(mask, (4, 8)) if tiled else mask
+
+
+@pytest.mark.parametrize("tiled, tiles, mode", [(False, (16, 32, 2), 1), (True, (32, 64, 1), 2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_bitmask_modes(tiled, tiles, mode, dtype):
+    """Both masking modes of a schedule with bitmask tiles: HAS_BITS 1 (interval and bitmask
+    tiles, a branch per tile) and 2 (every masked tile a bitmask, no branch)."""
+    from compilemask.kernels.triton.common import mask_constants
+
+    plan = cm.compile(_clear_small(tiled), 148, device=DEVICE)
+    s = plan.tiles(tiles[0], tiles[1])
+    assert mask_constants(s.kind, s.jlo, s.jhi, plan.row_lo.shape[-1])[2] == mode
+    q, k, v = _inputs(1, 2, 2, 148, 148, 32, dtype)
+    out, lse = _run_triton(q, k, v, plan, tiles, return_lse=True)
+    _assert_matches(out, q, k, v, plan)
+    _assert_lse(lse, q, k, v, plan)
+
+
 def _dense_with_empty_rows(Nq, Nk, seed=0):
     g = torch.Generator().manual_seed(seed)
     dense = torch.rand(Nq, Nk, generator=g) < 0.3

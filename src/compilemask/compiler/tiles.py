@@ -29,7 +29,13 @@ from dataclasses import dataclass, fields
 import torch
 
 EMPTY, FULL, PARTIAL, PARTIAL_BITS = 0, 1, 2, 3
-BITS_MIN_SPAN = 8  # a PARTIAL tile whose slot range is wider than this is stored as bits
+#: In plans with more than BITS_MIN_SLOTS interval slots per row, a PARTIAL tile whose slot
+#: range is wider than BITS_MIN_SPAN is stored as a bitmask: the kernels read a bitmask tile
+#: with one load per row and word and a shift and a test per element, an interval tile with two
+#: loads per row and slot and four operations per element and slot. Plans with at most
+#: BITS_MIN_SLOTS slots per row keep intervals: the kernels load them once per q-tile.
+BITS_MIN_SPAN = 2
+BITS_MIN_SLOTS = 4
 
 # An optional builder of schedules without bitmask tiles (the Triton kernels of
 # ``kernels/triton/tile_builder.py``: registered for CUDA plans by ``api/device_builder.py``,
@@ -243,7 +249,7 @@ def build_tiles(
     ``use_bits``: store PARTIAL tiles whose slot range is wide as bitmasks (needs one host
     synchronisation to size them; builds that must not synchronise pass False).
     """
-    if _DEVICE_TILE_BUILDER is not None and not (use_bits and lo.shape[-1] > BITS_MIN_SPAN):
+    if _DEVICE_TILE_BUILDER is not None and not (use_bits and lo.shape[-1] > BITS_MIN_SLOTS):
         built = _DEVICE_TILE_BUILDER(lo, hi, count, q_len, kv_len, block_m, block_n)
         if built is not None:
             return built
@@ -257,7 +263,7 @@ def build_tiles(
     jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, block_m, block_n, kv_len)
     bits_index = torch.full_like(kind, -1)
     bits = torch.zeros((0, block_m, -(-block_n // 32)), dtype=torch.int32, device=dev)
-    if use_bits and lo.shape[-1] > BITS_MIN_SPAN:
+    if use_bits and lo.shape[-1] > BITS_MIN_SLOTS:
         wide = (kind == PARTIAL) & (jhi - jlo > BITS_MIN_SPAN)
         tiles = wide.nonzero()
         if tiles.shape[0]:

@@ -67,17 +67,20 @@ def interval_tile_mask(
 def bits_tile_mask(
     Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """visible[r, c] = bit c % 32 of word c // 32 of row r of bitmask ``bits_idx``."""
+    """visible[r, c] = bit c % 32 of word c // 32 of row r of bitmask ``bits_idx``.
+
+    Each word is loaded once per row (``BLOCK_N // 32`` loads of ``[BLOCK_M]``) and broadcast
+    along its 32 columns: in the MMA layout the word index of a register is a compile-time
+    constant (a thread's columns differ by less than 8 inside an aligned group of 8), so the
+    selection folds away and an element costs a shift and a test, not a load.
+    """
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    ptrs = (
-        Bits
-        + bits_idx.to(tl.int64) * stride_bits_p
-        + rows[:, None] * stride_bits_r
-        + (cols // 32)[None, :]
-    )
-    words = tl.load(ptrs)
-    return ((words >> (cols % 32)[None, :]) & 1) != 0
+    base = Bits + bits_idx.to(tl.int64) * stride_bits_p + rows * stride_bits_r
+    word = tl.load(base)[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for j in tl.static_range(1, (BLOCK_N + 31) // 32):
+        word = tl.where((cols // 32 == j)[None, :], tl.load(base + j)[:, None], word)
+    return ((word >> (cols % 32)[None, :]) & 1) != 0
 
 
 @triton.jit
@@ -136,10 +139,14 @@ def partial_tile_mask(
 ):
     """The visibility of a PARTIAL or PARTIAL_BITS tile (one branch per tile).
 
-    Only kernels without preloaded slots call it (``SLOTS == 0``); without bitmask tiles in the
-    schedule (``HAS_BITS`` False) the tile's kind is not read.
+    Only kernels without preloaded slots call it (``SLOTS == 0``). ``HAS_BITS``: 0 no bitmask
+    tile in the schedule (``kind`` is not read), 1 both encodings (a branch on ``kind``), 2
+    every masked tile is a bitmask (no branch).
     """
-    if HAS_BITS:
+    if HAS_BITS == 2:
+        visible = bits_tile_mask(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
+        visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
+    elif HAS_BITS:
         if kind == KIND_PARTIAL_BITS:
             visible = bits_tile_mask(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
             visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
@@ -197,19 +204,12 @@ def interval_tile_mask_t(
 
 @triton.jit
 def bits_tile_mask_t(
-    Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    BitsT, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """visible_t[c, r] = bit c % 32 of word c // 32 of row r of bitmask ``bits_idx``."""
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    ptrs = (
-        Bits
-        + bits_idx.to(tl.int64) * stride_bits_p
-        + rows[None, :] * stride_bits_r
-        + (cols // 32)[:, None]
-    )
-    words = tl.load(ptrs)
-    return ((words >> (cols % 32)[:, None]) & 1) != 0
+    """visible_t[c, r] = bit r % 32 of word r // 32 of row c of the transposed bitmask
+    ``bits_idx`` (``schedule.transposed_bits``: rows are keys), read like
+    :func:`bits_tile_mask` with the roles of the axes swapped."""
+    return bits_tile_mask(BitsT, bits_idx, stride_bits_p, stride_bits_r, BLOCK_N, BLOCK_M)
 
 
 @triton.jit
@@ -238,13 +238,17 @@ def partial_tile_mask_t(
     """:func:`partial_tile_mask` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x queries).
 
     ``SLOTS > 0``: every row has at most SLOTS (<= 4) slots and the schedule no bitmask tile;
-    the mask ORs all slots of each row (no per-tile slot range is read).
+    the mask ORs all slots of each row (no per-tile slot range is read). ``HAS_BITS`` as in
+    :func:`partial_tile_mask`.
     """
     if SLOTS > 0:
         visible = interval_tile_mask_t(
             RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, 0, SLOTS,
             BLOCK_M, BLOCK_N, SLOTS,
         )  # fmt: skip
+    elif HAS_BITS == 2:
+        visible = bits_tile_mask_t(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
+        visible = visible & (offs_m[None, :] < Nq) & (offs_n[:, None] < Nk)
     elif HAS_BITS:
         if kind == KIND_PARTIAL_BITS:
             visible = bits_tile_mask_t(
@@ -317,17 +321,17 @@ MAX_STATIC_SPAN = 8
 #: Plans with at most this many interval slots per row are masked from preloaded slots
 #: (``slots_mask``) when their schedule has no bitmask tile.
 MAX_PRELOAD_SLOTS = 4
-_MASK_CONSTANTS: dict[int, tuple[object, tuple[int, int, bool]]] = {}
+_MASK_CONSTANTS: dict[int, tuple[object, tuple[int, int, int]]] = {}
 
 
-def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, bool]:
+def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, int]:
     """The masking constexprs of a schedule: ``(MAX_SPAN, SLOTS, HAS_BITS)``.
 
     MAX_SPAN: the widest slot range ``jhi - jlo`` of its interval-masked (PARTIAL) tiles, or
-    -1 when that exceeds :data:`MAX_STATIC_SPAN`; HAS_BITS: whether any tile is a
-    PARTIAL_BITS tile; SLOTS: ``n_slots`` when it is at most :data:`MAX_PRELOAD_SLOTS` and
-    there is no bitmask tile, else 0. Read back once per schedule (one small device-to-host
-    copy) and cached while the tensor lives.
+    -1 when that exceeds :data:`MAX_STATIC_SPAN`; HAS_BITS: 0 when no tile is a PARTIAL_BITS
+    tile, 2 when every masked tile is one, else 1; SLOTS: ``n_slots`` when it is at most
+    :data:`MAX_PRELOAD_SLOTS` and there is no bitmask tile, else 0. Read back once per
+    schedule (one small device-to-host copy) and cached while the tensor lives.
     """
     import weakref
 
@@ -339,12 +343,17 @@ def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, bool]:
     if kind.numel():
         span = torch.where(kind == int(KIND_PARTIAL), jhi - jlo, 0).max()
         bits = (kind == int(KIND_PARTIAL_BITS)).any()
-        span, has_bits = (int(x) for x in torch.stack([span, bits.to(span.dtype)]).tolist())
+        ints = (kind == int(KIND_PARTIAL)).any()
+        span, has_bits, has_ints = (
+            int(x) for x in torch.stack([span, bits.to(span.dtype), ints.to(span.dtype)]).tolist()
+        )
+        if has_bits and not has_ints:
+            has_bits = 2
     else:
         span, has_bits = 0, 0
     max_span = span if span <= MAX_STATIC_SPAN else -1
     slots = n_slots if (n_slots <= MAX_PRELOAD_SLOTS and not has_bits) else 0
-    value = (max_span, slots, bool(has_bits))
+    value = (max_span, slots, has_bits)
     key = id(jlo)
     _MASK_CONSTANTS[key] = (
         weakref.ref(jlo, lambda _, key=key: _MASK_CONSTANTS.pop(key, None)),

@@ -102,9 +102,17 @@ def _attn_fwd_inner(
     # the pipelined loop becomes the last async copy group of each iteration, and waiting for
     # it at the top of the next one waits for every copy in flight (no pipelining at all).
     kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+    # likewise the bitmask index of a masked tile: its words' loads then need nothing loaded
+    # in the same iteration
+    bidx_next = 0
+    if MASKED and HAS_BITS:
+        bidx_next = tl.load(BitsIndex + kt_next, mask=list_start < list_end, other=0)
     for i in range(list_start, list_end):
         kt = kt_next
+        bidx = bidx_next
         kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
+        if MASKED and HAS_BITS:
+            bidx_next = tl.load(BitsIndex + kt_next, mask=i + 1 < list_end, other=0)
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
         k_ptrs = (
@@ -139,7 +147,7 @@ def _attn_fwd_inner(
                     kind = tl.load(Kind + kt)
                 visible = partial_tile_mask(
                     kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
+                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, bidx,
                     stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
                 )  # fmt: skip
             qk = tl.where(visible, qk, float("-inf"))

@@ -87,6 +87,30 @@ def _bits_or_dummy(sched) -> torch.Tensor:
     return dummy
 
 
+_BITS_T: dict[int, tuple[object, torch.Tensor]] = {}
+
+
+def transposed_bits(bits: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """``bits`` ``[P, block_m, ceil(block_n / 32)]`` re-packed along the queries:
+    ``[P, block_n, ceil(block_m / 32)]``, bit ``r % 32`` of word ``r // 32`` of row ``c`` says
+    key ``c`` of the tile is visible to its query ``r`` (what the dK/dV kernel reads: its
+    scores are keys x queries). Tensor operations, no host synchronisation; cached while
+    ``bits`` lives (in eager calls)."""
+    import weakref
+
+    from ...compiler.tiles import pack_bits, unpack_bits
+
+    hit = None if torch.compiler.is_compiling() else _BITS_T.get(id(bits))
+    if hit is not None and hit[0]() is bits:
+        return hit[1]
+    dense = unpack_bits(bits)[..., :block_n]  # [P, block_m, block_n]
+    out = pack_bits(dense.transpose(1, 2)).contiguous()
+    if not torch.compiler.is_compiling():
+        key = id(bits)
+        _BITS_T[key] = (weakref.ref(bits, lambda _, key=key: _BITS_T.pop(key, None)), out)
+    return out
+
+
 def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
     """The forward kernel's schedule for ``plan`` tiled ``block_m x block_n``.
 
@@ -124,12 +148,15 @@ def dkdv_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
 
     Returns:
         int32 tensors keyed by :data:`DKDV_SCHEDULE_FIELDS`: the tile schedule's ``kind, jlo,
-        jhi, bits_index, kv_count, kv_order``; ``bits`` (a 1x1x1 dummy without bitmask tiles);
+        jhi, bits_index, kv_count, kv_order``; ``bits`` transposed (:func:`transposed_bits`,
+        ``[P, block_n, ceil(block_m / 32)]``; a 1x1x1 dummy without bitmask tiles);
         ``kv_list`` (q-tiles per kv-tile) reordered FULL tiles first and ``kv_full_count``.
     """
     sched = plan.tiles(block_m, block_n)
     kv_list, kv_full_count = _full_first(sched.kind, sched.kv_list, sched.kv_count, True)
     bits = _bits_or_dummy(sched)
+    if bits is sched.bits:
+        bits = transposed_bits(bits, block_m, block_n)
     return {
         "kind": sched.kind,
         "jlo": sched.jlo,

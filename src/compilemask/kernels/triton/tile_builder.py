@@ -14,7 +14,7 @@ on the mask, only on the row intervals, so it fits in two kernels:
    ``schedule.split_full_first`` computes for the kernels).
 
 No bitmask tiles (they need a host synchronisation to size): used where the tensor builder
-would not make them either (``use_bits=False``, or at most ``BITS_MIN_SPAN`` slots per row).
+would not make them either (``use_bits=False``, or at most ``BITS_MIN_SLOTS`` slots per row).
 
 The default for plans built on a CUDA device (``api/device_builder.py``; the environment
 variable ``COMPILEMASK_TILE_BUILDER=tensor`` turns it off); :func:`enable` / :func:`using`
@@ -317,7 +317,7 @@ def enable(on: bool = True) -> None:
     through Triton's interpreter included (``on=False``: the tensor builder everywhere).
 
     Applies where no bitmask tile is needed: GPU plan builds (``compile(..., device="cuda")``)
-    and plans with at most ``BITS_MIN_SPAN`` slots per row. CUDA plans use these kernels by
+    and plans with at most ``BITS_MIN_SLOTS`` slots per row. CUDA plans use these kernels by
     default (``api/device_builder.py``); this switch is for tests and comparisons.
     """
     tiles_mod.register_device_tile_builder(_device_builder if on else None)
