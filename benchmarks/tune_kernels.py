@@ -57,8 +57,11 @@ FWD_TMA = [
     FwdConfig(64, 64, 4, 4, 1, 1),
     FwdConfig(128, 64, 8, 3, 1, 1),
     FwdConfig(128, 64, 8, 3, 1, 1, 1),
+    FwdConfig(128, 64, 8, 3, 1, 0),
+    FwdConfig(128, 64, 8, 4, 1, 1),
 ]
 BWD_CANDIDATES = [
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),  # the D=128 default since session 3
     BwdConfig(64, 64, 4, 3, 64, 64, 4, 3, 1, 2),
     BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -93,6 +96,7 @@ BWD_PIPELINED = [
 # instead of 80-120 in the SASS (session 3), so 3 stages and 64x128 tiles may pay now
 BWD_TMA = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),
+    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),  # session 4: clear_tiled's best of the defaults
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2, tma=1),
     BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2, tma=1),
@@ -166,6 +170,7 @@ def main() -> None:
                 "fused": BWD_FUSED,
                 "spill": BWD_SPILL,
                 "pipelined": BWD_PIPELINED,
+                "tma": BWD_TMA,
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:
