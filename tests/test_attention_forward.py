@@ -493,13 +493,29 @@ def test_preloaded_slots_path(name, mask, n, slots):
 
 
 def test_plan_dependent_configs():
-    """D=128 16-bit: dense plans (tile efficiency >= 0.94 at 128x128) get 128x128 forward
-    tiles; sparse ones keep 64x64 (sweep in configs.py)."""
+    """D=128 16-bit: dense plans (tile efficiency >= 0.97 at 128x128) get 128x128 forward
+    tiles; plans of bitmask tiles at least half visible 128x64; the rest 64x64 (sweeps in
+    configs.py)."""
     from compilemask.kernels.triton.configs import (
         backward_config,
         forward_config,
+        has_bitmask_tiles,
         tile_efficiency_128,
     )
+
+    clear = cm.masks.clear((32, 32), 16, 64)
+    tiled = cm.compile(cm.tile_grid(clear, (8, 16)), 1088)
+    eff_t = tile_efficiency_128(tiled)
+    assert has_bitmask_tiles(tiled) and eff_t >= 0.5
+    assert not has_bitmask_tiles(cm.compile(cm.masks.causal(), 64))
+
+    def tiles(*args):
+        cfg = forward_config(128, torch.bfloat16, None, *args)
+        return cfg.block_m, cfg.block_n
+
+    assert tiles(eff_t, True) == (128, 64)
+    assert tiles(eff_t, False) == (64, 64)
+    assert tiles(0.3, True) == (64, 64)
 
     causal = cm.compile(cm.masks.causal(), 8192)
     sparse = cm.compile(cm.masks.clear((16, 16), 3, 8), 264)

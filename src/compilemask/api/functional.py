@@ -17,7 +17,12 @@ import torch
 
 from ..compiler.plan import MaskPlan
 from ..kernels.reference import reference_attention
-from ..kernels.triton.configs import FwdConfig, forward_config, tile_efficiency_128
+from ..kernels.triton.configs import (
+    FwdConfig,
+    forward_config,
+    has_bitmask_tiles,
+    tile_efficiency_128,
+)
 from ..kernels.triton.schedule import FWD_SCHEDULE_FIELDS, forward_schedule
 from . import validate
 from .autograd import backward, backward_inputs, setup_context
@@ -166,7 +171,7 @@ def attention(
         eff = None
         if q.shape[-1] == 128 and q.dtype in (torch.float16, torch.bfloat16):
             eff = tile_efficiency_128(plan)
-        cfg = forward_config(q.shape[-1], q.dtype, q.device, eff)
+        cfg = forward_config(q.shape[-1], q.dtype, q.device, eff, has_bitmask_tiles(plan))
         heads = plan.heads or 1
         mask_stride_b = heads if plan.batch else 0
         mask_stride_h = 1 if plan.heads else 0

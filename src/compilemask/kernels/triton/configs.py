@@ -11,7 +11,7 @@ Shared memory of one program is about ``(BLOCK_M + 2 * num_stages * BLOCK_N) * D
 Example::
 
     >>> forward_config(128, torch.float16)
-    FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, grid_order=1)
+    FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, grid_order=1, tma=1, overlap=0)
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ class FwdConfig:
         num_stages: software-pipelining depth of the K/V loads.
         grid_order: order in which programs are launched, one of :data:`GRID_ORDERS`.
         tma: 1 loads K and V through Hopper TMA tensor descriptors (16-bit, head_dim <= 128,
-            16-byte aligned strides; else pointers as with 0). Not yet timed: off.
+            16-byte aligned strides; else pointers as with 0). On by default for D=128 where
+            the H200 sweep measured it faster (sm_90 and newer only).
         overlap: 1 issues Q K^T of the next FULL tile before the softmax of the current one
-            (FlashAttention-3's intra-warpgroup overlap). Not yet timed: off.
+            (FlashAttention-3's intra-warpgroup overlap). Off: it lost on 3 of the 4 seeds.
     """
 
     block_m: int
@@ -62,21 +63,29 @@ class FwdConfig:
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
 # document(8 x 1024)): 64x64 beats 128x128 at D=128 on masked work (less partial-tile waste);
-# 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256. Dense plans at D=128: below.
+# 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256. D=128: below.
 _FWD_16BIT: dict[int, FwdConfig] = {
     32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     96: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),  # D padded to 128
-    128: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    128: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=1),
     256: FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
-
-#: D=128, 16-bit, plans whose 128x128 tiles are nearly all visible (tile efficiency >=
-#: :data:`DENSE_TILE_EFFICIENCY`: causal, shared_prompt): larger tiles win there (H200 sweep,
-#: benchmarks/results/h200-tune-2026-11-30.jsonl: causal 9.63 vs 10.58 ms, shared_prompt 1.89
-#: vs 1.94 ms at 32K); masks with more waste at 128x128 (hstu, clear) keep 64x64.
-_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
-DENSE_TILE_EFFICIENCY = 0.94
+# D=128, 16-bit, from the H200 sweeps of session 4 (32K, 16 heads, bf16;
+# benchmarks/results/h200-tune-2026-11-30-session4.jsonl):
+# - masked plans: 64x64, 4 warps, 3 stages, K/V through TMA descriptors (hstu 1.162 ms against
+#   1.246 with pointers and 1.373 at 128x128; shared_prompt 1.663 against 1.827 and 1.721);
+# - plans whose 128x128 tiles are nearly all visible (tile efficiency >=
+#   :data:`DENSE_TILE_EFFICIENCY`: causal): 128x128, 8 warps, 3 stages (causal 8.60 ms against
+#   9.03 with 2 stages, 9.59 at 64x64 with TMA);
+# - plans with bitmask tiles (more than ``BITS_MIN_SLOTS`` intervals per row) whose tiles are
+#   at least :data:`BITS_WIDE_TILE_EFFICIENCY` visible: 128x64, 8 warps, 3 stages
+#   (clear through tile_grid: 3.36 ms against 3.63 at 64x64 with TMA). Never 128x128 there:
+#   97-150 ms (not understood; perf-notes session 4).
+_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+DENSE_TILE_EFFICIENCY = 0.97
+_FWD_BITS_128 = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+BITS_WIDE_TILE_EFFICIENCY = 0.5
 
 # fp32 (tf32x3 dots, about fp32 accuracy): a correctness path, not a fast one; smaller tiles.
 _FWD_32BIT: dict[int, FwdConfig] = {
@@ -135,16 +144,35 @@ def _device_smem_limit(device: torch.device | None) -> int:
     return int(limit) if limit else 48 * 1024
 
 
+def _has_tma(device: torch.device | None) -> bool:
+    """Whether ``device`` has TMA (Hopper, sm_90, and newer); True off CUDA (the interpreter
+    runs the descriptor path)."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def has_bitmask_tiles(plan) -> bool:
+    """Whether ``plan``'s masked tiles are stored as bitmasks: a ``from_dense`` plan, or more
+    than ``compiler.tiles.BITS_MIN_SLOTS`` intervals per row."""
+    from ...compiler.tiles import BITS_MIN_SLOTS
+
+    return plan.encoding == "bits" or plan.row_lo.shape[-1] > BITS_MIN_SLOTS
+
+
 def forward_config(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | None = None,
     tile_efficiency: float | None = None,
+    bitmask_tiles: bool = False,
 ) -> FwdConfig:
     """The forward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
 
     ``tile_efficiency``: the plan's visible pairs / pairs of its touched 128x128 tiles
     (:func:`tile_efficiency_128`), or None when unknown; dense plans get larger tiles.
+    ``bitmask_tiles``: the plan's masked tiles are mostly bitmasks (:func:`has_bitmask_tiles`).
+    TMA descriptors are used on sm_90 and newer only.
 
     Raises:
         CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
@@ -154,9 +182,13 @@ def forward_config(
         return _OVERRIDE[-1]
     table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
     cfg = table[head_dim]
-    dense = tile_efficiency is not None and tile_efficiency >= DENSE_TILE_EFFICIENCY
-    if dense and head_dim == 128 and dtype != torch.float32:
-        cfg = _FWD_DENSE_128
+    if head_dim == 128 and dtype != torch.float32 and tile_efficiency is not None:
+        if tile_efficiency >= DENSE_TILE_EFFICIENCY:
+            cfg = _FWD_DENSE_128
+        elif bitmask_tiles and tile_efficiency >= BITS_WIDE_TILE_EFFICIENCY:
+            cfg = _FWD_BITS_128
+    if cfg.tma and not _has_tma(device):
+        cfg = replace(cfg, tma=0)
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
     while cfg.num_stages > 1 and _shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
@@ -188,9 +220,9 @@ class BwdConfig:
             kernel's warps and stages for both; order 0 is read as 3), 0 as two launches.
         tma: 1 loads the streamed tiles (Q, dO in dK/dV; K, V in dQ) through Hopper TMA
             tensor descriptors in the two-launch backward (16-bit, head_dim <= 128, 16-byte
-            aligned strides; else pointers). Not yet timed: off.
+            aligned strides; else pointers). On by default for D=128 (sm_90 and newer).
         overlap: 1 issues S = Q K^T of the next FULL tile before dS of the current one in dQ
-            (16-bit; as ``FwdConfig.overlap``). Not yet timed: off.
+            (16-bit; as ``FwdConfig.overlap``). Off: it lost on every seed.
     """
 
     dkdv_block_m: int
@@ -223,12 +255,15 @@ class BwdConfig:
 # 16 heads, fwd+bwd): dK/dV 64x64 with 4 warps and 2 stages, dQ 128x64 with 8 warps and 3
 # stages wins on all four seeds (causal 35.6 ms, shared_prompt 6.92, hstu 4.99, clear 22.8,
 # against 36.4-38.8, 7.15-7.73, 5.03-5.51, 23.2-29.1 for the other tilings); 3 stages in
-# dK/dV at 64x64 spill (255 registers) and lose 9-28%.
+# dK/dV at 64x64 spill (255 registers) and lose 9-28%. Session 4: the same tilings with the
+# streamed tiles through TMA descriptors win on all four (fwd+bwd causal 33.93 ms against
+# 35.00, shared_prompt 6.71 / 6.86, hstu 4.49 / 4.78, clear via tile_grid 12.79 / 13.73;
+# h200-tune-2026-11-30-session4.jsonl); the overlapped dQ loop loses (4.80-7.43).
 _BWD_16BIT: dict[int, BwdConfig] = {
     32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     96: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),  # D padded to 128
-    128: BwdConfig(64, 64, 4, 2, 128, 64, 8, 3),
+    128: BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, tma=1),
     256: BwdConfig(32, 64, 8, 2, 64, 32, 8, 2),
 }
 
@@ -285,6 +320,8 @@ def backward_config(
         return _BWD_OVERRIDE[-1]
     table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
     cfg = table[head_dim]
+    if cfg.tma and not _has_tma(device):
+        cfg = replace(cfg, tma=0)
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
     while _bwd_shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
