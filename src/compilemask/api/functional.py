@@ -100,6 +100,25 @@ def _forward_schedule(plan: MaskPlan, cfg: FwdConfig) -> list[torch.Tensor]:
     return tensors
 
 
+class _TokenOrder(torch.autograd.Function):
+    """``x.index_select(2, index)`` whose gradient is a gather too (``grad.index_select(2,
+    inverse)``, ``inverse`` the inverse permutation of ``index``), not the atomic
+    ``index_add`` of autograd's ``index_select`` backward (slow in 16 bits)."""
+
+    @staticmethod
+    def forward(x, index, inverse):
+        return x.index_select(2, index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(2, inverse), None, None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,11 +173,11 @@ def attention(
     backend = validate.resolve_backend(backend, q)
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
-        q, k, v = (t.index_select(2, perm) for t in (q, k, v))
+        q, k, v = (_TokenOrder.apply(t, perm, inv) for t in (q, k, v))
         out, lse = attention(
             q, k, v, plan.in_permuted_order(), scale=scale, return_lse=True, backend=backend
         )
-        out, lse = out.index_select(2, inv), lse.index_select(2, inv)
+        out, lse = _TokenOrder.apply(out, inv, perm), _TokenOrder.apply(lse, inv, perm)
         return (out, lse) if return_lse else out
 
     if backend == "reference":
