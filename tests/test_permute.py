@@ -118,3 +118,24 @@ def test_tiled_plan_gradients_in_q_k_v_and_through_lse(compiled):
 
     for a, b in zip(grads(plan), grads(tiled)):
         torch.testing.assert_close(a, b)
+
+
+def test_triton_token_gather_is_index_select():
+    """The Triton row copy of tile_grid plans on CUDA (here through the interpreter)."""
+    import os
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from compilemask.kernels.triton.permute import gather_tokens
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(2)
+    for shape, d in (((2, 3, 70), 32), ((1, 2, 9), 96)):
+        x = torch.randn(*shape, d, generator=g).to(dev, torch.float16)
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)  # strided heads
+        index = torch.randperm(shape[2], generator=g).to(dev)
+        got = gather_tokens(x, index)
+        assert got.is_contiguous()
+        assert torch.equal(got, x.index_select(2, index))
+        assert torch.equal(gather_tokens(x, index[:5]), x.index_select(2, index[:5]))

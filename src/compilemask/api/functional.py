@@ -100,6 +100,16 @@ def _forward_schedule(plan: MaskPlan, cfg: FwdConfig) -> list[torch.Tensor]:
     return tensors
 
 
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(2, index)``; on CUDA in eager mode one Triton row-copy launch
+    (``kernels/triton/permute.py``); traced as ``index_select`` under ``torch.compile``."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        from ..kernels.triton.permute import gather_tokens
+
+        return gather_tokens(x, index)
+    return x.index_select(2, index)
+
+
 class _TokenOrder(torch.autograd.Function):
     """``x.index_select(2, index)`` whose gradient is a gather too (``grad.index_select(2,
     inverse)``, ``inverse`` the inverse permutation of ``index``), not the atomic
@@ -107,7 +117,7 @@ class _TokenOrder(torch.autograd.Function):
 
     @staticmethod
     def forward(x, index, inverse):
-        return x.index_select(2, index)
+        return _gather_tokens(x, index)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -116,7 +126,7 @@ class _TokenOrder(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(2, inverse), None, None
+        return _gather_tokens(grad, inverse), None, None
 
 
 def attention(
