@@ -516,6 +516,8 @@ def test_plan_dependent_configs():
     assert tiles(eff_t, True) == (128, 64)
     assert tiles(eff_t, False) == (64, 64)
     assert tiles(0.3, True) == (64, 64)
+    assert tiles(0.995, True) == (128, 64)  # never 128x128 with bitmask tiles
+    assert tiles(0.995, False) == (128, 128)
 
     causal = cm.compile(cm.masks.causal(), 8192)
     sparse = cm.compile(cm.masks.clear((16, 16), 3, 8), 264)
@@ -561,3 +563,17 @@ def test_overlapped_full_tile_loop(mask_name, tma):
         out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
     _assert_matches(out, q, k, v, plan)
     _assert_lse(lse, q, k, v, plan)
+
+
+def test_fullgraph_compile_of_a_fresh_plan_with_many_slots():
+    """A plan with 5 intervals per row (bitmask tiles in eager builds) compiles with
+    fullgraph=True on its first use: while tracing, the schedule keeps interval tiles."""
+    plan = cm.compile(cm.masks.natten2d((8, 8), (5, 5)), 64, device=DEVICE)
+    assert plan.row_lo.shape[-1] > 4
+    q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float16, seed=4)
+    f = torch.compile(
+        lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    _assert_matches(f(q, k, v), q, k, v, plan)

@@ -139,3 +139,48 @@ def test_triton_token_gather_is_index_select():
         assert got.is_contiguous()
         assert torch.equal(got, x.index_select(2, index))
         assert torch.equal(gather_tokens(x, index[:5]), x.index_select(2, index[:5]))
+        assert torch.equal(gather_tokens(x, index[::2]), x.index_select(2, index[::2]))
+
+
+def _clear_plans():
+    mask = masks.clear((6, 8), 2, 5)
+    return cm.compile(mask, 53), cm.compile(masks.tile_grid(mask, (2, 4)), 53)
+
+
+def test_tiled_plan_forward_mode_ad():
+    plain, tiled = _clear_plans()
+    g = torch.Generator().manual_seed(1)
+    q, k, v, t = (torch.randn(1, 2, 53, 32, generator=g, dtype=torch.float64) for _ in range(4))
+    got = [
+        torch.func.jvp(lambda x, p=p: cm.attention(x, k, v, p, backend="reference"), (q,), (t,))
+        for p in (plain, tiled)
+    ]
+    torch.testing.assert_close(got[0][1], got[1][1])
+
+
+@pytest.mark.parametrize("triton_gather", [False, True])
+def test_tiled_plan_second_order_gradients(monkeypatch, triton_gather):
+    """Gradients of gradients through the token permutations, also with the Triton row copy
+    that CUDA runs in eager mode (here through the interpreter)."""
+    import compilemask.api.functional as functional
+
+    if triton_gather:
+        import os
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        pytest.importorskip("triton")
+        from compilemask.kernels.triton.permute import gather_tokens
+
+        monkeypatch.setattr(functional, "_gather_tokens", gather_tokens)
+    plain, tiled = _clear_plans()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 53, 32, generator=g, dtype=torch.float32) for _ in range(3))
+
+    def second(plan):
+        x = q.clone().requires_grad_(True)
+        out = cm.attention(x, k, v, plan, backend="reference")
+        (gq,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(gq.pow(2).sum(), x)[0]
+
+    torch.testing.assert_close(second(tiled), second(plain), atol=1e-4, rtol=1e-4)

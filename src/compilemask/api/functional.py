@@ -121,12 +121,26 @@ class _TokenOrder(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[2])
+        ctx.save_for_backward(inputs[1], inputs[2])
+        ctx.index = inputs[1]  # for jvp
 
     @staticmethod
     def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return _gather_tokens(grad, inverse), None, None
+        index, inverse = ctx.saved_tensors
+        # itself a _TokenOrder, so that gradients of gradients (create_graph=True) flow
+        return _TokenOrder.apply(grad, inverse, index), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, index_t, inverse_t):
+        return _gather_tokens(x_t, ctx.index)
+
+
+def _permute_tokens(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(2, index)``: through :class:`_TokenOrder` in eager mode; traced as
+    ``index_select`` under ``torch.compile`` (Dynamo does not trace a custom ``jvp``)."""
+    if torch.compiler.is_compiling():
+        return x.index_select(2, index)
+    return _TokenOrder.apply(x, index, inverse)
 
 
 def attention(
@@ -183,11 +197,11 @@ def attention(
     backend = validate.resolve_backend(backend, q)
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
-        q, k, v = (_TokenOrder.apply(t, perm, inv) for t in (q, k, v))
+        q, k, v = (_permute_tokens(t, perm, inv) for t in (q, k, v))
         out, lse = attention(
             q, k, v, plan.in_permuted_order(), scale=scale, return_lse=True, backend=backend
         )
-        out, lse = _TokenOrder.apply(out, inv, perm), _TokenOrder.apply(lse, inv, perm)
+        out, lse = _permute_tokens(out, inv, perm), _permute_tokens(lse, inv, perm)
         return (out, lse) if return_lse else out
 
     if backend == "reference":

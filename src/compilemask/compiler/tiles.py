@@ -247,8 +247,12 @@ def build_tiles(
     """Build the :class:`TileSchedule` of canonical row intervals ``[M, Nq, K]``.
 
     ``use_bits``: store PARTIAL tiles whose slot range is wide as bitmasks (needs one host
-    synchronisation to size them; builds that must not synchronise pass False).
+    synchronisation to size them; builds that must not synchronise pass False). Ignored while
+    ``torch.compile`` traces (the number of bitmasks is data-dependent): the schedule then
+    keeps interval tiles, which the kernels also read.
     """
+    if use_bits and torch.compiler.is_compiling():
+        use_bits = False
     if _DEVICE_TILE_BUILDER is not None and not (use_bits and lo.shape[-1] > BITS_MIN_SLOTS):
         built = _DEVICE_TILE_BUILDER(lo, hi, count, q_len, kv_len, block_m, block_n)
         if built is not None:

@@ -183,10 +183,11 @@ def forward_config(
     table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
     cfg = table[head_dim]
     if head_dim == 128 and dtype != torch.float32 and tile_efficiency is not None:
-        if tile_efficiency >= DENSE_TILE_EFFICIENCY:
+        if bitmask_tiles:  # never 128x128 (see above)
+            if tile_efficiency >= BITS_WIDE_TILE_EFFICIENCY:
+                cfg = _FWD_BITS_128
+        elif tile_efficiency >= DENSE_TILE_EFFICIENCY:
             cfg = _FWD_DENSE_128
-        elif bitmask_tiles and tile_efficiency >= BITS_WIDE_TILE_EFFICIENCY:
-            cfg = _FWD_BITS_128
     if cfg.tma and not _has_tma(device):
         cfg = replace(cfg, tma=0)
     elem_bytes = 4 if dtype == torch.float32 else 2

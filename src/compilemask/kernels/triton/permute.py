@@ -20,13 +20,15 @@ def _gather_rows(
     X, Out, Index,
     stride_xb, stride_xh, stride_xn,
     stride_ob, stride_oh, stride_on,
-    H, M,
+    H, M, n_blocks,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    pid_r = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # one grid axis (CUDA allows 2^31 - 1 programs there, 65,535 on the others)
+    pid = tl.program_id(0)
+    pid_r = pid % n_blocks
+    pid_bh = pid // n_blocks
     off_b = pid_bh // H
     off_h = pid_bh % H
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -54,19 +56,20 @@ def _gather_rows(
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x.index_select(2, index)`` for ``x`` ``[B, H, N, D]`` (any strides but a unit last
     stride; otherwise, or for other ranks, it falls back to ``index_select``) and ``index``
-    int64 ``[M]`` with entries in ``[0, N)`` (not checked). Returns a new contiguous
-    ``[B, H, M, D]`` tensor."""
+    an integer ``[M]`` tensor (any stride) with entries in ``[0, N)`` (not checked). Returns a
+    new contiguous ``[B, H, M, D]`` tensor."""
     if x.dim() != 4 or x.stride(-1) != 1 or x.numel() == 0:
         return x.index_select(2, index)
     B, H, _, D = x.shape
     M = index.shape[0]
+    index = index.contiguous()
     out = torch.empty((B, H, M, D), dtype=x.dtype, device=x.device)
     d_pad = triton.next_power_of_2(D)
     block_r = max(1, min(64, 8192 // d_pad))
-    grid = (triton.cdiv(M, block_r), B * H)
-    _gather_rows[grid](
+    n_blocks = triton.cdiv(M, block_r)
+    _gather_rows[(n_blocks * B * H,)](
         x, out, index, x.stride(0), x.stride(1), x.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), H, M,
+        out.stride(0), out.stride(1), out.stride(2), H, M, n_blocks,
         D=D, D_PAD=d_pad, BLOCK_R=block_r, num_warps=4,
     )  # fmt: skip
     return out
