@@ -118,8 +118,8 @@ _BWD_SCHEDULES: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, list[torch
 
 
 def _build(plan: MaskPlan, cfg: BwdConfig) -> list[torch.Tensor]:
-    return list(dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n).values()) + list(
-        forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n).values()
+    return list(dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True).values()) + list(
+        forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True).values()
     )
 
 
@@ -141,8 +141,8 @@ def backward_inputs(
     cfg = backward_config(q.shape[-1], q.dtype, q.device, tile_efficiency)
     if torch.compiler.is_compiling():
         return _build(plan, cfg), cfg.as_list()
-    s1 = plan.tiles(cfg.dkdv_block_m, cfg.dkdv_block_n)
-    s2 = plan.tiles(cfg.dq_block_m, cfg.dq_block_n)
+    s1 = plan.tiles(cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
+    s2 = plan.tiles(cfg.dq_block_m, cfg.dq_block_n, bits=True)
     key = (id(s1), id(s2))
     hit = _BWD_SCHEDULES.get(key)
     if hit is not None and hit[0]() is s1 and hit[1]() is s2:

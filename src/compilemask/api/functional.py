@@ -87,13 +87,13 @@ _FWD_SCHEDULES: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
 
 def _forward_schedule(plan: MaskPlan, cfg: FwdConfig) -> list[torch.Tensor]:
-    sched = plan.tiles(cfg.block_m, cfg.block_n)
+    sched = plan.tiles(cfg.block_m, cfg.block_n, bits=True)
     if torch.compiler.is_compiling():
-        return list(forward_schedule(plan, cfg.block_m, cfg.block_n).values())
+        return list(forward_schedule(plan, cfg.block_m, cfg.block_n, bits=True).values())
     hit = _FWD_SCHEDULES.get(id(sched))
     if hit is not None and hit[0]() is sched:
         return hit[1]
-    tensors = list(forward_schedule(plan, cfg.block_m, cfg.block_n).values())
+    tensors = list(forward_schedule(plan, cfg.block_m, cfg.block_n, bits=True).values())
     key = id(sched)
     ref = weakref.ref(sched, lambda _, key=key: _FWD_SCHEDULES.pop(key, None))
     _FWD_SCHEDULES[key] = (ref, tensors)

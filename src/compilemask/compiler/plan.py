@@ -112,12 +112,17 @@ class MaskPlan:
         return (b if self.batch else 0) * (self.heads or 1) + (h if self.heads else 0)
 
     # ------------------------------------------------------------------ derived views
-    def tiles(self, block_m: int, block_n: int) -> TileSchedule:
+    def tiles(self, block_m: int, block_n: int, *, bits: bool = False) -> TileSchedule:
         """The tile schedule for ``block_m x block_n`` tiles (derived from the intervals and
         cached). Derived tilings store wide PARTIAL tiles as bitmasks, which reads one number
-        back from the device the first time (the default schedule of a GPU build never does)."""
+        back from the device the first time; the default schedule of a GPU build has none (it
+        never reads back). ``bits=True`` asks for bitmask tiles at the default tiling too
+        (what the kernels read: without them, tiles whose rows hold many intervals run a slow
+        loop over those intervals)."""
         if (block_m, block_n) == (self.block_m, self.block_n):
-            return self.schedule
+            own = self.schedule
+            if not (bits and self._wants_bits(own)):
+                return own
         for name, v in (("block_m", block_m), ("block_n", block_n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
@@ -125,6 +130,18 @@ class MaskPlan:
         if key not in self._cache:
             self._build_tiles(key, block_m, block_n)
         return self._cache[key]
+
+    def _wants_bits(self, schedule: TileSchedule) -> bool:
+        """Whether a schedule built without bitmasks should be rebuilt with them: an
+        intervals plan with more than ``BITS_MIN_SLOTS`` slots per row, outside tracing."""
+        from .tiles import BITS_MIN_SLOTS
+
+        return (
+            self.encoding == "intervals"
+            and self.row_lo.shape[-1] > BITS_MIN_SLOTS
+            and schedule.bits.shape[0] == 0
+            and not torch.compiler.is_compiling()
+        )
 
     @outside_inference_mode
     def _build_tiles(self, key, block_m: int, block_n: int) -> None:

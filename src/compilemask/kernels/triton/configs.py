@@ -80,8 +80,10 @@ _FWD_16BIT: dict[int, FwdConfig] = {
 #   9.03 with 2 stages, 9.59 at 64x64 with TMA);
 # - plans with bitmask tiles (more than ``BITS_MIN_SLOTS`` intervals per row) whose tiles are
 #   at least :data:`BITS_WIDE_TILE_EFFICIENCY` visible: 128x64, 8 warps, 3 stages
-#   (clear through tile_grid: 3.36 ms against 3.63 at 64x64 with TMA). Never 128x128 there:
-#   97-150 ms (not understood; perf-notes session 4).
+#   (clear through tile_grid: 3.36 ms against 3.63 at 64x64 with TMA). 128x128 measured
+#   97-150 ms there, because the sweep ran on the plan's own 128x128 schedule, which a GPU
+#   build makes without bitmask tiles (perf-notes session 4, item 4); attention calls now ask
+#   for them, but 128x128 is untimed since: not chosen.
 _FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DENSE_TILE_EFFICIENCY = 0.97
 _FWD_BITS_128 = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
@@ -183,7 +185,7 @@ def forward_config(
     table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
     cfg = table[head_dim]
     if head_dim == 128 and dtype != torch.float32 and tile_efficiency is not None:
-        if bitmask_tiles:  # never 128x128 (see above)
+        if bitmask_tiles:  # 128x64, not 128x128 (see above)
             if tile_efficiency >= BITS_WIDE_TILE_EFFICIENCY:
                 cfg = _FWD_BITS_128
         elif tile_efficiency >= DENSE_TILE_EFFICIENCY:

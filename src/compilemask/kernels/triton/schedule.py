@@ -111,8 +111,12 @@ def transposed_bits(bits: torch.Tensor, block_m: int, block_n: int) -> torch.Ten
     return out
 
 
-def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
-    """The forward kernel's schedule for ``plan`` tiled ``block_m x block_n``.
+def forward_schedule(
+    plan, block_m: int, block_n: int, *, bits: bool = False
+) -> dict[str, torch.Tensor]:
+    """The forward kernel's schedule for ``plan`` tiled ``block_m x block_n`` (``bits``: with
+    bitmask tiles also at the plan's own tiling, see ``MaskPlan.tiles``; the attention calls
+    ask for them).
 
     Returns:
         int32 tensors on the plan's device, keyed by :data:`FWD_SCHEDULE_FIELDS`: the tile
@@ -120,7 +124,7 @@ def forward_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor
         when the tiling has no bitmask tiles); ``q_list`` reordered FULL tiles first and
         ``q_full_count`` (see :func:`split_full_first`).
     """
-    sched = plan.tiles(block_m, block_n)
+    sched = plan.tiles(block_m, block_n, bits=bits)
     q_list, q_full_count = _full_first(sched.kind, sched.q_list, sched.q_count, False)
     bits = _bits_or_dummy(sched)
     return {
@@ -143,8 +147,11 @@ DKDV_SCHEDULE_FIELDS = (
 )  # fmt: skip
 
 
-def dkdv_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
-    """The dK/dV kernel's schedule for ``plan`` tiled ``block_m x block_n``.
+def dkdv_schedule(
+    plan, block_m: int, block_n: int, *, bits: bool = False
+) -> dict[str, torch.Tensor]:
+    """The dK/dV kernel's schedule for ``plan`` tiled ``block_m x block_n`` (``bits``: as in
+    :func:`forward_schedule`).
 
     Returns:
         int32 tensors keyed by :data:`DKDV_SCHEDULE_FIELDS`: the tile schedule's ``kind, jlo,
@@ -152,7 +159,7 @@ def dkdv_schedule(plan, block_m: int, block_n: int) -> dict[str, torch.Tensor]:
         ``[P, block_n, ceil(block_m / 32)]``; a 1x1x1 dummy without bitmask tiles);
         ``kv_list`` (q-tiles per kv-tile) reordered FULL tiles first and ``kv_full_count``.
     """
-    sched = plan.tiles(block_m, block_n)
+    sched = plan.tiles(block_m, block_n, bits=bits)
     kv_list, kv_full_count = _full_first(sched.kind, sched.kv_list, sched.kv_count, True)
     bits = _bits_or_dummy(sched)
     if bits is sched.bits:
