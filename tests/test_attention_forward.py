@@ -599,3 +599,60 @@ def test_kernels_get_bitmask_tiles_at_the_plans_own_tiling():
     got = plan._cache[("tiles", 32, 64)]  # built by the attention call
     assert got.bits.shape[0] > 0 and torch.equal(got.pairs, own.pairs)
     assert plan.tiles(32, 64) is own and plan.tiles(32, 64, bits=True) is got
+
+
+def _gpu_style_plan(mask, n, bm, bn):
+    from compilemask.compiler.pipeline import build_plan
+
+    dev = torch.device(DEVICE)
+    return build_plan(mask, n, n, None, None, bm, bn, dev, host_sync=False, source="t")
+
+
+@pytest.mark.parametrize("first", ["eager", "compiled"])
+def test_bitmask_schedules_with_torch_compile(monkeypatch, first):
+    """Tracing cannot read back, so a compiled first call runs interval tiles and keeps no
+    schedule; an eager call then builds the bitmask schedule, which later compiled calls use
+    (at the plan's own tiling 32x64 and at a derived one, 64x32)."""
+    import compilemask.kernels.triton.forward as forward_mod
+    from compilemask.kernels.triton.common import mask_constants
+
+    seen = []
+    launch = forward_mod.attention_forward
+
+    def spy(q, k, v, lo, hi, s, **kw):
+        seen.append(mask_constants(s["kind"], s["jlo"], s["jhi"], lo.shape[-1])[2])
+        return launch(q, k, v, lo, hi, s, **kw)
+
+    monkeypatch.setattr(forward_mod, "attention_forward", spy)
+    mask = cm.tile_grid(cm.masks.clear((8, 16), 5, 20), (4, 8))
+    q, k, v = _inputs(1, 2, 1, 148, 148, 32, torch.float16)
+    for tiling in ((32, 64), (64, 32)):
+        torch._dynamo.reset()
+        seen.clear()
+        plan = _gpu_style_plan(mask, 148, 32, 64)
+
+        def run(q, k, v, plan=plan):
+            return cm.attention(q, k, v, plan, backend="triton")
+
+        compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+        with override_forward_config(FwdConfig(*tiling, 4, 1)):
+            calls = [run, compiled] if first == "eager" else [compiled, run, compiled]
+            for f in calls:
+                _assert_matches(f(q, k, v), q, k, v, plan)
+        # HAS_BITS: 0 = interval tiles only; the eager call and every call after it: bitmasks
+        assert seen[0 if first == "eager" else 1] > 0, (tiling, seen)
+        assert seen[-1] > 0, (tiling, seen)
+
+
+def test_gpu_build_slot_bound_is_not_the_row_count():
+    """A GPU build keeps the static bound of intervals per row (6 here); after the kernels'
+    first read of the plan the configuration uses the largest row's count (1)."""
+    from compilemask.kernels.triton.configs import has_bitmask_tiles, tile_efficiency_128
+
+    causal, prefix = cm.masks.causal(), cm.masks.prefix_lm
+    m = (causal | prefix(3)) | (causal | prefix(5)) | (causal | prefix(7))
+    plan = _gpu_style_plan(m, 512, 128, 128)
+    assert plan.row_lo.shape[-1] > 4 and int(plan.row_count.max()) == 1
+    tile_efficiency_128(plan)
+    assert not has_bitmask_tiles(plan)
+    assert plan.tiles(128, 128, bits=True) is plan.schedule  # no rebuild

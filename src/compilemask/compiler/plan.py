@@ -36,6 +36,11 @@ def outside_inference_mode(fn):
     return wrapper
 
 
+#: ``MaskPlan._cache`` key of the largest number of intervals of a row (an int, set by the
+#: kernels' first host read of the plan, ``kernels/triton/configs.tile_efficiency_128``).
+MAX_ROW_SLOTS = "max_row_slots"
+
+
 @dataclass(frozen=True, eq=False)
 class MaskPlan:
     """The exact visible key intervals of every query row, plus tile schedules.
@@ -119,29 +124,37 @@ class MaskPlan:
         never reads back). ``bits=True`` asks for bitmask tiles at the default tiling too
         (what the kernels read: without them, tiles whose rows hold many intervals run a slow
         loop over those intervals)."""
+        key = ("tiles", block_m, block_n)
         if (block_m, block_n) == (self.block_m, self.block_n):
             own = self.schedule
-            if not (bits and self._wants_bits(own)):
+            if not bits:
+                return own
+            if key in self._cache:  # rebuilt with bitmasks by an earlier eager call
+                return self._cache[key]
+            if not (self._bits_plan() and own.bits.shape[0] == 0):
+                return own
+            if torch.compiler.is_compiling():  # bitmasks need a host read: keep intervals
                 return own
         for name, v in (("block_m", block_m), ("block_n", block_n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
-        key = ("tiles", block_m, block_n)
         if key not in self._cache:
             self._build_tiles(key, block_m, block_n)
+            if torch.compiler.is_compiling() and self._bits_plan():
+                # built while tracing, so without bitmasks: not kept, an eager call builds
+                # the schedule with them
+                return self._cache.pop(key)
         return self._cache[key]
 
-    def _wants_bits(self, schedule: TileSchedule) -> bool:
-        """Whether a schedule built without bitmasks should be rebuilt with them: an
-        intervals plan with more than ``BITS_MIN_SLOTS`` slots per row, outside tracing."""
+    def _bits_plan(self) -> bool:
+        """An intervals plan with more than ``BITS_MIN_SLOTS`` slots per row: its schedules
+        may hold bitmask tiles (see ``compiler.tiles``). The slot count is the largest row's
+        when known (``_cache[MAX_ROW_SLOTS]``), else the static bound ``row_lo.shape[-1]`` (a
+        GPU build does not trim it)."""
         from .tiles import BITS_MIN_SLOTS
 
-        return (
-            self.encoding == "intervals"
-            and self.row_lo.shape[-1] > BITS_MIN_SLOTS
-            and schedule.bits.shape[0] == 0
-            and not torch.compiler.is_compiling()
-        )
+        slots = self._cache.get(MAX_ROW_SLOTS, self.row_lo.shape[-1])
+        return self.encoding == "intervals" and slots > BITS_MIN_SLOTS
 
     @outside_inference_mode
     def _build_tiles(self, key, block_m: int, block_n: int) -> None:

@@ -156,10 +156,13 @@ def _has_tma(device: torch.device | None) -> bool:
 
 def has_bitmask_tiles(plan) -> bool:
     """Whether ``plan``'s masked tiles are stored as bitmasks: a ``from_dense`` plan, or more
-    than ``compiler.tiles.BITS_MIN_SLOTS`` intervals per row."""
+    than ``compiler.tiles.BITS_MIN_SLOTS`` intervals in its largest row (known after
+    :func:`tile_efficiency_128`; before, the static bound ``row_lo.shape[-1]``)."""
+    from ...compiler.plan import MAX_ROW_SLOTS
     from ...compiler.tiles import BITS_MIN_SLOTS
 
-    return plan.encoding == "bits" or plan.row_lo.shape[-1] > BITS_MIN_SLOTS
+    slots = plan._cache.get(MAX_ROW_SLOTS, plan.row_lo.shape[-1])
+    return plan.encoding == "bits" or slots > BITS_MIN_SLOTS
 
 
 def forward_config(
@@ -364,6 +367,8 @@ def tile_efficiency_128(plan) -> float:
 
 
 def _efficiency(plan) -> float:
+    from ...compiler.plan import MAX_ROW_SLOTS
+
     sched = plan.tiles(128, 128)
     touched = sched.kind != 0
     tq, tk = touched.shape[1], touched.shape[2]
@@ -372,9 +377,14 @@ def _efficiency(plan) -> float:
     cols = (plan.kv_len - 128 * torch.arange(tk, device=dev)).clamp(max=128)
     area = (touched * (rows[:, None] * cols[None, :])).sum()
     pairs = sched.pairs.sum()
-    area, pairs = (int(x) for x in torch.stack([area, pairs.to(area.dtype)]).tolist())
+    # in the same read: the largest row's number of intervals (has_bitmask_tiles)
+    slots = plan.row_count.max() if plan.row_count.numel() else area.new_zeros(())
+    area, pairs, slots = (
+        int(x) for x in torch.stack([area, pairs.to(area.dtype), slots.to(area.dtype)]).tolist()
+    )
     value = pairs / area if area else 1.0
     plan._cache[_EFFICIENCY_KEY] = value
+    plan._cache[MAX_ROW_SLOTS] = slots
     return value
 
 
