@@ -565,18 +565,24 @@ def test_overlapped_full_tile_loop(mask_name, tma):
     _assert_lse(lse, q, k, v, plan)
 
 
-def test_fullgraph_compile_of_a_fresh_plan_with_many_slots():
-    """A plan with 5 intervals per row (bitmask tiles in eager builds) compiles with
-    fullgraph=True on its first use: while tracing, the schedule keeps interval tiles."""
-    plan = cm.compile(cm.masks.natten2d((8, 8), (5, 5)), 64, device=DEVICE)
-    assert plan.row_lo.shape[-1] > 4
-    q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float16, seed=4)
-    f = torch.compile(
-        lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
-        fullgraph=True,
-        backend="aot_eager",
-    )
-    _assert_matches(f(q, k, v), q, k, v, plan)
+@pytest.mark.parametrize("tile_builder_on", [False, True], ids=["tensor-builder", "triton-builder"])
+@pytest.mark.parametrize("mask", [cm.masks.natten2d((8, 8), (5, 5)), cm.masks.causal()], ids=str)
+def test_fullgraph_compile_of_a_fresh_plan(mask, tile_builder_on):
+    """A fresh plan compiles with fullgraph=True on its first use, also with the Triton tile
+    builder registered (the CUDA default): while tracing, schedules come from tensor
+    operations, and plans with 5 intervals per row keep interval tiles (no host read)."""
+    from compilemask.kernels.triton import tile_builder
+
+    torch._dynamo.reset()
+    with tile_builder.using(tile_builder_on):
+        plan = cm.compile(mask, 64, device=DEVICE, cache=False)
+        q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float16, seed=4)
+        f = torch.compile(
+            lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
+            fullgraph=True,
+            backend="aot_eager",
+        )
+        _assert_matches(f(q, k, v), q, k, v, plan)
 
 
 def test_kernels_get_bitmask_tiles_at_the_plans_own_tiling():

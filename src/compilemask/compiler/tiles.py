@@ -249,11 +249,16 @@ def build_tiles(
     ``use_bits``: store PARTIAL tiles whose slot range is wide as bitmasks (needs one host
     synchronisation to size them; builds that must not synchronise pass False). Ignored while
     ``torch.compile`` traces (the number of bitmasks is data-dependent): the schedule then
-    keeps interval tiles, which the kernels also read.
+    keeps interval tiles, which the kernels also read; tracing also skips the registered
+    device builder (the tensor operations trace).
     """
-    if use_bits and torch.compiler.is_compiling():
+    tracing = torch.compiler.is_compiling()
+    if use_bits and tracing:
         use_bits = False
-    if _DEVICE_TILE_BUILDER is not None and not (use_bits and lo.shape[-1] > BITS_MIN_SLOTS):
+    # while tracing, the tensor builder (Dynamo does not trace a Triton launch made from a
+    # Python helper with a weakref cache)
+    device_ok = _DEVICE_TILE_BUILDER is not None and not tracing
+    if device_ok and not (use_bits and lo.shape[-1] > BITS_MIN_SLOTS):
         built = _DEVICE_TILE_BUILDER(lo, hi, count, q_len, kv_len, block_m, block_n)
         if built is not None:
             return built
