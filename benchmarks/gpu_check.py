@@ -309,7 +309,7 @@ def plan_build(out, N0=32768):
             )
 
 
-def speed(out, sizes, bwd, heads=16):
+def speed(out, sizes, bwd, heads=16, names=(*SEED_WORKLOADS, "clear_tiled")):
     import triton.testing
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -318,7 +318,7 @@ def speed(out, sizes, bwd, heads=16):
     flex = torch.compile(flex_attention, dynamic=False)
     table = []
     for N0 in sizes:
-        for name in (*SEED_WORKLOADS, "clear_tiled"):
+        for name in names:
             tiled = name == "clear_tiled"
             w = workload("clear" if tiled else name, N0)
             # clear_tiled: our plan in tiled order (q, k, v stay in the original order); Flex
@@ -392,6 +392,9 @@ def main():
     ap.add_argument("--parts", default="correctness,speed")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--sizes", default="32768")
+    ap.add_argument(
+        "--workloads", help="speed part: comma-separated, default the seeds and clear_tiled"
+    )
     ap.add_argument("--bwd", action="store_true")
     ap.add_argument("--big", action="store_true", help="correctness of the 32K seeds only")
     a = ap.parse_args()
@@ -405,7 +408,8 @@ def main():
         if "plan" in a.parts:
             plan_build(out)
         if "speed" in a.parts:
-            speed(out, [int(s) for s in a.sizes.split(",")], a.bwd)
+            names = a.workloads.split(",") if a.workloads else (*SEED_WORKLOADS, "clear_tiled")
+            speed(out, [int(s) for s in a.sizes.split(",")], a.bwd, names=names)
     print(f"total {time.time() - t0:.0f}s")
     sys.exit(0 if ok else 1)
 
