@@ -514,3 +514,29 @@ def test_overlapped_dq_loop(mask_name, tma):
     q, k, v, do = (torch.randn(1, 2, 100, 32, device=DEVICE, dtype=torch.float16) for _ in range(4))
     cfg = dataclasses.replace(SMALL, overlap=1, tma=tma)
     _assert_grads(_triton_grads(q, k, v, do, plan, cfg), q, k, v, do, plan)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["causal", "tile_grid-clear"])
+def test_compile_under_inference_mode_then_train(tiled):
+    """A compiled call under inference_mode on a fresh plan leaves no inference tensor in the
+    plan's caches (schedules and the inverse permutation built while tracing are not kept), so
+    an eager training step afterwards works."""
+    torch._dynamo.reset()
+    mask = cm.masks.causal()
+    if tiled:
+        mask = cm.tile_grid(cm.masks.clear((8, 16), 5, 20), (4, 8))
+    plan = cm.compile(mask, 148, device=DEVICE, cache=False)
+    q, k, v, do = _inputs(1, 2, 1, 148, 148, 32, torch.float16)
+    f = torch.compile(
+        lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    with override_forward_config(FWD_CFG), override_backward_config(SMALL):
+        with torch.inference_mode():
+            f(q, k, v)
+    for value in plan._cache.values():
+        tensors = value.tensors().values() if hasattr(value, "tensors") else [value]
+        assert not any(torch.is_tensor(t) and t.is_inference() for t in tensors)
+    grads = _autograd_grads(q, k, v, do, plan)
+    _assert_grads(grads, q, k, v, do, plan)

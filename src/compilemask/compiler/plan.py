@@ -140,9 +140,9 @@ class MaskPlan:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
         if key not in self._cache:
             self._build_tiles(key, block_m, block_n)
-            if torch.compiler.is_compiling() and self._bits_plan():
-                # built while tracing, so without bitmasks: not kept, an eager call builds
-                # the schedule with them
+            if torch.compiler.is_compiling():
+                # built while tracing: not kept (it has no bitmasks, and under inference_mode
+                # its tensors would be inference tensors); an eager call builds its own
                 return self._cache.pop(key)
         return self._cache[key]
 
@@ -324,9 +324,12 @@ class MaskPlan:
         """int64 ``[Nq]``: original position -> tiled position (None without a permutation)."""
         if self.permutation is None:
             return None
-        if "inverse" not in self._cache:
-            self._cache["inverse"] = _inverse(self.permutation)
-        return self._cache["inverse"]
+        if "inverse" in self._cache:
+            return self._cache["inverse"]
+        inverse = _inverse(self.permutation)
+        if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()):
+            self._cache["inverse"] = inverse  # never an inference tensor, never a traced one
+        return inverse
 
     def verify(self) -> None:
         """Check every invariant (intervals sorted, disjoint, in bounds; tile classes and lists
