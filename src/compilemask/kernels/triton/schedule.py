@@ -126,13 +126,13 @@ def forward_schedule(
     """
     sched = plan.tiles(block_m, block_n, bits=bits)
     q_list, q_full_count = _full_first(sched.kind, sched.q_list, sched.q_count, False)
-    bits = _bits_or_dummy(sched)
+    words = _bits_or_dummy(sched)  # the bitmask tensor (``bits`` is the keyword)
     return {
         "kind": sched.kind,
         "jlo": sched.jlo,
         "jhi": sched.jhi,
         "bits_index": sched.bits_index,
-        "bits": bits,
+        "bits": words,
         "q_count": sched.q_count,
         "q_full_count": q_full_count,
         "q_list": q_list,
@@ -161,15 +161,15 @@ def dkdv_schedule(
     """
     sched = plan.tiles(block_m, block_n, bits=bits)
     kv_list, kv_full_count = _full_first(sched.kind, sched.kv_list, sched.kv_count, True)
-    bits = _bits_or_dummy(sched)
-    if bits is sched.bits:
-        bits = transposed_bits(bits, block_m, block_n)
+    words = _bits_or_dummy(sched)  # the bitmask tensor (``bits`` is the keyword)
+    if words is sched.bits:
+        words = transposed_bits(words, block_m, block_n)
     return {
         "kind": sched.kind,
         "jlo": sched.jlo,
         "jhi": sched.jhi,
         "bits_index": sched.bits_index,
-        "bits": bits,
+        "bits": words,
         "kv_count": sched.kv_count,
         "kv_full_count": kv_full_count,
         "kv_list": kv_list,
