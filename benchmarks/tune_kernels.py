@@ -60,6 +60,16 @@ FWD_TMA = [
     FwdConfig(128, 64, 8, 3, 1, 0),
     FwdConfig(128, 64, 8, 4, 1, 1),
 ]
+# --fwd-set occupancy (session 5): 64x64 with 2 stages fits two programs per SM (83 KiB of
+# shared memory each, 161 registers; 3 stages take 116 KiB: one program of 4 warps per SM),
+# and 64x128 (wider MMAs, half the iterations; 200-231 registers, no spill in the SASS)
+FWD_OCCUPANCY = [
+    FwdConfig(64, 64, 4, 3, 1, 1),
+    FwdConfig(64, 64, 4, 2, 1, 1),
+    FwdConfig(64, 128, 4, 2, 1, 1),
+    FwdConfig(64, 128, 4, 3, 1, 1),
+    FwdConfig(128, 64, 8, 2, 1, 1),
+]
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -109,6 +119,18 @@ BWD_TMA = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
 ]
+# --bwd-set atomic (session 5): dQ in the dK/dV kernel by TMA reductions (or atomic adds,
+# tma=0) into an fp32 accumulator, no dQ kernel: 5 MMAs per tile pair instead of 7. SASS: 8
+# warps at 64x64 hold the extra [64, 128] fp32 dQ tile without spilling (240-252 registers);
+# 4 warps spill 104 bytes, 64x128 with 8 warps 184
+BWD_ATOMIC = [
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
+    BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
+    BwdConfig(64, 64, 8, 3, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
+    BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=0, atomic_dq=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
+    BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -140,9 +162,10 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
-    bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma"]
+    bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
-    ap.add_argument("--fwd-set", default="default", choices=["default", "tma", "order"])
+    fwd_sets = ["default", "tma", "order", "occupancy"]
+    ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
     env = environment()
@@ -166,7 +189,9 @@ def main() -> None:
                 q2, k2, v2, plan, compute_dtype=torch.float32, matmul_dtype=torch.bfloat16
             )[0]
             results = []
-            fwd_list = {"tma": FWD_TMA, "order": FWD_ORDER}.get(a.fwd_set, FWD_CANDIDATES)
+            fwd_list = {"tma": FWD_TMA, "order": FWD_ORDER, "occupancy": FWD_OCCUPANCY}.get(
+                a.fwd_set, FWD_CANDIDATES
+            )
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
                 "wide": BWD_WIDE,
@@ -174,6 +199,7 @@ def main() -> None:
                 "spill": BWD_SPILL,
                 "pipelined": BWD_PIPELINED,
                 "tma": BWD_TMA,
+                "atomic": BWD_ATOMIC,
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:

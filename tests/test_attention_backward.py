@@ -51,6 +51,8 @@ BWD_TILES = {
     "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3),
     # dK/dV and dQ in one launch (_attn_bwd_fused)
     "fused-32x32/32x16": BwdConfig(32, 32, 4, 1, 32, 16, 4, 1, fused=1),
+    # dQ by atomic adds in the dK/dV kernel (16-bit; fp32 runs the two-kernel backward)
+    "atomic-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -139,6 +141,7 @@ def test_bitmask_tiles_are_exercised():
         (False, SMALL, 1),
         (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1), 2),
         (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1, fused=1), 2),
+        (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1, atomic_dq=1), 2),
     ],
 )
 def test_bitmask_modes(tiled, cfg, mode):
@@ -188,14 +191,16 @@ def test_head_dims(head_dim):
     _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
 
 
-@pytest.mark.parametrize("fused", [0, 1], ids=["two-launches", "fused"])
+@pytest.mark.parametrize("mode", ["two-launches", "fused", "atomic"])
 @pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("lengths", [(50, 90), (90, 50)], ids=["q<kv", "q>kv"])
-def test_gqa_and_unequal_lengths(hkv, lengths, fused):
+def test_gqa_and_unequal_lengths(hkv, lengths, mode):
     Nq, Nk = lengths
     plan = cm.compile(cm.masks.prefix_lm(9) | cm.masks.sliding_window(33), Nq, Nk, device=DEVICE)
     q, k, v, do = _inputs(2, 4, hkv, Nq, Nk, 64, torch.float16, seed=hkv)
-    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, fused=fused)
+    cfg = BwdConfig(
+        16, 32, 4, 1, 32, 32, 4, 1, fused=int(mode == "fused"), atomic_dq=int(mode == "atomic")
+    )
     grads = _triton_grads(q, k, v, do, plan, cfg, scale=0.3)
     _assert_grads(grads, q, k, v, do, plan, scale=0.3)
 
@@ -244,11 +249,37 @@ def test_empty_rows_and_unseen_keys_get_exact_zeros(dtype):
     _assert_grads((dq, dk, dv), q, k, v, do, plan)
 
 
-def test_mask_that_sees_nothing():
+@pytest.mark.parametrize("cfg", [SMALL, BWD_TILES["atomic-16x32"]], ids=["two-kernels", "atomic"])
+def test_mask_that_sees_nothing(cfg):
     plan = cm.from_dense(torch.zeros(33, 45, dtype=torch.bool, device=DEVICE))
     q, k, v, do = _inputs(1, 2, 1, 33, 45, 32, torch.float16)
-    for grad in _triton_grads(q, k, v, do, plan):
+    for grad in _triton_grads(q, k, v, do, plan, cfg):
         assert bool((grad == 0).all())
+
+
+def test_atomic_lse_gradient_and_rows_that_see_nothing():
+    """Atomic dQ with an LSE gradient, a strided dQ buffer and rows that see no key."""
+    dense = cm.compile(cm.masks.document([30, 17, 43]), 90, 90).to_dense().clone()
+    dense[40:47] = False  # rows that see nothing
+    plan = cm.from_dense(dense.to(DEVICE))
+    q, k, v, do = _inputs(1, 2, 1, 90, 90, 32, torch.float16, seed=7)
+    dlse = torch.randn(1, 2, 90, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1)
+    scale = 0.2
+    msb, msh = _mask_strides(plan)
+    out, lse = attention_forward(
+        q, k, v, plan.row_lo, plan.row_hi, forward_schedule(plan, FWD_CFG.block_m, FWD_CFG.block_n),
+        scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=FWD_CFG,
+    )  # fmt: skip
+    dq = torch.full((1, 90, 2, 32), math.nan, dtype=q.dtype, device=DEVICE).transpose(1, 2)
+    dq, dk, dv = attention_backward(
+        q, k, v, out, lse, do, plan.row_lo, plan.row_hi,
+        dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n),
+        forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n),
+        scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=cfg, dlse=dlse, dq=dq,
+    )  # fmt: skip
+    assert bool((dq[:, :, 40:47] == 0).all())
+    _assert_grads((dq, dk, dv), q, k, v, do, plan, scale=scale, dlse=dlse)
 
 
 def test_lse_gradient():
@@ -284,7 +315,7 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 13
+            assert len(cfg.as_list()) == 14
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -388,7 +419,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 13 and len(tensors) == 18
+    assert len(ints) == 14 and len(tensors) == 18
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

@@ -68,8 +68,11 @@ def _attn_bwd_preprocess(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    DQacc=None,
+    ZERO_DQ: tl.constexpr = False,
 ):  # fmt: skip
-    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf)."""
+    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf);
+    ZERO_DQ: also zero the rows of the fp32 dQ accumulator [B, Hq, Nq, HEAD_DIM_PAD]."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
@@ -97,6 +100,39 @@ def _attn_bwd_preprocess(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(Delta + row_ptr, delta, mask=m_ok)
     tl.store(Lse2 + row_ptr, lse2, mask=m_ok)
+    if ZERO_DQ:
+        tl.store(
+            DQacc + row_ptr[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            tl.zeros([BLOCK, HEAD_DIM_PAD], dtype=tl.float32),
+            mask=m_ok[:, None],
+        )
+
+
+@triton.jit
+def _attn_bwd_dq_convert(
+    DQacc, DQ,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    Hq, Nq, scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """dQ = scale * dQacc in dQ's dtype and strides (the atomic backward's last step)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_ok = offs_m < Nq
+    row_ptr = pid_bh.to(tl.int64) * Nq + offs_m
+    acc = tl.load(DQacc + row_ptr[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=m_ok[:, None])
+    tl.store(
+        DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+        + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+        (acc * scale).to(DQ.dtype.element_ty),
+        mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )  # fmt: skip
 
 
 @triton.jit
@@ -147,13 +183,18 @@ def _attn_bwd_dkdv_inner(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    DQacc_head=None,
+    DQ_desc=None,
+    ATOMIC_DQ: tl.constexpr = False,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
     ``Kind`` etc. point at this kv-tile's column of the [Tq, Tk] tile arrays (entry of q-tile qt
     at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks).
     USE_TMA: Q and dO tiles through the descriptors ``Q_desc, DO_desc`` (rows past Nq read as
-    zeros), not per-thread pointers.
+    zeros), not per-thread pointers. ATOMIC_DQ: also add this kv-tile's share of dQ / scale,
+    ``dS K``, to the fp32 rows ``DQacc_head`` ([Nq, HEAD_DIM_PAD]; through the descriptor
+    ``DQ_desc`` as a TMA reduction when USE_TMA, else with relaxed atomic adds).
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -250,8 +291,20 @@ def _attn_bwd_dkdv_inner(
             q = tl.trans(qT)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, doT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
+            if USE_TMA:
+                DQ_desc.atomic_add(
+                    [off_b, off_h, start_m, 0], dq.reshape(1, 1, BLOCK_M, HEAD_DIM_PAD)
+                )
+            else:
+                dq_ptrs = DQacc_head + offs_m.to(tl.int64)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+                if MASKED:
+                    tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -282,6 +335,9 @@ def _attn_bwd_dkdv(
     Q_desc=None,
     DO_desc=None,
     USE_TMA: tl.constexpr = False,
+    DQacc=None,
+    DQ_desc=None,
+    ATOMIC_DQ: tl.constexpr = False,
 ):  # fmt: skip
     if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
         rank = tl.program_id(0)
@@ -328,6 +384,9 @@ def _attn_bwd_dkdv(
         row_base = mask_id * Nq * n_slots
         Q_head = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         DO_head = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        DQacc_head = DQacc
+        if ATOMIC_DQ:
+            DQacc_head = DQacc + bh * Nq * HEAD_DIM_PAD
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
@@ -337,7 +396,7 @@ def _attn_bwd_dkdv(
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA,
+            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -348,7 +407,7 @@ def _attn_bwd_dkdv(
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA,
+            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ,
         )  # fmt: skip
 
     dk = dk * scale
@@ -915,13 +974,19 @@ def attention_backward(
 
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
+    # atomic dQ (16-bit): the dK/dV kernel adds dS K into an fp32 accumulator, no dQ kernel
+    atomic = bool(cfg.atomic_dq) and not load_t
+    dq_acc = (
+        torch.empty((B, Hq, Nq, d_pad), dtype=torch.float32, device=q.device) if atomic else None
+    )
     _attn_bwd_preprocess[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
         out, do, lse, dlse if dlse is not None else lse, delta, lse2,
         *out.stride(), *do.stride(), Hq, Nq,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK, HAS_DLSE=dlse is not None,
+        DQacc=dq_acc, ZERO_DQ=atomic,
     )  # fmt: skip
 
-    if cfg.fused and B * Hkv <= 65535:
+    if cfg.fused and not atomic and B * Hkv <= 65535:
         _launch_fused(
             q, k, v, do, lse2, delta, dq, dk, dv, row_lo, row_hi, dkdv_schedule, dq_schedule,
             n_slots, scale, mask_stride_b, mask_stride_h, cfg, d_pad, dot_precision, load_t,
@@ -931,7 +996,12 @@ def attention_backward(
     # TMA (cfg.tma, 16-bit, aligned strides): Q / dO tiles of dK/dV, K / V tiles of dQ
     tma = bool(cfg.tma) and not load_t
     qdo_descs = tma_descriptors(q, do, cfg.dkdv_block_m, d_pad) if tma else None
-    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma else None
+    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma and not atomic else None
+    dq_desc = None
+    if atomic and qdo_descs is not None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        dq_desc = TensorDescriptor.from_tensor(dq_acc, [1, 1, cfg.dkdv_block_m, d_pad])
 
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
@@ -951,8 +1021,15 @@ def attention_backward(
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
         GRID_ORDER=order, FUSED=False, Q_desc=qdo_descs[0] if qdo_descs else None,
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
+        DQacc=dq_acc, DQ_desc=dq_desc, ATOMIC_DQ=atomic,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
+    if atomic:
+        _attn_bwd_dq_convert[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
+            dq_acc, dq, *dq.stride(), Hq, Nq, scale,
+            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK,
+        )  # fmt: skip
+        return dq, dk, dv
 
     s = dq_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
