@@ -122,14 +122,13 @@ BWD_TMA = [
 # --bwd-set atomic (session 5): dQ in the dK/dV kernel by TMA reductions (or atomic adds,
 # tma=0) into an fp32 accumulator, no dQ kernel: 5 MMAs per tile pair instead of 7. SASS: 8
 # warps at 64x64 hold the extra [64, 128] fp32 dQ tile without spilling (240-252 registers);
-# 4 warps spill 104 bytes, 64x128 with 8 warps 184
+# 4 warps spill 104 bytes (64x128 with 8 warps 184: not timed)
 BWD_ATOMIC = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
     BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
     BwdConfig(64, 64, 8, 3, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
     BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=0, atomic_dq=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
-    BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
 ]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
