@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import compilemask as cm
 from compilemask import masks
 from compilemask.compiler.intervals import dense_rows
+from compilemask.compiler.lower import lower
 from compilemask.compiler.tiles import EMPTY, FULL, PARTIAL
 from compilemask.errors import CompileMaskError, LayoutError
 from compilemask.language.ast import Relation, Rule, RuleMask, Segment, Span
@@ -256,6 +257,25 @@ def test_plan_matches_dense_evaluator(case):
     check_plan(plan, expected)
     other = plan.tiles(16, 32)
     assert torch.equal(other.pairs.sum(), plan.schedule.pairs.sum())
+
+
+@PROFILE
+@given(st.integers(1, 70).flatmap(lambda n: st.tuples(st.just(n), fixed_masks(n))))
+def test_untrimmed_lowering_matches_dense_evaluator(case):
+    """The lowering a GPU build runs (K at its static bound, ``trim=False``) equals the dense
+    evaluator, and the CPU one (trimmed) is the same intervals cut to the largest count."""
+    n, mask = case
+    try:
+        expected = dense(mask, n, n)
+    except LayoutError:
+        return
+    lo, hi, cnt = lower(mask, n, n, "cpu", trim=False)
+    t_lo, t_hi, t_cnt = lower(mask, n, n, "cpu", trim=True)
+    k = t_lo.shape[-1]
+    assert torch.equal(cnt, t_cnt)
+    assert torch.equal(lo[..., :k], t_lo) and torch.equal(hi[..., :k], t_hi)
+    assert bool((lo[..., k:] == n).all() and (hi[..., k:] == n).all()), "unused slots"
+    assert torch.equal(dense_rows(lo, hi, n)[0, 0], expected)
 
 
 CATALOGUE_CASES = [

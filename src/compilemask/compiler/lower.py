@@ -6,11 +6,17 @@ depends on the batch row / head). Every catalogue mask has a closed form for its
 rule ``Q -> K : REL`` gives, per query row, one interval per paired key part (one per grid row
 for the 2-D relations). No (query, key) pair is ever evaluated. Lengths are validated before
 lowering (``language.semantics.accepted_lengths``).
+
+Masks of packed parts (``document``, ``shared_prompt``, ``hstu``) are piecewise affine: the rows
+split into pieces (runs of rows) in which every interval end is ``q + b`` or a constant ``b``.
+Their canonical form is worked out per piece on the host and expanded on the device by a few
+operations (:meth:`_Ctx.pieces`), whatever the number of parts: on a GPU every operation is a
+launch, and the build is launch-bound (``benchmarks/build_op_counts.py``).
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import math
 from typing import NamedTuple
 
@@ -40,6 +46,14 @@ class _Canonical(NamedTuple):
     hi: torch.Tensor
 
 
+class _Rows(NamedTuple):
+    """Canonical intervals and counts, padded and sized (K) already: returned as they are."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    count: torch.Tensor
+
+
 def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
     """Canonical ``(lo, hi, count)`` with shapes ``[Bm, Hm, Nq, K]`` / ``[Bm, Hm, Nq]``."""
     ctx = _Ctx(q_len, kv_len, torch.device(device), trim)
@@ -49,7 +63,11 @@ def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
 class _Ctx:
     def __init__(self, q_len: int, kv_len: int, device: torch.device, trim: bool):
         self.q_len, self.kv_len, self.device, self.trim = q_len, kv_len, device, trim
-        self.q = torch.arange(q_len, device=device, dtype=I32)
+
+    @functools.cached_property
+    def q(self) -> torch.Tensor:
+        """The query rows ``0 .. Nq - 1`` (int32), made on first use."""
+        return torch.arange(self.q_len, device=self.device, dtype=I32)
 
     def t(self, values) -> torch.Tensor:
         """A small host table (layout lengths, half-widths) on the plan's device. On CUDA the
@@ -64,6 +82,8 @@ class _Ctx:
         pad = self.kv_len
         if isinstance(mask, Builtin):
             out = getattr(self, "_b_" + mask.name)(*mask.args)
+            if isinstance(out, _Rows):
+                return out.lo[None, None], out.hi[None, None], out.count[None, None]
             if isinstance(out, _Canonical):  # compact and in bounds by construction
                 lo, hi, cnt = iv.finish_compact(out.lo, out.hi, pad, trim=self.trim)
             else:
@@ -101,8 +121,13 @@ class _Ctx:
 
     # ----------------------------------------------------------------- catalogue (closed forms)
     def _b_causal(self):
-        q = self.q
-        return q[:, None] * 0, q[:, None] + 1
+        # [0, min(q + 1, Nk)): never empty, so canonical as it is (three operations)
+        n, dev = self.q_len, self.device
+        hi = torch.arange(1, n + 1, device=dev, dtype=I32)
+        if self.kv_len < n:
+            hi = hi.clamp_(max=self.kv_len)
+        ones = torch.ones(n, device=dev, dtype=I32)
+        return _Rows(torch.zeros((n, 1), device=dev, dtype=I32), hi[:, None], ones)
 
     # Parameters larger than the axis act like the axis length: clamp them first, so that the
     # int32 arithmetic below cannot overflow.
@@ -113,17 +138,14 @@ class _Ctx:
         q = self.q[:, None]
         return q - min(window, self._axis()) + 1, q + 1
 
-    def _segment_of(self, lengths):
-        """For each query row: (index of its part, start, end) in a packed list of lengths."""
-        ends_host = list(itertools.accumulate(lengths))
-        starts_host = [e - n for e, n in zip(ends_host, lengths)]
-        bounds = self.t([starts_host, ends_host])  # one host-to-device copy
-        idx = torch.searchsorted(bounds[1], self.q, right=True)
-        return idx, bounds[0][idx], bounds[1][idx]
-
     def _b_document(self, lengths, causal):
-        _, s, e = self._segment_of(lengths)
-        return s[:, None], (self.q + 1 if causal else e)[:, None]
+        # a document's rows see [its start, q + 1) (causal) or the whole document
+        pieces, s = [], 0
+        for n in lengths:
+            e = s + n
+            pieces.append((e, [(0, s)], [(1, 1) if causal else (0, e)]))
+            s = e
+        return self.pieces(pieces, 1)
 
     def _b_prefix_lm(self, prefix_len):
         q = self.q[:, None]
@@ -138,35 +160,82 @@ class _Ctx:
         return q * 0, (q // block + 1) * block
 
     def _b_shared_prompt(self, prompts, responses):
-        lengths, group_start, prompt_end, is_resp = [], [], [], []
-        pos = 0
+        # per group starting at gs, its prompt ending at pe: the prompt's rows and those of the
+        # response starting at pe (the first) see [gs, q + 1); a later response starting at s
+        # sees [gs, pe) and [s, q + 1) (only [s, q + 1) when the prompt is empty)
+        pieces, pos = [], 0
         for p, resp in zip(prompts, responses):
             gs = pos
-            for n, r in [(p, False)] + [(n, True) for n in resp]:
-                lengths.append(n)
-                group_start.append(gs)
-                prompt_end.append(gs + p)
-                is_resp.append(r)
-                pos += n
-        idx, s, _ = self._segment_of(lengths)
-        # one host table, one copy, one gather: [group start, prompt end, is response] per part
-        gs, pe, resp = self.t([group_start, prompt_end, [int(r) for r in is_resp]])[:, idx]
-        resp = resp > 0
-        q1 = self.q + 1
-        lo = torch.stack([gs, torch.where(resp, s, q1)], -1)
-        hi = torch.stack([torch.where(resp, pe, q1), q1], -1)
-        return lo, hi
+            pe = pos = gs + p
+            pieces.append((pe, [(0, gs)], [(1, 1)]))
+            for n in resp:
+                s, pos = pos, pos + n
+                if s == pe:
+                    pieces.append((pos, [(0, gs)], [(1, 1)]))
+                elif p:
+                    pieces.append((pos, [(0, gs), (0, s)], [(0, pe), (1, 1)]))
+                else:
+                    pieces.append((pos, [(0, s)], [(1, 1)]))
+        return self.pieces(pieces, 2)
 
     def _b_hstu(self, lengths, num_targets, contextual):
-        idx, s, e = self._segment_of(lengths)
-        hist_end = e - self.t(num_targets)[idx]
-        ctx_rows = torch.minimum(self.t([contextual]), hist_end - s)
-        q, q1 = self.q, self.q + 1
-        target = q >= hist_end
-        first_hi = torch.where(target | (q - s < ctx_rows), hist_end, q1)
-        lo = torch.stack([s, torch.where(target, q, q1)], -1)
-        hi = torch.stack([first_hi, q1], -1)
-        return lo, hi
+        # per user [s, e), its history ending at h = e - targets (h > s): the first
+        # c = min(contextual, h - s) rows see [s, h); later history rows and the first target
+        # see [s, q + 1); later targets see [s, h) and [q, q + 1)
+        pieces, s = [], 0
+        for n, t in zip(lengths, num_targets):
+            e = s + n
+            h = e - t
+            pieces.append((s + min(contextual, h - s), [(0, s)], [(0, h)]))
+            pieces.append((min(h + 1, e), [(0, s)], [(1, 1)]))
+            pieces.append((e, [(0, s), (1, 0)], [(0, h), (1, 1)]))
+            s = e
+        return self.pieces(pieces, 2)
+
+    def pieces(self, pieces, k: int) -> _Rows:
+        """Canonical intervals of piecewise-affine rows.
+
+        Args:
+            pieces: ``(end, lo, hi)`` per piece, ends ascending, the last one ``Nq``: the rows
+                ``q`` in ``[previous end, end)`` (pieces without rows are skipped) have
+                ``len(lo)`` intervals ``[a * q + b, a' * q + b')`` for ``(a, b)`` in ``lo`` and
+                ``(a', b')`` in ``hi`` (``a``, ``a'`` 0 or 1), already canonical for every such
+                row: non-empty, sorted, not touching, inside ``[0, Nk]``.
+            k: the static bound on intervals per row (the K of an untrimmed lowering).
+
+        Returns:
+            :class:`_Rows` ``[Nq, K]`` (K = ``k``, or the largest count when trimming, which
+            needs no synchronisation here: the counts are known on the host).
+
+        One host table and seven device operations (an arange, the copy, a ``searchsorted``,
+        two gathers, two ``addcmul``) for any number of pieces.
+        """
+        rows, start = [], 0
+        for piece in pieces:
+            if piece[0] <= start:
+                continue
+            if rows and rows[-1][1:] == piece[1:]:
+                rows[-1] = piece  # same intervals as the piece before: one piece
+            else:
+                rows.append(piece)
+            start = piece[0]
+        if self.trim:
+            k = max(1, max(len(lo) for _, lo, _ in rows))
+        pad = [(0, self.kv_len)] * k
+        table = [end for end, _, _ in rows]
+        for ab in (0, 1):
+            for side in (1, 2):
+                for piece in rows:
+                    slots = piece[side] + pad[len(piece[side]) :]
+                    table += [slot[ab] for slot in slots]
+        table += [len(lo) for _, lo, _ in rows]
+        n = len(rows)
+        host = self.t(table)  # one host-to-device copy: [ends | a | b | counts]
+        ends, ab, counts = host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
+        idx = torch.searchsorted(ends, self.q, right=True)
+        a, b = ab[:, :, idx]  # [lo / hi, Nq, K] each
+        q = self.q[:, None]
+        return _Rows(torch.addcmul(b[0], a[0], q), torch.addcmul(b[1], a[1], q), counts[idx])
 
     def _b_clear(self, grid, radius, text_len):
         is_text = self.q < text_len
