@@ -16,6 +16,7 @@ launch, and the build is launch-bound (``benchmarks/build_op_counts.py``).
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 from typing import NamedTuple
@@ -37,6 +38,7 @@ from ..language.resolve import resolve, span_ranges
 from . import intervals as iv
 
 I32 = torch.int32
+_I32_CODE = "i" if array.array("i").itemsize == 4 else "l"  # array typecode of int32
 
 
 class _Canonical(NamedTuple):
@@ -73,7 +75,10 @@ class _Ctx:
         """A small host table (layout lengths, half-widths) on the plan's device. On CUDA the
         copy goes through pinned memory without blocking, so the build never waits for the
         device (a copy from pageable memory would synchronise)."""
-        host = torch.as_tensor(values, dtype=I32)
+        if values and isinstance(values[0], int):  # a flat list: 3-4x faster than as_tensor
+            host = torch.frombuffer(array.array(_I32_CODE, values), dtype=I32)
+        else:
+            host = torch.as_tensor(values, dtype=I32)
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)
@@ -139,11 +144,11 @@ class _Ctx:
         return q - min(window, self._axis()) + 1, q + 1
 
     def _b_document(self, lengths, causal):
-        # a document's rows see [its start, q + 1) (causal) or the whole document
+        # a document [s, e): its rows see [s, q + 1) (causal) or [s, e)
         pieces, s = [], 0
         for n in lengths:
             e = s + n
-            pieces.append((e, [(0, s)], [(1, 1) if causal else (0, e)]))
+            pieces.append((e, (0,), (s,), (1,), (1,)) if causal else (e, (0,), (s,), (0,), (e,)))
             s = e
         return self.pieces(pieces, 1)
 
@@ -160,35 +165,35 @@ class _Ctx:
         return q * 0, (q // block + 1) * block
 
     def _b_shared_prompt(self, prompts, responses):
-        # per group starting at gs, its prompt ending at pe: the prompt's rows and those of the
+        # a group starting at gs, its prompt ending at pe: the prompt's rows and those of the
         # response starting at pe (the first) see [gs, q + 1); a later response starting at s
-        # sees [gs, pe) and [s, q + 1) (only [s, q + 1) when the prompt is empty)
+        # sees [gs, pe) and [s, q + 1), or only [s, q + 1) when the prompt is empty
         pieces, pos = [], 0
         for p, resp in zip(prompts, responses):
             gs = pos
             pe = pos = gs + p
-            pieces.append((pe, [(0, gs)], [(1, 1)]))
+            pieces.append((pe, (0,), (gs,), (1,), (1,)))
             for n in resp:
                 s, pos = pos, pos + n
                 if s == pe:
-                    pieces.append((pos, [(0, gs)], [(1, 1)]))
+                    pieces.append((pos, (0,), (gs,), (1,), (1,)))
                 elif p:
-                    pieces.append((pos, [(0, gs), (0, s)], [(0, pe), (1, 1)]))
+                    pieces.append((pos, (0, 0), (gs, s), (0, 1), (pe, 1)))
                 else:
-                    pieces.append((pos, [(0, s)], [(1, 1)]))
+                    pieces.append((pos, (0,), (s,), (1,), (1,)))
         return self.pieces(pieces, 2)
 
     def _b_hstu(self, lengths, num_targets, contextual):
-        # per user [s, e), its history ending at h = e - targets (h > s): the first
+        # a user [s, e), its history ending at h = e - targets (h > s): the first
         # c = min(contextual, h - s) rows see [s, h); later history rows and the first target
         # see [s, q + 1); later targets see [s, h) and [q, q + 1)
         pieces, s = [], 0
         for n, t in zip(lengths, num_targets):
             e = s + n
             h = e - t
-            pieces.append((s + min(contextual, h - s), [(0, s)], [(0, h)]))
-            pieces.append((min(h + 1, e), [(0, s)], [(1, 1)]))
-            pieces.append((e, [(0, s), (1, 0)], [(0, h), (1, 1)]))
+            pieces.append((s + min(contextual, h - s), (0,), (s,), (0,), (h,)))
+            pieces.append((min(h + 1, e), (0,), (s,), (1,), (1,)))
+            pieces.append((e, (0, 1), (s, 0), (0, 1), (h, 1)))
             s = e
         return self.pieces(pieces, 2)
 
@@ -196,41 +201,36 @@ class _Ctx:
         """Canonical intervals of piecewise-affine rows.
 
         Args:
-            pieces: ``(end, lo, hi)`` per piece, ends ascending, the last one ``Nq``: the rows
-                ``q`` in ``[previous end, end)`` (pieces without rows are skipped) have
-                ``len(lo)`` intervals ``[a * q + b, a' * q + b')`` for ``(a, b)`` in ``lo`` and
-                ``(a', b')`` in ``hi`` (``a``, ``a'`` 0 or 1), already canonical for every such
-                row: non-empty, sorted, not touching, inside ``[0, Nk]``.
+            pieces: ``(end, lo_a, lo_b, hi_a, hi_b)`` per piece, ends ascending, the last one
+                ``Nq``: each row ``q`` in ``[previous end, end)`` (pieces without rows are
+                skipped) has the intervals ``[lo_a[j] * q + lo_b[j], hi_a[j] * q + hi_b[j])``
+                (``a`` 0 or 1; tuples of one length, its interval count), canonical for every
+                such row already: non-empty, sorted, not touching, inside ``[0, Nk]``.
             k: the static bound on intervals per row (the K of an untrimmed lowering).
 
         Returns:
             :class:`_Rows` ``[Nq, K]`` (K = ``k``, or the largest count when trimming, which
-            needs no synchronisation here: the counts are known on the host).
+            needs no readback here: the counts are known on the host).
 
         One host table and seven device operations (an arange, the copy, a ``searchsorted``,
-        two gathers, two ``addcmul``) for any number of pieces.
+        two gathers, two ``addcmul``), whatever the number of pieces.
         """
         rows, start = [], 0
         for piece in pieces:
-            if piece[0] <= start:
-                continue
-            if rows and rows[-1][1:] == piece[1:]:
-                rows[-1] = piece  # same intervals as the piece before: one piece
-            else:
+            if piece[0] > start:
                 rows.append(piece)
-            start = piece[0]
+                start = piece[0]
+        counts = [len(piece[1]) for piece in rows]
         if self.trim:
-            k = max(1, max(len(lo) for _, lo, _ in rows))
-        pad = [(0, self.kv_len)] * k
-        table = [end for end, _, _ in rows]
-        for ab in (0, 1):
-            for side in (1, 2):
-                for piece in rows:
-                    slots = piece[side] + pad[len(piece[side]) :]
-                    table += [slot[ab] for slot in slots]
-        table += [len(lo) for _, lo, _ in rows]
+            k = max(1, max(counts))
+        table = [piece[0] for piece in rows]  # [ends | a of lo, hi | b of lo, hi | counts]
+        for field, fill in ((1, 0), (3, 0), (2, self.kv_len), (4, self.kv_len)):
+            pads = [(fill,) * (k - c) for c in range(k + 1)]  # unused slots: [Nk, Nk)
+            for piece in rows:
+                table += piece[field] + pads[len(piece[field])]
+        table += counts
         n = len(rows)
-        host = self.t(table)  # one host-to-device copy: [ends | a | b | counts]
+        host = self.t(table)  # one host-to-device copy
         ends, ab, counts = host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
         idx = torch.searchsorted(ends, self.q, right=True)
         a, b = ab[:, :, idx]  # [lo / hi, Nq, K] each
