@@ -233,9 +233,10 @@ class _Ctx:
         host = self.t(table)  # one host-to-device copy
         ends, ab, counts = host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
         idx = torch.searchsorted(ends, self.q, right=True)
-        a, b = ab[:, :, idx]  # [lo / hi, Nq, K] each
+        a, b = ab.index_select(2, idx)  # [lo / hi, Nq, K] each
         q = self.q[:, None]
-        return _Rows(torch.addcmul(b[0], a[0], q), torch.addcmul(b[1], a[1], q), counts[idx])
+        lo, hi = torch.addcmul(b[0], a[0], q), torch.addcmul(b[1], a[1], q)
+        return _Rows(lo, hi, counts.index_select(0, idx))
 
     def _b_clear(self, grid, radius, text_len):
         is_text = self.q < text_len
