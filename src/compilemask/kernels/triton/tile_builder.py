@@ -175,19 +175,19 @@ def _heaviest_first_kernel(
     tl.store(order + rank, t, mask=t_ok)
 
 
-def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor):
+def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor, out=None):
     """``(q_order, kv_order)``: per mask the tiles by decreasing count, ties by lower index
-    (``argsort(-count, stable=True)``) in one launch; int32 ``[M, Tq]`` and ``[M, Tk]``."""
+    (``argsort(-count, stable=True)``) in one launch; int32 ``[M, Tq]`` and ``[M, Tk]``
+    (written into ``out``, two such tensors, when given)."""
     m, tq = q_count.shape
     tk = kv_count.shape[1]
     if max(tq, tk) > _ORDER_KERNEL_MAX_TILES:  # O(T^2) compares: a sort beyond this
         return tuple(
             torch.argsort(-c, dim=-1, stable=True).to(torch.int32) for c in (q_count, kv_count)
         )
-    q_order = torch.empty_like(q_count)
-    kv_order = torch.empty_like(kv_count)
+    q_order, kv_order = out or (torch.empty_like(q_count), torch.empty_like(kv_count))
     if m and max(tq, tk):
-        grid = (triton.cdiv(max(tq, tk), _ORDER_BLOCK), m, 2)
+        grid = (-(-max(tq, tk) // _ORDER_BLOCK), m, 2)
         _heaviest_first_kernel[grid](
             q_count, kv_count, q_order, kv_order, tq, tk, BLOCK=_ORDER_BLOCK, CHUNK=_ORDER_CHUNK
         )
@@ -226,12 +226,14 @@ def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
     return tuple(out)
 
 
-def tile_lists_both(kind: torch.Tensor):
+def tile_lists_both(kind: torch.Tensor, out=None):
     """:func:`tile_lists` of the q-tiles and of the kv-tiles in one launch:
-    ``(q lists, kv lists)``, each a 4-tuple as there."""
+    ``(q lists, kv lists)``, each a 4-tuple as there (written into ``out``, two such 4-tuples
+    of empty tensors, when given)."""
     m, tq, tk = kind.shape
-    q_out = _list_buffers(m, tq, tk, kind.device)
-    kv_out = _list_buffers(m, tk, tq, kind.device)
+    if out is None:
+        out = _list_buffers(m, tq, tk, kind.device), _list_buffers(m, tk, tq, kind.device)
+    q_out, kv_out = out
     if m * tq * tk:
         _tile_lists[(max(tq, tk), m, 2)](
             kind, *q_out, *kv_out, tq, tk, CHUNK=_LIST_CHUNK, BOTH=True, TRANSPOSED=False
@@ -252,22 +254,25 @@ def build_tiles_triton(
     contiguous), without bitmask tiles: equal to ``compiler.tiles.build_tiles(...,
     use_bits=False)``."""
     m, n, k = lo.shape
-    tq, tk = math.ceil(q_len / block_m), math.ceil(kv_len / block_n)
-    dev = lo.device
-    shape = (m, tq, tk)
-    kind, pairs, jlo, jhi, bits_index = (
-        torch.empty(shape, dtype=torch.int32, device=dev) for _ in range(5)
-    )
+    tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
+    # every output in one allocation (on a GPU host each one costs about as much as a launch)
+    per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
+    shapes = [tiles] * 5 + [per_q, tiles, tiles, per_q, per_kv, tiles_t, tiles_t, per_kv]
+    shapes += [per_q, per_kv, (0, block_m, -(-block_n // 32))]
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=torch.int32, device=lo.device)
+    out = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+    kind, pairs, jlo, jhi, bits_index = out[:5]
     if m * tq * tk:
         _classify_tiles[(tq, m)](
             lo, hi, kind, pairs, jlo, jhi, bits_index, q_len, kv_len, k, tq, tk,
-            BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=max(triton.next_power_of_2(max(k, 1)), 2),
+            BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=max(1 << (max(k, 1) - 1).bit_length(), 2),
         )  # fmt: skip
-    q_lists, kv_lists = tile_lists_both(kind)
+    q_lists, kv_lists = tile_lists_both(kind, out=(out[5:9], out[9:13]))
     q_count, q_list, q_full_first, q_full_count = q_lists
     kv_count, kv_list, kv_full_first, kv_full_count = kv_lists
-    q_order, kv_order = heaviest_first(q_count, kv_count)
-    bits = torch.empty((0, block_m, -(-block_n // 32)), dtype=torch.int32, device=dev)
+    q_order, kv_order = heaviest_first(q_count, kv_count, out=out[13:15])
+    bits = out[15]
     key = id(kind)
     ref = weakref.ref(kind, lambda _, key=key: _FULL_FIRST.pop(key, None))
     _FULL_FIRST[key] = (ref, (q_full_first, q_full_count), (kv_full_first, kv_full_count))
