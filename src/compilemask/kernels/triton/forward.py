@@ -137,7 +137,9 @@ def _attn_fwd_inner(
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        # unscaled scores: the scale (> 0, so it commutes with max) is folded into the FFMA of
+        # the exponent below, one multiply per score fewer
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if MASKED:
             if SLOTS > 0:
                 visible = slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS)
@@ -151,13 +153,13 @@ def _attn_fwd_inner(
                     stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
                 )  # fmt: skip
             qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             # A row that has seen nothing yet keeps m = -inf: subtract 0 instead (p = 0).
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_new
-        p = tl.math.exp2(qk - m_sub[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
