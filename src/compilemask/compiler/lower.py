@@ -212,8 +212,9 @@ class _Ctx:
             :class:`_Rows` ``[Nq, K]`` (K = ``k``, or the largest count when trimming, which
             needs no readback here: the counts are known on the host).
 
-        One host table and seven device operations (an arange, the copy, a ``searchsorted``,
-        two gathers, two ``addcmul``), whatever the number of pieces.
+        One host table and six device operations (an arange, the copy, a ``searchsorted``, two
+        gathers, an ``addcmul``), whatever the number of pieces. ``lo`` and ``hi`` are the two
+        halves of one tensor (nothing writes into a plan's intervals).
         """
         rows, start = [], 0
         for piece in pieces:
@@ -234,8 +235,7 @@ class _Ctx:
         ends, ab, counts = host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
         idx = torch.searchsorted(ends, self.q, right=True)
         a, b = ab.index_select(2, idx)  # [lo / hi, Nq, K] each
-        q = self.q[:, None]
-        lo, hi = torch.addcmul(b[0], a[0], q), torch.addcmul(b[1], a[1], q)
+        lo, hi = torch.addcmul(b, a, self.q[:, None])  # two contiguous halves of one tensor
         return _Rows(lo, hi, counts.index_select(0, idx))
 
     def _b_clear(self, grid, radius, text_len):
