@@ -70,6 +70,26 @@ FWD_OCCUPANCY = [
     FwdConfig(64, 128, 4, 3, 1, 1),
     FwdConfig(128, 64, 8, 2, 1, 1),
 ]
+# --fwd-set causal (session 5): the causal default (pointers, 128x128, 3 stages) against TMA
+# (after the scale fold the pointer loop spills 16 bytes) and the launch orders
+FWD_CAUSAL = [
+    FwdConfig(128, 128, 8, 3, 1, 0),
+    FwdConfig(128, 128, 8, 3, 1, 1),
+    FwdConfig(128, 128, 8, 2, 1, 1),
+    FwdConfig(128, 128, 8, 3, 0, 0),
+    FwdConfig(128, 128, 8, 3, 2, 0),
+    FwdConfig(128, 128, 8, 3, 3, 0),
+]
+# --fwd-set bits (session 5): bitmask plans (clear via tile_grid) at small N, where 128x64
+# loses to Flex at 1K: smaller and larger tiles, two programs per SM (2 stages at 64x64)
+FWD_BITS = [
+    FwdConfig(128, 64, 8, 3, 1, 1),
+    FwdConfig(64, 64, 4, 3, 1, 1),
+    FwdConfig(64, 64, 4, 2, 1, 1),
+    FwdConfig(128, 128, 8, 3, 1, 1),
+    FwdConfig(128, 64, 8, 2, 1, 1),
+    FwdConfig(64, 128, 4, 3, 1, 1),
+]
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -163,7 +183,7 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
-    fwd_sets = ["default", "tma", "order", "occupancy"]
+    fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits"]
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -188,9 +208,13 @@ def main() -> None:
                 q2, k2, v2, plan, compute_dtype=torch.float32, matmul_dtype=torch.bfloat16
             )[0]
             results = []
-            fwd_list = {"tma": FWD_TMA, "order": FWD_ORDER, "occupancy": FWD_OCCUPANCY}.get(
-                a.fwd_set, FWD_CANDIDATES
-            )
+            fwd_list = {
+                "tma": FWD_TMA,
+                "order": FWD_ORDER,
+                "occupancy": FWD_OCCUPANCY,
+                "causal": FWD_CAUSAL,
+                "bits": FWD_BITS,
+            }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
                 "wide": BWD_WIDE,
