@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/build_op_counts.py [--out benchmarks/results/...jsonl]
 
 On a GPU every operation other than views and allocations is at least one kernel launch, and
-the builder is launch-bound: these counts bound how fast a plan can be built there. Stages:
+the builder is launch-bound: these counts bound how fast a plan can be built there (views and
+allocations are not counted; each host table copied to the device counts as one). Stages:
 ``lower`` (row intervals), ``tiles`` (the 128x128 tile schedule) and ``schedules`` (the forward
 and dK/dV schedules the kernels read). Seed workloads at N0 = 32768. ``--triton-builder``
 builds the schedules with ``kernels/triton/tile_builder.py`` (on the CPU through Triton's
@@ -18,7 +19,7 @@ import json
 
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from compilemask.compiler.lower import lower
+from compilemask.compiler.lower import _Ctx, lower
 from compilemask.compiler.pipeline import build_plan
 from compilemask.compiler.tiles import build_tiles
 from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
@@ -29,10 +30,16 @@ VIEWS = {
     "aten.view.default", "aten.unsqueeze.default", "aten.slice.Tensor", "aten.select.int",
     "aten.expand.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.t.default",
     "aten.transpose.int", "aten.squeeze.dim", "aten.permute.default", "aten.alias.default",
-    "aten.detach.default",
+    "aten.detach.default", "aten.unbind.int", "aten.split_with_sizes.default",
+    "aten.split.Tensor",
     # allocations: no kernel launch (the caching allocator)
     "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
+    # a host list made a CPU tensor: no launch (its copy to the device is counted, below)
+    "aten.lift_fresh.default",
 }  # fmt: skip
+#: Pseudo-operation: a host table copied to the plan's device (``lower._Ctx.t``), a copy on a
+#: GPU that a CPU build does not make.
+H2D = "host-to-device copy"
 
 
 class _Launches:
@@ -57,6 +64,20 @@ class _Count(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+
+    def __enter__(self):
+        table = _Ctx.t
+
+        def counted(ctx, values):
+            self.ops[H2D] += 1
+            return table(ctx, values)
+
+        self._table, _Ctx.t = table, counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _Ctx.t = self._table
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
