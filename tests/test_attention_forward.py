@@ -514,6 +514,8 @@ def test_plan_dependent_configs():
         return cfg.block_m, cfg.block_n
 
     assert tiles(eff_t, True) == (128, 64)
+    assert tiles(eff_t, True, 1088) == (64, 64)  # short rows: two programs per SM
+    assert tiles(eff_t, True, 16384) == (128, 64)
     assert tiles(eff_t, False) == (64, 64)
     assert tiles(0.3, True) == (64, 64)
     assert tiles(0.995, True) == (128, 64)  # never 128x128 with bitmask tiles

@@ -214,7 +214,9 @@ def attention(
         eff = None
         if q.shape[-1] == 128 and q.dtype in (torch.float16, torch.bfloat16):
             eff = tile_efficiency_128(plan)
-        cfg = forward_config(q.shape[-1], q.dtype, q.device, eff, has_bitmask_tiles(plan))
+        cfg = forward_config(
+            q.shape[-1], q.dtype, q.device, eff, has_bitmask_tiles(plan), plan.q_len
+        )
         heads = plan.heads or 1
         mask_stride_b = heads if plan.batch else 0
         mask_stride_h = 1 if plan.heads else 0

@@ -68,7 +68,7 @@ _FWD_16BIT: dict[int, FwdConfig] = {
     32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     96: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),  # D padded to 128
-    128: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=1),
+    128: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, grid_order=3, tma=1),
     256: FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
 # D=128, 16-bit, from the H200 sweeps of session 4 (32K, 16 heads, bf16;
@@ -84,10 +84,20 @@ _FWD_16BIT: dict[int, FwdConfig] = {
 #   97-150 ms there, because the sweep ran on the plan's own 128x128 schedule, which a GPU
 #   build makes without bitmask tiles (perf-notes session 4, item 4); attention calls now ask
 #   for them, but 128x128 is untimed since: not chosen.
-_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+# Session 5 (benchmarks/results/h200-tune-2026-11-30-session5.jsonl):
+# - launch order 3 (each head's tiles heaviest first, the plan's order): causal 8.375 ms
+#   against 8.492 in natural order (order 2, reversed, 8.312; order 0 8.607); session 4 had
+#   hstu at 1.159 against 1.184 (order 2 1.178): heaviest first for both tilings;
+# - bitmask plans of at most :data:`BITS_SMALL_Q_LEN` query rows: 64x64, 4 warps, 2 stages,
+#   TMA (two programs per SM: 83 KiB of shared memory each), clear through tile_grid at 4K
+#   1.944 ms against 2.219 at 128x64 (Flex 2.444), at 1K 1.018 against 1.084; at 32K the
+#   session-4 choice stays (128x64: 3.36 ms against 3.63 at 64x64 with 3 stages).
+_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, grid_order=3)
 DENSE_TILE_EFFICIENCY = 0.97
 _FWD_BITS_128 = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 BITS_WIDE_TILE_EFFICIENCY = 0.5
+_FWD_BITS_SMALL_128 = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=1)
+BITS_SMALL_Q_LEN = 8192
 
 # fp32 (tf32x3 dots, about fp32 accuracy): a correctness path, not a fast one; smaller tiles.
 _FWD_32BIT: dict[int, FwdConfig] = {
@@ -171,13 +181,15 @@ def forward_config(
     device: torch.device | None = None,
     tile_efficiency: float | None = None,
     bitmask_tiles: bool = False,
+    q_len: int | None = None,
 ) -> FwdConfig:
     """The forward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
 
     ``tile_efficiency``: the plan's visible pairs / pairs of its touched 128x128 tiles
     (:func:`tile_efficiency_128`), or None when unknown; dense plans get larger tiles.
     ``bitmask_tiles``: the plan's masked tiles are mostly bitmasks (:func:`has_bitmask_tiles`).
-    TMA descriptors are used on sm_90 and newer only.
+    ``q_len``: the plan's query length (bitmask plans of at most :data:`BITS_SMALL_Q_LEN` rows
+    get smaller tiles), or None when unknown. TMA descriptors are used on sm_90 and newer only.
 
     Raises:
         CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
@@ -188,8 +200,10 @@ def forward_config(
     table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
     cfg = table[head_dim]
     if head_dim == 128 and dtype != torch.float32 and tile_efficiency is not None:
-        if bitmask_tiles:  # 128x64, not 128x128 (see above)
-            if tile_efficiency >= BITS_WIDE_TILE_EFFICIENCY:
+        if bitmask_tiles:  # 128x64, not 128x128 (see above); 64x64 for short rows
+            if q_len is not None and q_len <= BITS_SMALL_Q_LEN:
+                cfg = _FWD_BITS_SMALL_128
+            elif tile_efficiency >= BITS_WIDE_TILE_EFFICIENCY:
                 cfg = _FWD_BITS_128
         elif tile_efficiency >= DENSE_TILE_EFFICIENCY:
             cfg = _FWD_DENSE_128
