@@ -150,6 +150,17 @@ BWD_ATOMIC = [
     BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=0, atomic_dq=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
 ]
+# --bwd-set order (prepared in session 5, untimed): heaviest-first launch orders (3) for dK/dV
+# and dQ (order 3 gave the hstu forward 5%), and dQ at 64x64 with 2 stages (SASS: 180
+# registers, 97 KiB of shared memory: two programs per SM; 128x64 takes 161 KiB: one)
+BWD_ORDER = [
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 2, tma=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 3, tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 2, tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -181,7 +192,7 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
-    bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic"]
+    bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits"]
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
@@ -223,6 +234,7 @@ def main() -> None:
                 "pipelined": BWD_PIPELINED,
                 "tma": BWD_TMA,
                 "atomic": BWD_ATOMIC,
+                "order": BWD_ORDER,
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:
