@@ -19,12 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from build_op_counts import _Count  # noqa: E402
 
+from compilemask import masks  # noqa: E402
 from compilemask.compiler.lower import lower  # noqa: E402
 from compilemask.workloads import workload  # noqa: E402
 
 # measured (lower, N0 = 4096; a host table copied to the device counts as one): raise only with
 # a reason in docs/perf-notes.md
-LOWER_OPS = {"causal": 3, "hstu": 6, "shared_prompt": 6, "clear": 63}
+LOWER_OPS = {"causal": 3, "hstu": 6, "shared_prompt": 6, "clear": 6}
 
 
 @pytest.mark.parametrize("name", list(LOWER_OPS))
@@ -33,6 +34,22 @@ def test_lowering_the_seeds_stays_within_its_operation_count(name):
     with _Count() as counted:
         lower(w.mask, w.N, w.N, "cpu", trim=False)
     assert counted.real() <= LOWER_OPS[name], dict(counted.ops)
+
+
+@pytest.mark.parametrize(
+    "grid,radius,text_len,ops",
+    [((16, 32), 16, 512, 6), ((4, 8), 2, 21, 8), ((6, 11), 3, 0, 4), ((3, 20), 6, 7, 8)],
+    ids=str,
+)
+def test_clear_is_built_directly_whatever_its_text(grid, radius, text_len, ops):
+    """No two disc rows touch: one host table and a few operations, whatever the text length
+    (a text that is not a whole number of grid rows adds a copy and a fill)."""
+    mask = masks.clear(grid, radius, text_len)
+    n = text_len + grid[0] * grid[1]
+    for trim in (False, True):
+        with _Count() as counted:
+            lower(mask, n, n, "cpu", trim=trim)
+        assert counted.real() == ops, dict(counted.ops)
 
 
 def test_the_triton_builder_launches_three_kernels_and_nothing_else():

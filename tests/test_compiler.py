@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.compiler.intervals import dense_rows
+from compilemask.compiler.intervals import dense_rows, from_dense_rows
 from compilemask.compiler.lower import lower
 from compilemask.compiler.tiles import EMPTY, FULL, PARTIAL
 from compilemask.errors import CompileMaskError, LayoutError
@@ -276,6 +276,43 @@ def test_untrimmed_lowering_matches_dense_evaluator(case):
     assert torch.equal(lo[..., :k], t_lo) and torch.equal(hi[..., :k], t_hi)
     assert bool((lo[..., k:] == n).all() and (hi[..., k:] == n).all()), "unused slots"
     assert torch.equal(dense_rows(lo, hi, n)[0, 0], expected)
+
+
+CLEAR_CASES = [  # (h, w), radius, text_len
+    ((16, 32), 16, 512),  # the seed at 1K: text a whole number of grid rows, the reach 15 rows
+    ((4, 8), 2, 16),
+    ((4, 8), 2, 5),  # text shorter than a grid row
+    ((4, 8), 2, 21),  # text not a whole number of grid rows
+    ((6, 11), 3, 0),  # no text
+    ((3, 20), 6, 7),  # a radius larger than the grid's height
+    ((3, 20), 9, 0),
+    ((1, 7), 2, 5),  # one grid row
+    ((1, 5), 1, 0),
+    ((9, 12), 5, 30),
+    ((5, 6), 1, 3),  # radius 1: the token itself
+    ((7, 1), 3, 4),  # one grid column (rows touch: the generic merge)
+    ((5, 9), 8, 3),  # radius larger than the grid (rows touch)
+    ((1, 1), 1, 0),
+]
+
+
+@pytest.mark.parametrize("grid,radius,text_len", CLEAR_CASES, ids=str)
+def test_clear_lowering_is_the_canonical_form_of_the_dense_mask(grid, radius, text_len):
+    """``clear`` lowers to exactly the canonical intervals of its dense mask: trimmed (CPU) with
+    K the largest count; untrimmed (GPU) with K = 2 * min(r - 1, h - 1) + 2 and [Nk, Nk) in the
+    unused slots; int32 (tests/test_build_ops.py counts the operations of the direct
+    construction, taken when no two disc rows can touch)."""
+    mask = masks.clear(grid, radius, text_len)
+    n = text_len + grid[0] * grid[1]
+    want_lo, want_hi, want_count = from_dense_rows(dense(mask, n, n), n)
+    k = want_lo.shape[-1]
+    for trim in (True, False):
+        lo, hi, count = lower(mask, n, n, "cpu", trim=trim)
+        assert lo.dtype == hi.dtype == count.dtype == torch.int32
+        assert lo.shape[-1] == (k if trim else 2 * min(radius - 1, grid[0] - 1) + 2)
+        assert torch.equal(count[0, 0], want_count)
+        assert torch.equal(lo[0, 0, :, :k], want_lo) and torch.equal(hi[0, 0, :, :k], want_hi)
+        assert bool((lo[..., k:] == n).all() and (hi[..., k:] == n).all()), "unused slots"
 
 
 CATALOGUE_CASES = [

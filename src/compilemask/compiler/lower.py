@@ -11,7 +11,9 @@ Masks of packed parts (``document``, ``shared_prompt``, ``hstu``) are piecewise 
 split into pieces (runs of rows) in which every interval end is ``q + b`` or a constant ``b``.
 Their canonical form is worked out per piece on the host and expanded on the device by a few
 operations (:meth:`_Ctx.pieces`), whatever the number of parts: on a GPU every operation is a
-launch, and the build is launch-bound (``benchmarks/build_op_counts.py``).
+launch, and the build is launch-bound (``benchmarks/build_op_counts.py``). ``clear`` is built
+the same way: every row's intervals are clamps of ``x + a`` with ``a`` and the bounds worked out
+on the host (:func:`_clear_table`), evaluated on the device by a few broadcast operations.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import functools
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import LayoutError
@@ -38,6 +41,8 @@ from ..language.resolve import resolve, span_ranges
 from . import intervals as iv
 
 I32 = torch.int32
+I32_NP = np.int32
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 _I32_CODE = "i" if array.array("i").itemsize == 4 else "l"  # array typecode of int32
 
 
@@ -75,7 +80,9 @@ class _Ctx:
         """A small host table (layout lengths, half-widths) on the plan's device. On CUDA the
         copy goes through pinned memory without blocking, so the build never waits for the
         device (a copy from pageable memory would synchronise)."""
-        if values and isinstance(values[0], int):  # a flat list: 3-4x faster than as_tensor
+        if isinstance(values, np.ndarray):  # int32, built on the host with numpy
+            host = torch.from_numpy(values)
+        elif values and isinstance(values[0], int):  # a flat list: 3-4x faster than as_tensor
             host = torch.frombuffer(array.array(_I32_CODE, values), dtype=I32)
         else:
             host = torch.as_tensor(values, dtype=I32)
@@ -239,24 +246,46 @@ class _Ctx:
         return _Rows(lo, hi, counts.index_select(0, idx))
 
     def _b_clear(self, grid, radius, text_len):
+        if not _grid_may_touch(grid, "disc", (radius,)) and 2 * self.kv_len < I32_MAX:
+            return self._clear_rows(grid, radius, text_len)
+        # disc rows may span the grid's width and touch: merge them generically
         is_text = self.q < text_len
         lo, hi = _grid_window(
             self.q, text_len, text_len, grid, "disc", (radius,), self.t, skip=is_text
         )
         text_hi = torch.where(is_text, self.kv_len, text_len).to(I32)[:, None]
-        if text_len == 0 or _grid_may_touch(grid, "disc", (radius,)):
-            return torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
-        # canonical directly: merge the text interval with a first disc row that touches it
-        # (only rows in the first grid rows can; shift just those rows)
-        first = int(min(self.q_len, text_len + radius * grid[1]))
-        merge = (lo[:first, :1] == text_len) & (hi[:first, :1] > text_len)
-        text_hi[:first] = torch.where(merge, hi[:first, :1], text_hi[:first])
-        zero = torch.zeros_like(lo[:first, :1])
-        lo[:first] = torch.where(merge, torch.cat([lo[:first, 1:], zero], -1), lo[:first])
-        hi[:first] = torch.where(merge, torch.cat([hi[:first, 1:], zero], -1), hi[:first])
-        return _Canonical(
-            torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
-        )
+        return torch.cat([torch.zeros_like(text_hi), lo], -1), torch.cat([text_hi, hi], -1)
+
+    def _clear_rows(self, grid, radius, text_len) -> _Rows:
+        """Canonical intervals of ``clear`` when no two disc rows touch: the host works out
+        every row's intervals as clamps of ``x + a`` (:func:`_clear_table`), and the device
+        evaluates them: with text, one copy, an add, a clamp, a compare and two ``where`` (the
+        variant in which the text and the first disc row merge, and the counts); without, one
+        copy, an add, a clamp and the counts' copy. ``lo`` and ``hi`` are two halves of one
+        buffer (nothing writes into a plan's intervals)."""
+        h, w = grid
+        n, dev = self.kv_len, self.device
+        tab = _clear_table(h, w, radius, text_len, self.trim)
+        hp, rows, k, o, nt, top = tab.view_rows, tab.rows, tab.k, tab.prefix, tab.text_rows, tab.top
+        host = self.t(tab.table)  # one host-to-device copy
+        f = host[: 6 * rows * k].view(6, rows, 1, k)  # [field, row, x, slot]
+        x = host[6 * rows * k : 6 * rows * k + w].view(w, 1)
+        per_row = host[6 * rows * k + w : 6 * rows * k + w + 3 * hp].view(3, hp, 1, 1)
+        buf = torch.empty((2, o + rows * w, k), dtype=I32, device=dev)
+        out = buf[:, o:].view(2, rows, w, k)  # [lo / hi, row, x, slot]
+        torch.add(x, f[1:3], out=out).clamp_(f[3::2], f[0::4])
+        count = torch.empty(n, dtype=I32, device=dev)
+        if text_len:
+            merge = torch.le(x, per_row[0])  # [row, x, 1]: the text and the first disc row touch
+            plain = out[:, nt:top]
+            torch.where(merge[nt:top], out[:, hp:], plain, out=plain)
+            torch.where(merge, per_row[2], per_row[1], out=count[o:].view(hp, w, 1))
+        else:
+            count.view(hp, w, 1).copy_(per_row[1].expand(hp, w, 1))
+        if o:  # text rows before the first view row
+            buf[:, :o] = host[-2 * k :].view(2, 1, k)
+            count[:o].fill_(1)
+        return _Rows(buf[0, :n], buf[1, :n], count)
 
     def _b_global_local(self, window, global_tokens):
         q, window = self.q[:, None], min(window, self._axis())
@@ -442,3 +471,105 @@ def _grid_may_touch(grid, kind, params) -> bool:
         return params[1] >= w
     r = params[0]
     return 2 * math.isqrt(r * r - 1) + 1 >= w
+
+
+class _ClearTable(NamedTuple):
+    """The host table of :meth:`_Ctx._clear_rows` (int32): ``[f (6 * rows * k) | x (w) |
+    thr, c0, c1 (view_rows each) | a text row (2 * k)]``.
+
+    The query rows after the first ``prefix`` (text) ones are ``view_rows`` rows of ``w`` tokens:
+    ``text_rows`` of text, then the ``h`` grid rows; ``rows`` adds, after them, view rows
+    ``text_rows .. top - 1`` (the first grid rows) a second time, in the variant where the text
+    and the first disc row merge. In row ``i`` at column ``x`` (``x = 0 .. w - 1``), slot ``j``
+    holds ``lo = max(x + a_lo, lb_lo)`` and ``hi = min(x + a_hi, ub_hi)``; ``f`` holds
+    ``[ub_lo, a_lo, a_hi, lb_lo, ub_hi, lb_hi]`` (``[rows, k]`` each, ``ub_lo`` and ``lb_hi``
+    the int32 bounds), so that ``f[1:3]`` (a), ``f[3::2]`` (lb) and ``f[0::4]`` (ub) clamp
+    ``x + a`` in one operation. The merged variant holds where ``x <= thr[i]``; the count is
+    ``c1[i]`` there, ``c0[i]`` elsewhere.
+    """
+
+    table: np.ndarray
+    k: int
+    prefix: int
+    text_rows: int
+    view_rows: int
+    top: int
+    rows: int
+
+
+def _clear_table(h: int, w: int, r: int, text_len: int, trim: bool) -> _ClearTable:
+    """:class:`_ClearTable` of ``clear((h, w), r, text_len)`` when no two disc rows touch
+    (``2 * isqrt(r^2 - 1) + 1 < w``), with numpy on the host (~20 small operations).
+
+    A grid token (y, x) sees the text ``[0, T)`` and, for each grid row ``y + dy`` with
+    ``|dy| <= reach = min(r - 1, h - 1)``, the columns ``|x' - x| <= half[|dy|]`` with
+    ``half[d] = isqrt(r^2 - d^2 - 1)`` (``dy^2 + dx^2 < r^2``), clipped to the grid: with
+    ``base = T + (y + dy) * w``, ``lo = max(x + base - half, base)`` and
+    ``hi = min(x + base + half + 1, base + w)``. Its slots are compact: slot ``text + j`` holds
+    ``dy = j - min(y, reach)``. So every field is the start of the query's grid row,
+    ``T + y * w``, plus ``e[dy]`` (``dy * w`` plus the offsets of ``dy``); a ``dy`` past the
+    reach, or a grid row past the grid, gives a field at or past ``Nk``, and capping the fields
+    (at ``Nk - w``, ``Nk + w``, ``Nk``, ``Nk``) makes such slots empty (``[Nk, Nk)``).
+
+    The text interval touches the first disc row exactly when that row is grid row 0 and
+    reaches column 0 (``y <= reach`` and ``x <= half[y]``): then the two merge in slot 0 and
+    the later slots shift down by one (slot ``j`` holds ``dy = j - y``).
+    """
+    n = text_len + h * w
+    reach = min(r - 1, h - 1)  # the farthest grid row a window touches
+    half = np.array([min(w, math.isqrt(r * r - d * d - 1)) for d in range(reach + 1)], I32_NP)
+    text = int(text_len > 0)
+    nt, o = divmod(text_len, w)
+    ptop = reach + 1 if text else 0  # the grid rows whose window holds grid row 0
+    hp = nt + h
+    rows = hp + ptop
+    y = np.arange(h, dtype=I32_NP)
+    used = np.minimum(y, reach) + np.minimum(y[::-1], reach) + 1  # grid rows seen
+    if trim:  # the largest count (rows y < ptop merge at x = 0, and everywhere if half >= w - 1)
+        plain = np.concatenate([used[:ptop][half[:ptop] < w - 1], used[ptop:]])
+        k = max(1, text, int(used[:ptop].max(initial=0)), text + int(plain.max(initial=0)))
+    else:
+        k = 2 * reach + 2
+    table = np.empty(6 * rows * k + w + 3 * hp + 2 * k, I32_NP)
+    f = table[: 6 * rows * k].reshape(6, rows, k)
+    table[6 * rows * k : 6 * rows * k + w] = np.arange(w)
+    thr, c0, c1 = table[6 * rows * k + w : -2 * k].reshape(3, hp)
+    thr.fill(-1)
+    thr[nt : nt + ptop] = half[:ptop]
+    c0[:nt] = 1
+    np.add(used, text, out=c0[nt:])
+    np.subtract(c0, 1, out=c1)
+    f[0], f[5] = I32_MAX, I32_MIN  # ub of lo, lb of hi: none
+    # e[:, i] for dy = i - reach - text, up to 2 * reach + 1: (a_lo, a_hi, lb_lo, ub_hi) - base
+    dy = np.arange(-reach - text, 2 * reach + 2, dtype=I32_NP)
+    hw = half[np.minimum(np.abs(dy), reach)]
+    e = np.empty((4, dy.shape[0]), I32_NP)
+    np.multiply(dy, w, out=e[2])
+    np.subtract(e[2], hw, out=e[0])
+    np.add(e[2], hw + 1, out=e[1])
+    np.add(e[2], w, out=e[3])
+    e[:, :text] = e[:, text + 2 * reach + 1 :] = h * w  # past the reach: at or past Nk
+    s = y * w + text_len  # the start of each grid row
+    grid, merged = f[1:5, nt:hp], f[1:5, hp:]
+    np.add(e[:, None, :k], s[:, None], out=grid)  # rows with reach rows above: e from dy = -reach
+    np.add(_windows(e, reach, reach, k), s[:reach, None], out=grid[:, :reach])  # rows with fewer
+    np.add(_windows(e, reach + text, ptop, k), s[:ptop, None], out=merged)  # from dy = -y
+    cap = np.array([n - w, n + w, n, n], I32_NP)[:, None, None]
+    np.minimum(f[1:5, nt:], cap, out=f[1:5, nt:])
+    f[1:5, :nt] = cap  # text rows: [0, Nk), then empty slots
+    f[1:5, :nt, 0] = np.array([-w, n, 0, n], I32_NP)[:, None]
+    if text:
+        f[1:5, nt:hp, 0] = np.array([-w, text_len, 0, text_len], I32_NP)[:, None]  # [0, T)
+        f[1, hp:, 0], f[3, hp:, 0] = -w, 0  # merged: [0, end of grid row 0)
+    table[-2 * k :] = n
+    table[-2 * k] = 0  # a text row
+    return _ClearTable(table, k, o, nt, hp, nt + ptop, rows)
+
+
+def _windows(e: np.ndarray, start: int, rows: int, k: int) -> np.ndarray:
+    """The view ``[:, i, :] = e[:, start - i : start - i + k]`` for ``i < rows`` of a contiguous
+    ``e`` (numpy checks that it stays inside ``e``)."""
+    step = e.itemsize
+    return np.ndarray(
+        (e.shape[0], rows, k), e.dtype, e, start * step, (e.shape[1] * step, -step, step)
+    )
