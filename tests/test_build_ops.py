@@ -52,6 +52,24 @@ def test_clear_is_built_directly_whatever_its_text(grid, radius, text_len, ops):
         assert counted.real() == ops, dict(counted.ops)
 
 
+@pytest.mark.parametrize(
+    "mask,ops",
+    [
+        (masks.sliding_window(1024), 4),
+        (masks.prefix_lm(1000), 4),
+        (masks.chunked(1000), 4),
+        (masks.block_causal(1000), 5),  # the last block cut at Nk: a clamp
+    ],
+    ids=str,
+)
+def test_one_interval_masks_lower_in_four_or_five_operations(mask, ops):
+    """[lo, hi) canonical by construction (aranges, a clamp, the counts)."""
+    for trim in (False, True):
+        with _Count() as counted:
+            lower(mask, 4096, 4096, "cpu", trim=trim)
+        assert counted.real() <= ops, dict(counted.ops)
+
+
 def test_the_triton_builder_launches_three_kernels_and_nothing_else():
     import build_op_counts as boc
 

@@ -296,23 +296,36 @@ CLEAR_CASES = [  # (h, w), radius, text_len
 ]
 
 
-@pytest.mark.parametrize("grid,radius,text_len", CLEAR_CASES, ids=str)
-def test_clear_lowering_is_the_canonical_form_of_the_dense_mask(grid, radius, text_len):
-    """``clear`` lowers to exactly the canonical intervals of its dense mask: trimmed (CPU) with
-    K the largest count; untrimmed (GPU) with K = 2 * min(r - 1, h - 1) + 2 and [Nk, Nk) in the
-    unused slots; int32 (tests/test_build_ops.py counts the operations of the direct
-    construction, taken when no two disc rows can touch)."""
-    mask = masks.clear(grid, radius, text_len)
-    n = text_len + grid[0] * grid[1]
-    want_lo, want_hi, want_count = from_dense_rows(dense(mask, n, n), n)
+def check_canonical(mask, nq: int, nk: int, k_bound: int) -> None:
+    """``lower`` gives exactly the canonical intervals of the dense mask: trimmed (CPU) with K
+    the largest count; untrimmed (GPU) with K = ``k_bound`` and [Nk, Nk) in the unused slots;
+    int32."""
+    want_lo, want_hi, want_count = from_dense_rows(dense(mask, nq, nk), nk)
     k = want_lo.shape[-1]
     for trim in (True, False):
-        lo, hi, count = lower(mask, n, n, "cpu", trim=trim)
+        lo, hi, count = lower(mask, nq, nk, "cpu", trim=trim)
         assert lo.dtype == hi.dtype == count.dtype == torch.int32
-        assert lo.shape[-1] == (k if trim else 2 * min(radius - 1, grid[0] - 1) + 2)
+        assert lo.shape[-1] == (k if trim else k_bound)
         assert torch.equal(count[0, 0], want_count)
         assert torch.equal(lo[0, 0, :, :k], want_lo) and torch.equal(hi[0, 0, :, :k], want_hi)
-        assert bool((lo[..., k:] == n).all() and (hi[..., k:] == n).all()), "unused slots"
+        assert bool((lo[..., k:] == nk).all() and (hi[..., k:] == nk).all()), "unused slots"
+
+
+@pytest.mark.parametrize("grid,radius,text_len", CLEAR_CASES, ids=str)
+def test_clear_lowering_is_the_canonical_form_of_the_dense_mask(grid, radius, text_len):
+    """K bound 2 * min(r - 1, h - 1) + 2 (tests/test_build_ops.py counts the operations of the
+    direct construction, taken when no two disc rows can touch)."""
+    n = text_len + grid[0] * grid[1]
+    check_canonical(masks.clear(grid, radius, text_len), n, n, 2 * min(radius - 1, grid[0] - 1) + 2)
+
+
+@pytest.mark.parametrize("make", [masks.sliding_window, masks.chunked, masks.block_causal])
+@pytest.mark.parametrize("param", [1, 3, 7, 40, 2**31 - 1])
+@pytest.mark.parametrize("nq,nk", [(20, 20), (20, 33), (33, 20), (40, 5), (1, 1), (7, 1)])
+def test_one_interval_closed_forms_are_canonical(make, param, nq, nk):
+    """Rows past the keys (q_len > kv_len) may be empty: then they are [Nk, Nk)."""
+    check_canonical(make(param), nq, nk, 1)
+    check_canonical(masks.prefix_lm(param - 1), nq, nk, 1)
 
 
 CATALOGUE_CASES = [

@@ -146,9 +146,36 @@ class _Ctx:
     def _axis(self) -> int:
         return max(self.q_len, self.kv_len) + 1
 
+    # One interval per row: canonical by construction (an empty row has lo = hi = Nk, the
+    # padding), in four operations or so instead of a clip and a compaction.
+    def _arange(self, start: int, step: int = 1) -> torch.Tensor:
+        """``start + q * step`` for the query rows (int32)."""
+        end = start + self.q_len * step
+        return torch.arange(start, end, step, device=self.device, dtype=I32)
+
+    def _steps(self, start: int, step: int) -> torch.Tensor:
+        """``start + q // step * step`` for the query rows (int32): an arange over the steps,
+        each repeated ``step`` times (two operations)."""
+        m = -(-self.q_len // step)
+        firsts = torch.arange(start, start + m * step, step, device=self.device, dtype=I32)
+        return firsts[:, None].expand(m, step).contiguous().view(-1)[: self.q_len]
+
+    def _one(self, lo: torch.Tensor, hi: torch.Tensor, last_lo: int) -> _Rows:
+        """Rows ``[lo, min(hi, Nk))`` with ``lo`` in ``[0, Nk]`` and ``hi > lo`` before the cut,
+        the largest ``lo`` being ``last_lo``: a row is empty exactly when ``lo = Nk``."""
+        if self.q_len > self.kv_len:
+            hi = hi.clamp_(max=self.kv_len)
+        if last_lo < self.kv_len:
+            count = torch.ones(self.q_len, device=self.device, dtype=I32)
+        else:
+            count = torch.lt(lo, hi, out=torch.empty_like(lo))
+        return _Rows(lo[:, None], hi[:, None], count)
+
     def _b_sliding_window(self, window):
-        q = self.q[:, None]
-        return q - min(window, self._axis()) + 1, q + 1
+        # [q - W + 1, q + 1) clipped
+        w = min(window, self._axis())
+        lo = self._arange(1 - w).clamp_(0, self.kv_len)
+        return self._one(lo, self._arange(1), self.q_len - w)
 
     def _b_document(self, lengths, causal):
         # a document [s, e): its rows see [s, q + 1) (causal) or [s, e)
@@ -160,16 +187,27 @@ class _Ctx:
         return self.pieces(pieces, 1)
 
     def _b_prefix_lm(self, prefix_len):
-        q = self.q[:, None]
-        return q * 0, torch.clamp(q + 1, min=min(prefix_len, self._axis()))
+        # [0, max(q + 1, P)) clipped
+        zeros = torch.zeros(self.q_len, device=self.device, dtype=I32)
+        hi = self._arange(1).clamp_(min(prefix_len, self._axis()), self.kv_len)
+        return self._one(zeros, hi, 0)
 
     def _b_chunked(self, chunk):
-        q, chunk = self.q[:, None], min(chunk, self._axis())
-        return q // chunk * chunk, q + 1
+        # [q // c * c, q + 1) clipped
+        chunk = min(chunk, self._axis())
+        lo, last = self._steps(0, chunk), (self.q_len - 1) // chunk * chunk
+        if last > self.kv_len:
+            lo = lo.clamp_(max=self.kv_len)
+        return self._one(lo, self._arange(1), last)
 
     def _b_block_causal(self, block):
-        q, block = self.q[:, None], min(block, self._axis())
-        return q * 0, (q // block + 1) * block
+        # [0, (q // b + 1) * b) clipped
+        block = min(block, self._axis())
+        zeros = torch.zeros(self.q_len, device=self.device, dtype=I32)
+        hi = self._steps(block, block)
+        if (self.q_len - 1) // block * block + block > self.kv_len:
+            hi = hi.clamp_(max=self.kv_len)
+        return self._one(zeros, hi, 0)
 
     def _b_shared_prompt(self, prompts, responses):
         # a group starting at gs, its prompt ending at pe: the prompt's rows and those of the
