@@ -59,11 +59,13 @@ def test_clear_is_built_directly_whatever_its_text(grid, radius, text_len, ops):
         (masks.prefix_lm(1000), 4),
         (masks.chunked(1000), 4),
         (masks.block_causal(1000), 5),  # the last block cut at Nk: a clamp
+        (masks.global_local(256, [0, 1, 2, 3, 100, 2000]), 6),  # piecewise affine
     ],
     ids=str,
 )
-def test_one_interval_masks_lower_in_four_or_five_operations(mask, ops):
-    """[lo, hi) canonical by construction (aranges, a clamp, the counts)."""
+def test_closed_forms_lower_in_a_few_operations(mask, ops):
+    """[lo, hi) canonical by construction (aranges, a clamp, the counts); global_local as
+    piecewise-affine rows (a host table, searchsorted, two gathers, an addcmul)."""
     for trim in (False, True):
         with _Count() as counted:
             lower(mask, 4096, 4096, "cpu", trim=trim)

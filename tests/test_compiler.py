@@ -328,6 +328,26 @@ def test_one_interval_closed_forms_are_canonical(make, param, nq, nk):
     check_canonical(masks.prefix_lm(param - 1), nq, nk, 1)
 
 
+@pytest.mark.parametrize("window", [0, 1, 3, 2**31 - 1])
+@pytest.mark.parametrize(
+    "tokens",
+    [(), (0,), (0, 1, 2, 3), (2, 3, 9, 19), (4, 5, 6, 18, 19), (22, 39), tuple(range(0, 40, 3))],
+    ids=str,
+)
+@pytest.mark.parametrize("nq,nk", [(20, 20), (20, 33), (40, 20), (40, 5)])
+def test_global_local_is_canonical(window, tokens, nq, nk):
+    """Runs of consecutive global keys merge with the band they touch; global keys past Nk are
+    only query rows."""
+    tokens = [t for t in tokens if t < max(nq, nk)]
+    check_canonical(masks.global_local(window, tokens), nq, nk, 1 + len(tokens))
+
+
+@pytest.mark.parametrize("window", [0, 4, 2**31 - 1])
+def test_global_local_with_many_tokens_is_canonical(window):
+    """43 global tokens: a host table too large, the device sweep."""
+    check_canonical(masks.global_local(window, range(0, 300, 7)), 300, 300, 44)
+
+
 CATALOGUE_CASES = [
     (masks.causal(), 200, 150),
     (masks.sliding_window(40), 200, 260),
@@ -540,6 +560,8 @@ def test_parameters_larger_than_the_axis_compile_exactly(mask, n):
     [
         lambda: masks.sliding_window(2**32),
         lambda: masks.chunked(2**31),
+        lambda: cm.compile(masks.causal(), 2**31),  # before any allocation
+        lambda: cm.compile(masks.document([2**30, 2**30])),
         lambda: cm.parse("sliding_window(9223372036854775808)"),
         lambda: cm.parse("layout a:*\na -> a : band(-100000000000000000000, 0)"),
     ],

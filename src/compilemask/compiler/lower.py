@@ -19,6 +19,7 @@ on the host (:func:`.grids.clear_table`), evaluated on the device by a few broad
 from __future__ import annotations
 
 import array
+import bisect
 import functools
 from typing import NamedTuple
 
@@ -324,6 +325,51 @@ class _Ctx:
         return _Rows(buf[0, :n], buf[1, :n], count)
 
     def _b_global_local(self, window, global_tokens):
+        # a global row sees [0, Nk); another row q the band [L, H) = [q - W, q + W + 1) clipped,
+        # merged with the runs of consecutive global keys that touch it, and the other runs.
+        # Piecewise affine: which runs touch the band, and which ends are constant, change only
+        # at the rows cut below (each comparison of q -/+ W with a constant flips once)
+        nq, nk, w = self.q_len, self.kv_len, min(window, self._axis())
+        k, glob = 1 + len(global_tokens), set(global_tokens)
+        starts, stops = [], []  # the maximal runs [a, b) of global keys
+        for g in global_tokens:
+            if g < nk and stops and stops[-1] == g:
+                stops[-1] = g + 1
+            elif g < nk:
+                starts.append(g)
+                stops.append(g + 1)
+        cuts = {w + 1, nk + w, nk - w - 1} | glob | {g + 1 for g in global_tokens}
+        for c in starts + stops:
+            cuts |= {c + w + 1, c - w - 1}
+        ends = sorted(c for c in cuts if 0 < c < nq) + [nq]
+        if len(ends) * k > 4096:  # a large host table: sweep on the device instead
+            return self._global_local_swept(window, global_tokens)
+        pieces, q = [], 0
+        for end in ends:
+            if q in glob:
+                pieces.append((end, (0,), (0,), (0,), (nk,)))
+                q = end
+                continue
+            lo_v, hi_v = min(max(q - w, 0), nk), min(q + w + 1, nk)
+            lo = (0, lo_v) if lo_v in (0, nk) else (1, -w)
+            hi = (0, nk) if hi_v == nk else (1, w + 1)
+            i = bisect.bisect_left(stops, lo_v)  # runs [0, i) end before the band
+            j = bisect.bisect_right(starts, hi_v)  # runs [j, m) start after it
+            if i < j and starts[i] < lo_v:  # runs [i, j) touch it
+                lo = (0, starts[i])
+            if i < j and stops[j - 1] > hi_v:
+                hi = (0, stops[j - 1])
+            band = 1 if i < j or lo_v < hi_v else 0
+            zeros = (0,) * (i + band + len(starts) - j)
+            lo_b = (*starts[:i], lo[1], *starts[j:]) if band else (*starts[:i], *starts[j:])
+            hi_b = (*stops[:i], hi[1], *stops[j:]) if band else (*stops[:i], *stops[j:])
+            lo_a = zeros[:i] + (lo[0],) * band + zeros[i + band :]
+            hi_a = zeros[:i] + (hi[0],) * band + zeros[i + band :]
+            pieces.append((end, lo_a, lo_b, hi_a, hi_b))
+            q = end
+        return self.pieces(pieces, k)
+
+    def _global_local_swept(self, window, global_tokens):
         q, window = self.q[:, None], min(window, self._axis())
         g = self.t(list(global_tokens))
         is_global = torch.isin(self.q, g)[:, None] if g.numel() else torch.zeros_like(q, dtype=bool)
