@@ -257,6 +257,36 @@ def test_mask_that_sees_nothing(cfg):
         assert bool((grad == 0).all())
 
 
+def test_atomic_dq_is_off_under_deterministic_algorithms(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` at backward time turns atomic dQ off, also
+    for a configuration that asks for it (override): no convert kernel runs, and the gradients
+    are right."""
+    from compilemask.kernels.triton import backward as bw
+
+    launches = []
+    real = bw._attn_bwd_dq_convert
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(bw, "_attn_bwd_dq_convert", Spy())
+    plan = cm.compile(cm.masks.causal(), 64, device=DEVICE)
+    q, k, v, do = _inputs(1, 2, 1, 64, 64, 32, torch.float16, seed=8)
+    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = _triton_grads(q, k, v, do, plan, cfg)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert not launches
+    _assert_grads(grads, q, k, v, do, plan)
+    _triton_grads(q, k, v, do, plan, cfg)  # deterministic mode off: the atomic path runs
+    assert launches
+
+
 def test_atomic_lse_gradient_and_rows_that_see_nothing():
     """Atomic dQ with an LSE gradient, a strided dQ buffer and rows that see no key."""
     dense = cm.compile(cm.masks.document([30, 17, 43]), 90, 90).to_dense().clone()

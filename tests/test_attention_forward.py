@@ -587,6 +587,39 @@ def test_fullgraph_compile_of_a_fresh_plan(mask, tile_builder_on):
         _assert_matches(f(q, k, v), q, k, v, plan)
 
 
+@pytest.mark.parametrize(
+    "head_dim, dynamic", [(128, False), (32, True)], ids=["d128-16bit", "dynamic-shapes"]
+)
+def test_fullgraph_compile_of_a_fresh_tile_grid_plan(head_dim, dynamic):
+    """A fresh tile_grid plan under fullgraph torch.compile: at D=128 in 16 bits the tile
+    efficiency is read while tracing (once from a plan copy made inside the trace: Dynamo gave
+    the constant function an object without fields), and with dynamic shapes the default scale
+    is symbolic (once checked twice: ``math.isfinite`` of a SymFloat)."""
+    torch._dynamo.reset()
+    mask = cm.tile_grid(cm.masks.clear((8, 8), 3, 16), (4, 4))
+    plan = cm.compile(mask, 80, device=DEVICE, cache=False)
+    q, k, v = _inputs(1, 2, 2, 80, 80, head_dim, torch.float16, seed=6)
+    f = torch.compile(
+        lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
+        fullgraph=True,
+        backend="aot_eager",
+        dynamic=dynamic,
+    )
+    _assert_matches(f(q, k, v), q, k, v, plan)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter runs on the CPU only")
+def test_bfloat16_in_the_interpreter_uses_the_reference_or_is_refused():
+    """The interpreter computes bfloat16 dots wrongly (errors ~1e9): "auto" runs the reference
+    for bf16 on the CPU, "triton" refuses it with a clear error."""
+    plan = cm.compile(cm.masks.causal(), 40)
+    q, k, v = _inputs(1, 2, 2, 40, 40, 32, torch.bfloat16)
+    want = cm.attention(q, k, v, plan, backend="reference")
+    assert torch.equal(cm.attention(q, k, v, plan), want)
+    with pytest.raises(cm.CompileMaskError, match="bfloat16"):
+        cm.attention(q, k, v, plan, backend="triton")
+
+
 def test_kernels_get_bitmask_tiles_at_the_plans_own_tiling():
     """A GPU-style build (no bitmask tiles, nothing read back) run at its own tiling: the
     attention call asks for bitmask tiles (else wide interval tiles take the slow loop over

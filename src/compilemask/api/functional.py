@@ -173,8 +173,9 @@ def attention(
             reference), "triton" or "reference".
 
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
-    backward kernels, also under ``torch.compile``; reference: torch autograd with per-chunk
-    recomputation).
+    backward kernels, also under ``torch.compile``; the opt-in atomic dQ of
+    ``BwdConfig.atomic_dq`` is not, and is off under ``torch.use_deterministic_algorithms``;
+    reference: torch autograd with per-chunk recomputation).
 
     Returns:
         out [B, Hq, Nq, D] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32
@@ -198,14 +199,22 @@ def attention(
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
         q, k, v = (_permute_tokens(t, perm, inv) for t in (q, k, v))
-        out, lse = attention(
-            q, k, v, plan.in_permuted_order(), scale=scale, return_lse=True, backend=backend
-        )
+        out, lse = _attention_tiled_order(q, k, v, plan, scale, backend)
         out, lse = _permute_tokens(out, inv, perm), _permute_tokens(lse, inv, perm)
-        return (out, lse) if return_lse else out
+    else:
+        out, lse = _attention_tiled_order(q, k, v, plan, scale, backend)
+    return (out, lse) if return_lse else out
 
+
+def _attention_tiled_order(q, k, v, plan: MaskPlan, scale: float, backend: str):
+    """``(out, lse)`` of validated inputs given in the plan's (tiled) token order.
+
+    The Triton path reads the plan's fields only (they are in tiled order), never a copy of
+    the plan made here: under ``torch.compile`` a plan object created while tracing cannot be
+    handed to the functions that Dynamo calls as constants (``tile_efficiency_128``).
+    """
     if backend == "reference":
-        out, lse = reference_attention(q, k, v, plan, scale)
+        out, lse = reference_attention(q, k, v, plan.in_permuted_order(), scale)
         out = out.to(q.dtype)
         lse = lse.to(torch.float32)
     else:
@@ -230,4 +239,4 @@ def attention(
             ],  # fmt: skip
             bwd_config,
         )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out, lse

@@ -135,9 +135,12 @@ def resolve_backend(backend: object, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         choices = ", ".join(map(repr, BACKENDS))
         raise InputError(f"backend must be one of {choices}, got {backend!r}")
+    # Triton's interpreter (CPU) computes bfloat16 dots wrongly: no Triton for bf16 on the CPU
+    interp_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
     if backend == "auto":
         usable, _ = triton_usable(q.device)
-        backend = "triton" if usable and q.dtype in TRITON_DTYPES else "reference"
+        ok = usable and q.dtype in TRITON_DTYPES and not interp_bf16
+        backend = "triton" if ok else "reference"
     if backend == "triton":
         usable, why = triton_usable(q.device)
         if not usable:
@@ -145,6 +148,12 @@ def resolve_backend(backend: object, q: torch.Tensor) -> str:
         if q.dtype not in TRITON_DTYPES:
             raise InputError(
                 f'backend="triton" supports float16, bfloat16 and float32 inputs, got {q.dtype}'
+            )
+        if interp_bf16:
+            raise InputError(
+                'backend="triton" on the CPU (Triton\'s interpreter) supports float16 and '
+                "float32 inputs only (its bfloat16 dots are wrong), got torch.bfloat16; use "
+                'backend="reference" or a GPU'
             )
     elif q.dtype not in REFERENCE_DTYPES:
         raise InputError(

@@ -107,6 +107,11 @@ def compile(  # noqa: A001 - the public name is fixed by the design
         if q_len is None:
             raise CompileMaskError(f"q_len is needed: {mask} accepts any length")
     q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
+    if max(q_len, kv_len) > 2**31 - 1:
+        raise CompileMaskError(
+            f"q_len and kv_len must be below 2**31 (plans hold int32 token positions), got "
+            f"q_len={q_len}, kv_len={kv_len}"
+        )
     batch, heads = dependence(mask, batch, heads)
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     device = resolve_device(device)

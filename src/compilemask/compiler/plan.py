@@ -208,7 +208,11 @@ class MaskPlan:
 
     def to_dense(self) -> torch.Tensor:
         """Boolean ``[Nq, Nk]`` when the plan broadcasts, else ``[B or 1, H or 1, Nq, Nk]``.
-        Memory O(Nq * Nk): for tests and pictures at small sizes."""
+        Memory O(Nq * Nk): for tests and pictures at small sizes.
+
+        A ``tile_grid`` plan answers in its tiled token order (the order its kernels run in);
+        the mask in the original order, the one ``attention`` applies to q, k, v, is
+        ``d[..., inv[:, None], inv[None, :]]`` with ``inv = plan.inverse_permutation``."""
         d = self.dense_rows(0, self.q_len)
         if self.batch is None and self.heads is None:
             return d[0]

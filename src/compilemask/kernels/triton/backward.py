@@ -975,7 +975,7 @@ def attention_backward(
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     # atomic dQ (16-bit): the dK/dV kernel adds dS K into an fp32 accumulator, no dQ kernel
-    atomic = bool(cfg.atomic_dq) and not load_t
+    atomic = bool(cfg.atomic_dq) and not load_t and not torch.are_deterministic_algorithms_enabled()
     dq_acc = (
         torch.empty((B, Hq, Nq, d_pad), dtype=torch.float32, device=q.device) if atomic else None
     )
