@@ -33,8 +33,8 @@ def _scatter_compact(
     flag: torch.Tensor, values: torch.Tensor, k_out: int, pad: int
 ) -> torch.Tensor:
     """Per row, write ``values[..., j]`` where ``flag`` holds into consecutive slots."""
-    rank = torch.cumsum(flag, dim=-1, dtype=torch.int32) - 1
-    slot = torch.where(flag, rank, k_out).to(torch.int64)
+    rank = torch.cumsum(flag, dim=-1, dtype=torch.int64) - 1
+    slot = torch.where(flag, rank, k_out)
     out = torch.full((*values.shape[:-1], k_out + 1), pad, dtype=torch.int32, device=values.device)
     out.scatter_(-1, slot, values.to(torch.int32))
     return out[..., :k_out]
@@ -57,15 +57,16 @@ def compact_sorted(
     start = valid & (lo != prev_hi)
     count = start.sum(-1, dtype=torch.int32)
     k_out = _bound_k(count, lo.shape[-1], trim)
-    out_lo = _scatter_compact(start, lo, k_out, pad)
-    # the merged run that slot j belongs to ends at the last valid hi before the next start
-    run = torch.cumsum(start, dim=-1, dtype=torch.int32) - 1
-    slot = torch.where(valid, run, k_out).to(torch.int64)
-    out_hi = torch.full((*lo.shape[:-1], k_out + 1), -1, dtype=torch.int32, device=lo.device)
-    out_hi.scatter_reduce_(-1, slot, hi.to(torch.int32), reduce="amax")
-    out_hi = out_hi[..., :k_out]
-    out_hi = torch.where(out_hi < 0, torch.full_like(out_hi, pad), out_hi)
-    return out_lo, out_hi, count
+    # the valid intervals of merged run r (r = starts so far - 1) go to slot r, the others to
+    # slot k_out (cut off): the run is [its smallest lo, its largest hi); slots no run reaches
+    # keep the padding
+    run = torch.cumsum(start, dim=-1, dtype=torch.int64) - 1
+    slot = torch.where(valid, run, k_out)
+    shape = (2, *lo.shape[:-1], k_out + 1)
+    out = torch.full(shape, pad, dtype=torch.int32, device=lo.device)
+    out[0].scatter_reduce_(-1, slot, lo.to(torch.int32), reduce="amin", include_self=False)
+    out[1].scatter_reduce_(-1, slot, hi.to(torch.int32), reduce="amax", include_self=False)
+    return out[0, ..., :k_out], out[1, ..., :k_out], count
 
 
 def finish_compact(lo, hi, pad: int, *, trim: bool = True):
@@ -75,7 +76,8 @@ def finish_compact(lo, hi, pad: int, *, trim: bool = True):
     count = valid.sum(-1, dtype=torch.int32)
     k_out = _bound_k(count, lo.shape[-1], trim)
     lo, hi, valid = lo[..., :k_out], hi[..., :k_out], valid[..., :k_out]
-    return torch.where(valid, lo, pad), torch.where(valid, hi, pad), count
+    pad_t = torch.full((), pad, dtype=lo.dtype, device=lo.device)  # one fill for both
+    return torch.where(valid, lo, pad_t), torch.where(valid, hi, pad_t), count
 
 
 def sweep(
