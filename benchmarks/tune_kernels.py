@@ -90,6 +90,18 @@ FWD_BITS = [
     FwdConfig(128, 64, 8, 2, 1, 1),
     FwdConfig(64, 128, 4, 3, 1, 1),
 ]
+# --fwd-set masked (session 6): larger tiles for masked plans with TMA and heaviest-first
+# order (session 4 measured 128x128 only with pointers and 2 stages on them: 1.373 ms for hstu
+# against 1.162 at 64x64 with TMA), and 128x128 for bitmask plans that are nearly dense
+# (clear at 1K: 92% of the pairs visible)
+FWD_MASKED = [
+    FwdConfig(64, 64, 4, 3, 3, 1),
+    FwdConfig(128, 128, 8, 3, 3, 1),
+    FwdConfig(128, 128, 8, 2, 3, 1),
+    FwdConfig(128, 64, 8, 3, 3, 1),
+    FwdConfig(64, 128, 4, 3, 3, 1),
+    FwdConfig(128, 128, 8, 3, 3, 0),
+]
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -161,6 +173,15 @@ BWD_ORDER = [
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 2, tma=1),
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1),
 ]
+# --bwd-set occupancy (session 6): the session-5 default against the winner of --bwd-set order
+# on hstu and shared_prompt (dQ 64x64, 4 warps, 2 stages: two programs per SM; both kernels
+# heaviest first), on the other seeds (causal: dense rows, where dQ at 128x64 may still win)
+BWD_OCCUPANCY = [
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 2, tma=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -193,8 +214,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
+    bwd_sets += ["occupancy"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
-    fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits"]
+    fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked"]
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -225,6 +247,7 @@ def main() -> None:
                 "occupancy": FWD_OCCUPANCY,
                 "causal": FWD_CAUSAL,
                 "bits": FWD_BITS,
+                "masked": FWD_MASKED,
             }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
@@ -235,6 +258,7 @@ def main() -> None:
                 "tma": BWD_TMA,
                 "atomic": BWD_ATOMIC,
                 "order": BWD_ORDER,
+                "occupancy": BWD_OCCUPANCY,
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:
