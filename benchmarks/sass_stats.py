@@ -38,7 +38,7 @@ from compilemask.kernels.triton.sass import (
     resources,
     sass,
 )
-from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
+from compilemask.kernels.triton.schedule import dkdv_schedule, ds_slots, forward_schedule
 from compilemask.workloads import workload
 
 
@@ -53,11 +53,15 @@ def launch_all(w, fwd: cfgs.FwdConfig, bwd: cfgs.BwdConfig, heads: int = 2) -> N
     out, lse = attention_forward(
         q, k, v, plan.row_lo, plan.row_hi, fwd_sched, scale=0.088, cfg=fwd, **strides
     )
+    s1 = dkdv_schedule(plan, bwd.dkdv_block_m, bwd.dkdv_block_n)
+    slots = None
+    if bwd.ds_dq:  # dQ from stored dS: a buffer of the most touched tiles of one mask
+        slots = ds_slots(s1["kind"])
+        bwd = cfgs.replace(bwd, ds_dq=int((s1["kind"] != 0).sum()))
     attention_backward(
-        q, k, v, out, lse, do, plan.row_lo, plan.row_hi,
-        dkdv_schedule(plan, bwd.dkdv_block_m, bwd.dkdv_block_n),
+        q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1,
         forward_schedule(plan, bwd.dq_block_m, bwd.dq_block_n),
-        scale=0.088, cfg=bwd, **strides,
+        scale=0.088, cfg=bwd, ds_slots=slots, **strides,
     )  # fmt: skip
 
 

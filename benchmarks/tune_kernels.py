@@ -102,6 +102,15 @@ FWD_MASKED = [
     FwdConfig(64, 128, 4, 3, 3, 1),
     FwdConfig(128, 128, 8, 3, 3, 0),
 ]
+# --fwd-set bits1k (session 6): nearly dense bitmask plans at 1K (clear: 92% of the pairs
+# visible), 64x64 with 2 stages (the session-5 choice) against 128x64 in both launch orders
+FWD_BITS1K = [
+    FwdConfig(64, 64, 4, 2, 1, 1),
+    FwdConfig(64, 64, 4, 2, 3, 1),
+    FwdConfig(128, 64, 8, 3, 3, 1),
+    FwdConfig(128, 64, 8, 3, 1, 1),
+    FwdConfig(128, 128, 8, 2, 3, 1),
+]
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -182,6 +191,19 @@ BWD_OCCUPANCY = [
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 2, tma=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
 ]
+# --bwd-set ds (session 6): dQ from the dS tiles the dK/dV kernel stores (BwdConfig.ds_dq: one
+# MMA per tile pair in a GEMM-only dQ kernel instead of three; SASS: 90 registers, 49 KiB of
+# shared memory at 64x64 with 2 stages; dK/dV 255 registers, 56 bytes of stack, 108 KiB),
+# against the winners of --bwd-set order / occupancy (masks whose buffer exceeds the limit,
+# causal from 16K, fall back to the dQ kernel)
+BWD_DS = [
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 3, 3, 3, tma=1, ds_dq=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 3, 3, 1, tma=1, ds_dq=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 8, 3, 3, 3, tma=1, ds_dq=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -214,9 +236,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
-    bwd_sets += ["occupancy"]
+    bwd_sets += ["occupancy", "ds"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
-    fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked"]
+    fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -248,6 +270,7 @@ def main() -> None:
                 "causal": FWD_CAUSAL,
                 "bits": FWD_BITS,
                 "masked": FWD_MASKED,
+                "bits1k": FWD_BITS1K,
             }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
@@ -259,6 +282,7 @@ def main() -> None:
                 "atomic": BWD_ATOMIC,
                 "order": BWD_ORDER,
                 "occupancy": BWD_OCCUPANCY,
+                "ds": BWD_DS,
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,7 +39,11 @@ from compilemask.kernels.triton.configs import (  # noqa: E402
     override_forward_config,
 )
 from compilemask.kernels.triton.forward import attention_forward  # noqa: E402
-from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule  # noqa: E402
+from compilemask.kernels.triton.schedule import (  # noqa: E402
+    dkdv_schedule,
+    ds_slots,
+    forward_schedule,
+)
 from compilemask.testing import check_close  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,6 +58,8 @@ BWD_TILES = {
     "fused-32x32/32x16": BwdConfig(32, 32, 4, 1, 32, 16, 4, 1, fused=1),
     # dQ by atomic adds in the dK/dV kernel (16-bit; fp32 runs the two-kernel backward)
     "atomic-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1),
+    # dQ from the dS tiles stored by the dK/dV kernel (16-bit; fp32 runs the dQ kernel)
+    "ds-16x32": BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, dq_order=3, ds_dq=1),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -89,12 +96,16 @@ def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None):
         scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=FWD_CFG,
     )  # fmt: skip
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    s1 = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n)
+    slots = None
+    if cfg.ds_dq:  # the buffer's tiles per head: the most touched tiles of one mask
+        slots = ds_slots(s1["kind"])
+        cfg = replace(cfg, ds_dq=int((s1["kind"] != 0).flatten(1).sum(1).max()))
     attention_backward(
-        q, k, v, out, lse, do, plan.row_lo, plan.row_hi,
-        dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n),
+        q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1,
         forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n),
         scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=cfg, dlse=dlse,
-        dq=dq, dk=dk, dv=dv,
+        dq=dq, dk=dk, dv=dv, ds_slots=slots,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -345,7 +356,7 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 14
+            assert len(cfg.as_list()) == 15
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -397,7 +408,9 @@ def test_reference_forward_autograd_agrees_with_reference_backward(monkeypatch):
 # ---------------------------------------------------------------- autograd
 
 
-def _autograd_grads(q, k, v, do, plan, *, backend="triton", dlse=None, compiled=False):
+def _autograd_grads(
+    q, k, v, do, plan, *, backend="triton", dlse=None, compiled=False, bwd_cfg=SMALL
+):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
 
     def f(q, k, v):
@@ -405,7 +418,7 @@ def _autograd_grads(q, k, v, do, plan, *, backend="triton", dlse=None, compiled=
 
     if compiled:
         f = torch.compile(f, fullgraph=True, backend="aot_eager")
-    with override_forward_config(FWD_CFG), override_backward_config(SMALL):
+    with override_forward_config(FWD_CFG), override_backward_config(bwd_cfg):
         out, lse = f(q, k, v)
         loss = (out.float() * do.float()).sum()
         if dlse is not None:
@@ -421,6 +434,68 @@ def test_autograd_triton(dtype):
     dlse = torch.randn(1, 4, 70, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     grads = _autograd_grads(q, k, v, do, plan, dlse=dlse)
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
+
+
+def test_ds_dq_replaces_the_dq_kernel(monkeypatch):
+    """With ``ds_dq`` the recomputing dQ kernel never runs: dQ comes from the stored dS."""
+    from compilemask.kernels.triton import backward as bwd
+
+    class _Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the recomputing dQ kernel ran")
+
+    plan = cm.compile(MASKS["document"](), 100, device=DEVICE)
+    q, k, v, do = _inputs(2, 2, 1, 100, 100, 32, torch.float16, seed=11)
+    monkeypatch.setattr(bwd, "_attn_bwd_dq", _Refuse())
+    grads = _triton_grads(q, k, v, do, plan, BWD_TILES["ds-16x32"])
+    _assert_grads(grads, q, k, v, do, plan)
+
+
+@pytest.mark.parametrize("limit", [None, 0])
+def test_ds_dq_through_autograd(monkeypatch, limit):
+    """The public path: the buffer is sized from the plan (GQA, a batch of 2 sharing one mask,
+    dlse); a limit of 0 bytes falls back to the dQ kernel, with the same gradients."""
+    from compilemask.api.autograd import backward_inputs
+    from compilemask.kernels.triton import configs
+
+    monkeypatch.setattr(configs, "DS_BUFFER_MAX_BYTES", limit)
+    cfg = BWD_TILES["ds-16x32"]
+    plan = cm.compile(MASKS["shared_prompt"](), 100, device=DEVICE)
+    q, k, v, do = _inputs(2, 4, 2, 100, 100, 32, torch.float16, seed=12)
+    dlse = torch.randn(2, 4, 100, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    with override_backward_config(cfg):
+        _, ints = backward_inputs(plan, q.clone().requires_grad_(True), k, v)
+    kind = plan.tiles(16, 32, bits=True).kind
+    want = int((kind != 0).flatten(1).sum(1).max()) if limit is None else 0
+    assert ints[-1] == want and (want > 0 or limit == 0)
+    grads = _autograd_grads(q, k, v, do, plan, dlse=dlse, bwd_cfg=cfg)
+    _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
+
+
+def test_ds_dq_is_off_where_it_cannot_run():
+    """fp32, different dQ and dK/dV tilings, atomic dQ and the fused launch turn it off."""
+    base = BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, ds_dq=1)
+    assert backward_config(128, torch.float16).ds_dq in (0, 1)
+    cases = [
+        (torch.float32, base),
+        (torch.float16, replace(base, dq_block_m=128)),
+        (torch.float16, replace(base, atomic_dq=1)),
+        (torch.float16, replace(base, fused=1)),
+    ]
+    from compilemask.kernels.triton import configs
+
+    for dtype, cfg in cases:
+        old = dict(configs._BWD_16BIT), dict(configs._BWD_32BIT)
+        try:
+            configs._BWD_16BIT[128] = configs._BWD_32BIT[128] = cfg
+            assert configs.backward_config(128, dtype, None).ds_dq == 0, (dtype, cfg)
+        finally:
+            configs._BWD_16BIT.update(old[0]), configs._BWD_32BIT.update(old[1])
+    configs._BWD_16BIT[128], saved = base, configs._BWD_16BIT[128]
+    try:
+        assert configs.backward_config(128, torch.float16, None).ds_dq == 1
+    finally:
+        configs._BWD_16BIT[128] = saved
 
 
 def test_autograd_triton_out_only_and_bit_identical_to_launcher():
@@ -449,7 +524,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 14 and len(tensors) == 18
+    assert len(ints) == 15 and len(tensors) == 18
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

@@ -23,15 +23,17 @@ import torch
 
 from ..compiler.plan import MaskPlan
 from ..errors import CompileMaskError
-from ..kernels.triton.configs import BwdConfig, backward_config
+from ..kernels.triton.configs import BwdConfig, backward_config, fit_ds_buffer
 from ..kernels.triton.schedule import (
     DKDV_SCHEDULE_FIELDS,
     FWD_SCHEDULE_FIELDS,
     dkdv_schedule,
+    ds_slots,
     forward_schedule,
 )
 
 _N_DKDV = len(DKDV_SCHEDULE_FIELDS)
+_N_BWD = _N_DKDV + len(FWD_SCHEDULE_FIELDS)
 
 
 @torch.library.custom_op("compilemask::attention_bwd", mutates_args=())
@@ -58,7 +60,8 @@ def attention_bwd(
         dout: gradient of ``out`` [B, Hq, Nq, D]; dlse: gradient of ``lse`` [B, Hq, Nq] or None.
         row_lo, row_hi: the plan's int32 [M, Nq, K] row intervals.
         bwd_schedule: the dK/dV schedule (:data:`DKDV_SCHEDULE_FIELDS`) followed by the dQ
-            schedule (:data:`FWD_SCHEDULE_FIELDS` at the dQ tiling).
+            schedule (:data:`FWD_SCHEDULE_FIELDS` at the dQ tiling) and, with
+            ``BwdConfig.ds_dq``, the dS buffer slots of the tiles (``schedule.ds_slots``).
         scale, mask_stride_b, mask_stride_h: as for the forward op.
         bwd_config: :meth:`BwdConfig.as_list`.
     """
@@ -67,9 +70,10 @@ def attention_bwd(
     return attention_backward(
         q, k, v, out, lse, dout, row_lo, row_hi,
         dict(zip(DKDV_SCHEDULE_FIELDS, bwd_schedule[:_N_DKDV])),
-        dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:])),
+        dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:_N_BWD])),
         scale=scale, mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
         cfg=BwdConfig(*bwd_config), dlse=dlse,
+        ds_slots=bwd_schedule[_N_BWD] if len(bwd_schedule) > _N_BWD else None,
     )  # fmt: skip
 
 
@@ -114,13 +118,17 @@ def backward(ctx, dout, dlse):
 
 # Backward schedules per (dK/dV, dQ) TileSchedule pair, kept while both live. Eager only: under
 # torch.compile the few tensor ops that build them are traced into the graph.
-_BWD_SCHEDULES: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, list[torch.Tensor]]] = {}
+_Entry = tuple[weakref.ref, weakref.ref, list[torch.Tensor]]
+_BWD_SCHEDULES: dict[tuple[int, int, bool], _Entry] = {}
 
 
 def _build(plan: MaskPlan, cfg: BwdConfig) -> list[torch.Tensor]:
-    return list(dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True).values()) + list(
-        forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True).values()
-    )
+    dkdv = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
+    tensors = list(dkdv.values())
+    tensors += list(forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True).values())
+    if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling (backward_config)
+        tensors.append(ds_slots(dkdv["kind"]))
+    return tensors
 
 
 def backward_inputs(
@@ -139,11 +147,12 @@ def backward_inputs(
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return [], []
     cfg = backward_config(q.shape[-1], q.dtype, q.device, tile_efficiency)
+    cfg = fit_ds_buffer(cfg, plan, q.shape[0], q.shape[1], q.element_size(), q.device)
     if torch.compiler.is_compiling():
         return _build(plan, cfg), cfg.as_list()
     s1 = plan.tiles(cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
     s2 = plan.tiles(cfg.dq_block_m, cfg.dq_block_n, bits=True)
-    key = (id(s1), id(s2))
+    key = (id(s1), id(s2), bool(cfg.ds_dq))
     hit = _BWD_SCHEDULES.get(key)
     if hit is not None and hit[0]() is s1 and hit[1]() is s2:
         return hit[2], cfg.as_list()

@@ -186,6 +186,9 @@ def _attn_bwd_dkdv_inner(
     DQacc_head=None,
     DQ_desc=None,
     ATOMIC_DQ: tl.constexpr = False,
+    DS_head=None,
+    SlotCol=None,
+    STORE_DS: tl.constexpr = False,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -194,7 +197,9 @@ def _attn_bwd_dkdv_inner(
     USE_TMA: Q and dO tiles through the descriptors ``Q_desc, DO_desc`` (rows past Nq read as
     zeros), not per-thread pointers. ATOMIC_DQ: also add this kv-tile's share of dQ / scale,
     ``dS K``, to the fp32 rows ``DQacc_head`` ([Nq, HEAD_DIM_PAD]; through the descriptor
-    ``DQ_desc`` as a TMA reduction when USE_TMA, else with relaxed atomic adds).
+    ``DQ_desc`` as a TMA reduction when USE_TMA, else with relaxed atomic adds). STORE_DS:
+    also store ``dS^T`` (keys x queries, the inputs' dtype) of every tile into the dS buffer
+    ``DS_head`` at the tile's slot ``SlotCol[qt * tile_stride]`` (``BwdConfig.ds_dq``).
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -293,6 +298,15 @@ def _attn_bwd_dkdv_inner(
         dpT = tl.dot(v, doT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
+        if STORE_DS:
+            slot = tl.load(SlotCol + qt * tile_stride).to(tl.int64)
+            ds_ptrs = (
+                DS_head
+                + slot * (BLOCK_N * BLOCK_M)
+                + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M
+                + offs_m_local[None, :]
+            )
+            tl.store(ds_ptrs, dsT)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
             if USE_TMA:
@@ -338,6 +352,10 @@ def _attn_bwd_dkdv(
     DQacc=None,
     DQ_desc=None,
     ATOMIC_DQ: tl.constexpr = False,
+    DS=None,
+    Slot=None,
+    ds_tiles=0,
+    STORE_DS: tl.constexpr = False,
 ):  # fmt: skip
     if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
         rank = tl.program_id(0)
@@ -387,6 +405,11 @@ def _attn_bwd_dkdv(
         DQacc_head = DQacc
         if ATOMIC_DQ:
             DQacc_head = DQacc + bh * Nq * HEAD_DIM_PAD
+        DS_head = DS
+        SlotCol = Slot
+        if STORE_DS:
+            DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
+            SlotCol = Slot + tile_col
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
@@ -396,7 +419,7 @@ def _attn_bwd_dkdv(
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ,
+            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol, STORE_DS,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -407,7 +430,7 @@ def _attn_bwd_dkdv(
             Bits, stride_bits_p, stride_bits_r, Tk,
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ,
+            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol, STORE_DS,
         )  # fmt: skip
 
     dk = dk * scale
@@ -908,6 +931,77 @@ def _attn_bwd_fused(
         )
 
 
+@triton.jit
+def _attn_bwd_dq_ds(
+    DS, K, DQ, Slot, QCount, QList, QOrder,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    Hq, gqa_group, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, ds_tiles, scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GRID_ORDER: tl.constexpr,
+    K_desc=None,
+    DS_desc=None,
+    USE_TMA: tl.constexpr = False,
+):  # fmt: skip
+    """dQ of one q-tile from the stored dS tiles (``BwdConfig.ds_dq``): ``dQ = scale *
+    sum over its touched kv-tiles of dS K``, one MMA per tile pair, no mask (dS is zero where
+    a pair is not visible and past the lengths). ``DS``: [B * Hq, ds_tiles, BLOCK_N, BLOCK_M]
+    dS^T tiles at the slots ``Slot`` [M, Tq, Tk]; the tile lists are the forward schedule's
+    at the dK/dV tiling. USE_TMA: K and dS^T tiles through the descriptors."""
+    pid_bh, rank = grid_position(GRID_ORDER)
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    off_hkv = off_h // gqa_group
+    mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
+    qt = tile_of_rank(QOrder + mask_id * Tq, rank, Tq, GRID_ORDER)
+    tile_row = mask_id * Tq + qt
+    count = tl.load(QCount + tile_row)
+    tile_list = QList + tile_row * Tk
+    slot_row = Slot + tile_row * Tk
+    ds_row0 = pid_bh.to(tl.int64) * ds_tiles
+    DS_head = DS + ds_row0 * (BLOCK_N * BLOCK_M)
+    K_head = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+
+    offs_m_local = tl.arange(0, BLOCK_M)
+    offs_n_local = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    # next tile and its slot one iteration ahead (see forward._attn_fwd_inner)
+    kt_next = tl.load(tile_list, mask=count > 0, other=0)
+    for i in range(0, count):
+        kt = kt_next
+        kt_next = tl.load(tile_list + i + 1, mask=i + 1 < count, other=0)
+        slot = tl.load(slot_row + kt).to(tl.int64)
+        start_n = kt * BLOCK_N
+        if USE_TMA:
+            k = K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
+            dsT = DS_desc.load([((ds_row0 + slot) * BLOCK_N).to(tl.int32), 0])
+        else:
+            offs_n = start_n + offs_n_local
+            k = tl.load(
+                K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=(offs_n < Nk)[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            dsT = tl.load(
+                DS_head + slot * (BLOCK_N * BLOCK_M)
+                + offs_n_local[:, None] * BLOCK_M + offs_m_local[None, :]
+            )  # fmt: skip
+        dq = tl.dot(tl.trans(dsT), k, dq)
+    dq = dq * scale
+    start_m = qt * BLOCK_M
+    offs_m = start_m + offs_m_local
+    tl.store(
+        DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+        + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty), mask=(offs_m < Nq)[:, None] & d_ok[None, :],
+    )  # fmt: skip
+
+
 def attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -928,6 +1022,7 @@ def attention_backward(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    ds_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels (internal: inputs are assumed validated).
 
@@ -944,6 +1039,10 @@ def attention_backward(
         cfg: tile sizes and launch options.
         dlse: optional float32 [B, Hq, Nq], the gradient of ``lse`` (None: zero).
         dq, dk, dv: optional output buffers shaped like q, k, v (written in full).
+        ds_slots: with ``cfg.ds_dq`` > 0, the dS buffer slots of the dK/dV tiling's tiles
+            (``schedule.ds_slots``, int32 [M, Tq, Tk]); dQ then comes from the stored dS
+            (16-bit, two-launch backward, dQ tiling equal to the dK/dV tiling; else the dQ
+            kernel runs as without it).
 
     Returns:
         (dq, dk, dv) in the dtypes of q, k, v (or of the given buffers). Rows that see no key
@@ -1005,6 +1104,20 @@ def attention_backward(
 
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    use_ds = (
+        cfg.ds_dq > 0
+        and ds_slots is not None
+        and not load_t
+        and not atomic
+        and (cfg.dq_block_m, cfg.dq_block_n) == (bm, bn)
+        and tuple(ds_slots.shape) == tuple(s["kind"].shape)
+    )
+    ds_buf = (
+        torch.empty((B * Hq * cfg.ds_dq * bn, bm), dtype=q.dtype, device=q.device)
+        if use_ds
+        else None
+    )
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     order = launch_order(cfg.dkdv_order, B * Hkv)
@@ -1022,6 +1135,8 @@ def attention_backward(
         GRID_ORDER=order, FUSED=False, Q_desc=qdo_descs[0] if qdo_descs else None,
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
         DQacc=dq_acc, DQ_desc=dq_desc, ATOMIC_DQ=atomic,
+        DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
+        STORE_DS=use_ds,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     if atomic:
@@ -1033,6 +1148,23 @@ def attention_backward(
 
     s = dq_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
+    if use_ds:
+        ds_desc = None
+        if kv_descs is not None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            ds_desc = TensorDescriptor.from_tensor(ds_buf, [bn, bm])
+        order = launch_order(cfg.dq_order, B * Hq)
+        _attn_bwd_dq_ds[launch_grid(order, B * Hq, Tq)](
+            ds_buf, k, dq, ds_slots, s["q_count"], s["q_list"], s["q_order"],
+            *k.stride(), *dq.stride(),
+            Hq, Hq // Hkv, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, cfg.ds_dq, scale,
+            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, GRID_ORDER=order,
+            K_desc=kv_descs[0] if kv_descs else None, DS_desc=ds_desc,
+            USE_TMA=ds_desc is not None,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )  # fmt: skip
+        return dq, dk, dv
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     order = launch_order(cfg.dq_order, B * Hq)

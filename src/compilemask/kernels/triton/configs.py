@@ -248,6 +248,14 @@ class BwdConfig:
             ``tma``, else atomic adds) and no dQ kernel runs (5 MMAs per tile pair instead of
             7); not bit-reproducible (the order of the fp32 additions varies), so it is off
             under ``torch.use_deterministic_algorithms(True)``. The dQ tiling is then unused.
+        ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling) stores dS, in the
+            inputs' dtype, tile by tile from the dK/dV kernel into a buffer of ``ds_dq``
+            tiles per (batch row, query head), and computes ``dQ = scale * dS K`` with a
+            GEMM-only kernel over the same tiles (1 MMA per tile pair instead of 3:
+            6 per pair in all instead of 7, no recomputation of P in the dQ pass;
+            deterministic). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the
+            buffer's size from the plan (the largest number of touched tiles of one mask)
+            or 0 when the buffer would exceed :func:`ds_buffer_limit` bytes.
     """
 
     dkdv_block_m: int
@@ -264,13 +272,15 @@ class BwdConfig:
     tma: int = 0
     overlap: int = 0
     atomic_dq: int = 0
+    ds_dq: int = 0
 
     def as_list(self) -> list[int]:
-        """The fourteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The fifteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
             self.dkdv_order, self.dq_order, self.fused, self.tma, self.overlap, self.atomic_dq,
+            self.ds_dq,
         ]  # fmt: skip
 
 
@@ -353,6 +363,13 @@ def backward_config(
         cfg = replace(cfg, tma=0)
     if cfg.atomic_dq and (dtype == torch.float32 or torch.are_deterministic_algorithms_enabled()):
         cfg = replace(cfg, atomic_dq=0)
+    if cfg.ds_dq and (
+        dtype == torch.float32
+        or cfg.atomic_dq
+        or cfg.fused
+        or (cfg.dq_block_m, cfg.dq_block_n) != (cfg.dkdv_block_m, cfg.dkdv_block_n)
+    ):
+        cfg = replace(cfg, ds_dq=0)
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
     while _bwd_shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
@@ -372,6 +389,64 @@ def backward_config(
 
 
 # ------------------------------------------------------------------------ plan-dependent choice
+#: Upper bound of the dS buffer of ``BwdConfig.ds_dq`` in bytes (None: 1/16 of the device's
+#: memory, at most 4 GiB). Larger buffers fall back to the dQ kernel that recomputes P.
+DS_BUFFER_MAX_BYTES: int | None = None
+
+
+def ds_buffer_limit(device: torch.device | None) -> int:
+    """The dS buffer limit in bytes on ``device`` (see :data:`DS_BUFFER_MAX_BYTES`)."""
+    if DS_BUFFER_MAX_BYTES is not None:
+        return DS_BUFFER_MAX_BYTES
+    cap = 4 << 30
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return cap
+    return min(cap, torch.cuda.get_device_properties(device).total_memory // 16)
+
+
+def touched_tiles_max(plan, block_m: int, block_n: int) -> int:
+    """The largest number of touched (non-EMPTY) tiles of one mask of ``plan`` at
+    (block_m, block_n): the dS buffer's tiles per (batch row, head). Read back once per plan
+    and tiling (one small copy), then cached; a constant under ``torch.compile``."""
+    key = ("touched_tiles_max", block_m, block_n)
+    cache = plan._cache
+    if key not in cache:
+        if torch.compiler.is_compiling():
+            cache[key] = _touched_while_tracing(plan, block_m, block_n)
+        else:
+            cache[key] = _touched(plan, block_m, block_n)
+    return cache[key]
+
+
+def _touched(plan, block_m: int, block_n: int) -> int:
+    kind = plan.tiles(block_m, block_n, bits=True).kind
+    if kind.numel() == 0:
+        return 0
+    return int((kind != 0).flatten(1).sum(1).max())
+
+
+def _touched_while_tracing(plan, block_m: int, block_n: int) -> int:
+    return _touched(plan, block_m, block_n)
+
+
+_touched_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def fit_ds_buffer(
+    cfg: BwdConfig, plan, batch: int, heads: int, elem_bytes: int, device
+) -> BwdConfig:
+    """``cfg`` with ``ds_dq`` set to the dS buffer's tiles per (batch row, head) for ``plan``,
+    or 0 when the buffer (``batch * heads * tiles * block_m * block_n * elem_bytes``) would
+    exceed :func:`ds_buffer_limit` or no tile is touched."""
+    if not cfg.ds_dq:
+        return cfg
+    tiles = touched_tiles_max(plan, cfg.dkdv_block_m, cfg.dkdv_block_n)
+    size = batch * heads * tiles * cfg.dkdv_block_m * cfg.dkdv_block_n * elem_bytes
+    if tiles == 0 or size > ds_buffer_limit(device):
+        return replace(cfg, ds_dq=0)
+    return replace(cfg, ds_dq=tiles)
+
+
 _EFFICIENCY_KEY = "tile_efficiency_128"
 
 

@@ -175,3 +175,10 @@ def dkdv_schedule(
         "kv_list": kv_list,
         "kv_order": sched.kv_order,
     }
+
+
+def ds_slots(kind: torch.Tensor) -> torch.Tensor:
+    """The dS buffer slot of every tile (``BwdConfig.ds_dq``): int32 [M, Tq, Tk], touched
+    tiles numbered 0, 1, ... in row-major (q-tile, kv-tile) order per mask, -1 for EMPTY
+    tiles. Two tensor operations, no host synchronisation."""
+    return (torch.cumsum(kind.ne(0).flatten(1), 1, dtype=torch.int32) - 1).view(kind.shape)
