@@ -92,8 +92,13 @@ _FWD_16BIT: dict[int, FwdConfig] = {
 #   TMA (two programs per SM: 83 KiB of shared memory each), clear through tile_grid at 4K
 #   1.944 ms against 2.219 at 128x64 (Flex 2.444), at 1K 1.018 against 1.084; at 32K the
 #   session-4 choice stays (128x64: 3.36 ms against 3.63 at 64x64 with 3 stages).
+# Session 6 (h200-tune-2026-11-30-session6.jsonl): the dense tiling from a 128x128 tile
+# efficiency of 0.94 (was 0.97): shared_prompt 32K (0.945) 1.677 ms against 1.728 at 64x64
+# with TMA; hstu (0.836) stays at 64x64 (1.059 against 1.322-1.404 for 128x128 / 128x64).
+# Clear at 1K (bitmask, 0.923): 64x64 with 2 stages 0.778 ms against 0.807-0.819 for 128x64
+# and 128x128 (both launch orders equal).
 _FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, grid_order=3)
-DENSE_TILE_EFFICIENCY = 0.97
+DENSE_TILE_EFFICIENCY = 0.94
 _FWD_BITS_128 = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 BITS_WIDE_TILE_EFFICIENCY = 0.5
 _FWD_BITS_SMALL_128 = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=1)
@@ -295,11 +300,18 @@ class BwdConfig:
 # streamed tiles through TMA descriptors win on all four (fwd+bwd causal 33.93 ms against
 # 35.00, shared_prompt 6.71 / 6.86, hstu 4.49 / 4.78, clear via tile_grid 12.79 / 13.73;
 # h200-tune-2026-11-30-session4.jsonl); the overlapped dQ loop loses (4.80-7.43).
+# Session 6 (h200-tune-2026-11-30-session6.jsonl and h200-tune-bwd-order-...-session6.txt,
+# bf16, 16 heads, fwd+bwd): dQ at 64x64 with 4 warps and 2 stages (two programs per SM) and
+# both kernels heaviest first (order 3): hstu 32K 4.235 ms against 4.442, shared_prompt 6.703
+# / 6.750 (causal 33.52 / 33.33: within 1%); then dQ from the stored dS (ds_dq): hstu 32K
+# 4.163 against 4.264, shared_prompt 6.426 / 6.689, hstu 16K 4.190 / 4.358, shared_prompt
+# 16K 6.538 / 6.529, clear 1K 2.701 / 2.807 (3 stages in the dS GEMM: within 2% either
+# way). Causal from 16K has a dS buffer over the limit and runs the dQ kernel (64x64).
 _BWD_16BIT: dict[int, BwdConfig] = {
     32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     96: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),  # D padded to 128
-    128: BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, tma=1),
+    128: BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1),
     256: BwdConfig(32, 64, 8, 2, 64, 32, 8, 2),
 }
 
