@@ -65,6 +65,16 @@ def attention_bwd(
         scale, mask_stride_b, mask_stride_h: as for the forward op.
         bwd_config: :meth:`BwdConfig.as_list`.
     """
+    return _attention_bwd_impl(
+        q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, scale, mask_stride_b,
+        mask_stride_h, bwd_config,
+    )  # fmt: skip
+
+
+def _attention_bwd_impl(
+    q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, scale, mask_stride_b,
+    mask_stride_h, bwd_config,
+):  # fmt: skip
     from ..kernels.triton.backward import attention_backward
 
     return attention_backward(
@@ -98,15 +108,18 @@ def setup_context(ctx, inputs, output) -> None:
     ctx.bwd_config = list(bwd_config)
 
 
-def backward(ctx, dout, dlse):
-    """Gradients for the forward op's inputs (q, k, v; None for the plan tensors)."""
+def backward(ctx, dout, dlse, eager: bool = False):
+    """Gradients for the forward op's inputs (q, k, v; None for the plan tensors).
+    ``eager``: call the backward directly, not through the custom op (the eager
+    ``autograd.Function`` of ``functional.py``)."""
     if not ctx.bwd_config:
         raise CompileMaskError(
             "compilemask.attention ran without a backward schedule (no input required grad "
             "when it ran); run the forward with grad enabled on q, k or v"
         )
     q, k, v, out, lse, row_lo, row_hi, *bwd_schedule = ctx.saved_tensors
-    dq, dk, dv = torch.ops.compilemask.attention_bwd(
+    op = _attention_bwd_impl if eager else torch.ops.compilemask.attention_bwd
+    dq, dk, dv = op(
         q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, ctx.scale,
         *ctx.mask_strides, ctx.bwd_config,
     )  # fmt: skip

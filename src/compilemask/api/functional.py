@@ -57,12 +57,19 @@ def attention_fwd(
         mask_stride_b, mask_stride_h: mask index ``m = b * mask_stride_b + h * mask_stride_h``.
         config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order, tma, overlap]``.
     """
+    return _attention_fwd_impl(
+        q, k, v, row_lo, row_hi, schedule, scale, mask_stride_b, mask_stride_h, config
+    )
+
+
+def _attention_fwd_impl(
+    q, k, v, row_lo, row_hi, schedule, scale, mask_stride_b, mask_stride_h, config
+):  # fmt: skip
     from ..kernels.triton.forward import attention_forward
 
-    cfg = FwdConfig(*config)
     return attention_forward(
         q, k, v, row_lo, row_hi, dict(zip(FWD_SCHEDULE_FIELDS, schedule)), scale=scale,
-        mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h, cfg=cfg,
+        mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h, cfg=FwdConfig(*config),
     )  # fmt: skip
 
 
@@ -79,6 +86,35 @@ def _attention_fwd_fake(
 
 # Gradients to q, k, v through out and lse: the custom op compilemask::attention_bwd.
 attention_fwd.register_autograd(backward, setup_context=setup_context)
+
+
+def _forward_only(
+    q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, config, bwd_config
+):  # fmt: skip
+    return _attention_fwd_impl(q, k, v, row_lo, row_hi, schedule, scale, msb, msh, config)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' eager twin: the same forward, context and backward functions, called
+    without the custom-op dispatch (torch.library's argument flattening and redispatch cost
+    about half of the host time of a small fwd+bwd step). ``torch.compile`` traces the custom
+    ops instead (their fake implementations keep the graph whole)."""
+
+    @staticmethod
+    def forward(
+        q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, config, bwd_config
+    ):  # fmt: skip
+        return _attention_fwd_impl(q, k, v, row_lo, row_hi, schedule, scale, msb, msh, config)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        dq, dk, dv = backward(ctx, dout, dlse, eager=True)[:3]
+        return (dq, dk, dv) + (None,) * 9
 
 
 # Forward schedules (FULL tiles first) per TileSchedule object, kept while it lives. Eager only:
@@ -230,7 +266,13 @@ def _attention_tiled_order(q, k, v, plan: MaskPlan, scale: float, backend: str):
         mask_stride_b = heads if plan.batch else 0
         mask_stride_h = 1 if plan.heads else 0
         bwd_schedule, bwd_config = backward_inputs(plan, q, k, v, eff)
-        out, lse = torch.ops.compilemask.attention_fwd(
+        if torch.compiler.is_compiling():
+            op = torch.ops.compilemask.attention_fwd
+        elif bwd_config:
+            op = _EagerAttention.apply
+        else:  # no gradient will be taken: the forward alone
+            op = _forward_only
+        out, lse = op(
             q, k, v, plan.row_lo, plan.row_hi, _forward_schedule(plan, cfg), bwd_schedule,
             scale, mask_stride_b, mask_stride_h,
             [
