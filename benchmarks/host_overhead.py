@@ -1,13 +1,20 @@
-"""Is a small case host-bound? Host time to issue one fwd+bwd step against its GPU time.
+"""Is a case host-bound? Host time to issue one step against its GPU time.
 
     PYTHONPATH=src python3 benchmarks/host_overhead.py --workloads shared_prompt clear \\
-        --n0 1024 --out host.jsonl
+        --n0 1024 --modes fwd fwd+bwd --out host.jsonl
 
-For each workload: ``gpu_ms``, the median of ``triton.testing.do_bench`` (what the speed
-tables report), and ``issue_ms``, the wall time per step of issuing 50 steps back to back with
-no synchronisation in between (the CUDA queue does not fill at that depth). When issue_ms is
-close to gpu_ms the step is host-bound: the GPU waits for Python. Rows for CompileMask
-(Triton backend) and FlexAttention (compiled, its mask built once), one JSON line each.
+For each workload and mode (fwd: no grad; fwd+bwd: one forward and backward step):
+``gpu_ms``, the median of ``triton.testing.do_bench`` (what the speed tables report);
+``issue_ms``, the wall time per step of issuing 50 steps back to back with no synchronisation
+in between (the CUDA queue does not fill at that depth); and ``hidden_ms``, the median of the
+same timing as do_bench (L2 flushed, events around each step) with a GPU sleep of
+``--sleep-ms`` queued before each step, so that the host has issued the step before the GPU
+reaches it: the GPU time alone. do_bench starts its clock when the GPU reaches the start
+event, right after its L2 flush (a 256 MB memset); host work before a step's first launch
+that outlasts the flush is therefore inside ``gpu_ms``: ``gpu_ms - hidden_ms`` is the host
+time the speed tables see. When issue_ms is close to gpu_ms the step is host-bound. Rows for
+CompileMask (Triton backend) and FlexAttention (compiled, its mask built once), one JSON line
+each.
 """
 
 from __future__ import annotations
@@ -35,11 +42,41 @@ def _issue_ms(step, n: int = 50) -> float:
     return (t1 - t0) / n * 1e3
 
 
+def _hidden_ms(step, sleep_ms: float, n: int = 50, grad_to_none=()) -> float:
+    """Median GPU ms of ``step`` as do_bench times it, with ``sleep_ms`` of GPU sleep queued
+    before each step (after the L2 flush) so that the host's issue time is hidden."""
+    cache = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    step()
+    torch.cuda.synchronize()
+    # torch.cuda._sleep spins for a number of cycles: calibrate cycles per ms once
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    torch.cuda._sleep(1_000_000)
+    t1.record()
+    torch.cuda.synchronize()
+    cycles = int(1_000_000 * sleep_ms / t0.elapsed_time(t1))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        for x in grad_to_none:
+            x.grad = None
+        cache.zero_()
+        torch.cuda._sleep(cycles)
+        starts[i].record()
+        step()
+        ends[i].record()
+        torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[n // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", nargs="+", default=["shared_prompt"])
     ap.add_argument("--n0", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--modes", nargs="+", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    ap.add_argument("--sleep-ms", type=float, default=5.0, help="GPU sleep before each step")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -68,18 +105,39 @@ def main() -> None:
             def theirs(qg=qg, kg=kg, vg=vg, bm=bm, do=do):
                 flex(qg, kg, vg, block_mask=bm).backward(do)
 
-            for system, step in (("compilemask-triton", ours), ("flex-triton", theirs)):
-                gpu = triton.testing.do_bench(
-                    step, warmup=10, rep=50, return_mode="median", grad_to_none=[qg, kg, vg]
-                )
-                issue = _issue_ms(step)
-                row = {
-                    **env, "workload": name, "N0": a.n0, "N": w.N, "B": w.B, "Hq": a.heads,
-                    "D": 128, "dtype": "bf16", "mode": "fwd+bwd", "system": system,
-                    "gpu_ms": gpu, "issue_ms": issue, "kind": "host_overhead",
-                }  # fmt: skip
-                out.write(json.dumps(row) + "\n")
-                print(f"{name:<14} {system:<20} gpu {gpu:7.3f} ms  issue {issue:7.3f} ms")
+            def ours_fwd(q=q, k=k, v=v, plan=plan):
+                with torch.no_grad():
+                    cm.attention(q, k, v, plan, backend="triton")
+
+            def theirs_fwd(q=q, k=k, v=v, bm=bm):
+                with torch.no_grad():
+                    flex(q, k, v, block_mask=bm)
+
+            steps = {
+                "fwd": (("compilemask-triton", ours_fwd), ("flex-triton", theirs_fwd)),
+                "fwd+bwd": (("compilemask-triton", ours), ("flex-triton", theirs)),
+            }
+            for mode in a.modes:
+                grads = [qg, kg, vg] if mode == "fwd+bwd" else []
+                for system, step in steps[mode]:
+                    gpu = triton.testing.do_bench(
+                        step, warmup=10, rep=50, return_mode="median", grad_to_none=grads
+                    )
+                    issue = _issue_ms(step)
+                    hidden = _hidden_ms(step, a.sleep_ms, grad_to_none=grads)
+                    row = {
+                        **env, "workload": name, "N0": a.n0, "N": w.N, "B": w.B,
+                        "Hq": a.heads, "D": 128, "dtype": "bf16", "mode": mode,
+                        "system": system, "gpu_ms": gpu, "issue_ms": issue,
+                        "hidden_ms": hidden, "sleep_ms": a.sleep_ms, "kind": "host_overhead",
+                    }  # fmt: skip
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    print(
+                        f"{name:<14} {mode:<8} {system:<20} gpu {gpu:7.3f} ms  "
+                        f"issue {issue:7.3f} ms  hidden {hidden:7.3f} ms",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -204,6 +204,16 @@ BWD_DS = [
     BwdConfig(64, 64, 4, 2, 64, 64, 8, 3, 3, 3, tma=1, ds_dq=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
 ]
+# --bwd-set dstma (session 7): the dS tiles stored through a TMA descriptor (BwdConfig.ds_tma:
+# an asynchronous bulk copy from shared memory that the pipeliner waits for one iteration
+# later; SASS: UTMASTG.2D, same 255 registers / 56 bytes of stack / 108 KiB as the per-thread
+# stores), with 2 and 3 stages in the dS GEMM and 3 in dK/dV (143 KiB: one program per SM)
+BWD_DSTMA = [
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 4, 3, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -236,7 +246,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
-    bwd_sets += ["occupancy", "ds"]
+    bwd_sets += ["occupancy", "ds", "dstma"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
@@ -283,6 +293,7 @@ def main() -> None:
                 "order": BWD_ORDER,
                 "occupancy": BWD_OCCUPANCY,
                 "ds": BWD_DS,
+                "dstma": BWD_DSTMA,
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:

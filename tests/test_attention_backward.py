@@ -356,7 +356,7 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 15
+            assert len(cfg.as_list()) == 16
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -467,9 +467,37 @@ def test_ds_dq_through_autograd(monkeypatch, limit):
         _, ints = backward_inputs(plan, q.clone().requires_grad_(True), k, v)
     kind = plan.tiles(16, 32, bits=True).kind
     want = int((kind != 0).flatten(1).sum(1).max()) if limit is None else 0
-    assert ints[-1] == want and (want > 0 or limit == 0)
+    assert ints[14] == want and (want > 0 or limit == 0)  # BwdConfig.ds_dq
     grads = _autograd_grads(q, k, v, do, plan, dlse=dlse, bwd_cfg=cfg)
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
+
+
+@pytest.mark.parametrize("mask", ["document", "dilated_bits"])
+def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask):
+    """``ds_tma`` (with ``tma``): the dK/dV kernel stores dS^T through the buffer's TMA
+    descriptor (the same gradients pass the float64 check), and without ``tma`` it falls back
+    to per-thread stores."""
+    from compilemask.kernels.triton import backward as bwd
+
+    real = bwd._attn_bwd_dkdv
+    seen = []
+
+    class _Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["DS_TMA"], kw["DS_desc"] is not None))
+                return real[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(bwd, "_attn_bwd_dkdv", _Spy())
+    plan = cm.compile(MASKS[mask](), 100, device=DEVICE)
+    q, k, v, do = _inputs(2, 2, 1, 100, 100, 32, torch.float16, seed=14)
+    for tma in (1, 0):
+        cfg = replace(BWD_TILES["ds-16x32"], tma=tma, ds_tma=1)
+        grads = _triton_grads(q, k, v, do, plan, cfg)
+        _assert_grads(grads, q, k, v, do, plan)
+    assert seen == [(True, True), (False, False)]
 
 
 def test_ds_dq_is_off_where_it_cannot_run():
@@ -524,7 +552,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 15 and len(tensors) == 18
+    assert len(ints) == 16 and len(tensors) == 18
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

@@ -189,6 +189,9 @@ def _attn_bwd_dkdv_inner(
     DS_head=None,
     SlotCol=None,
     STORE_DS: tl.constexpr = False,
+    DS_desc=None,
+    ds_row0=0,
+    DS_TMA: tl.constexpr = False,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -199,7 +202,9 @@ def _attn_bwd_dkdv_inner(
     ``dS K``, to the fp32 rows ``DQacc_head`` ([Nq, HEAD_DIM_PAD]; through the descriptor
     ``DQ_desc`` as a TMA reduction when USE_TMA, else with relaxed atomic adds). STORE_DS:
     also store ``dS^T`` (keys x queries, the inputs' dtype) of every tile into the dS buffer
-    ``DS_head`` at the tile's slot ``SlotCol[qt * tile_stride]`` (``BwdConfig.ds_dq``).
+    ``DS_head`` at the tile's slot ``SlotCol[qt * tile_stride]`` (``BwdConfig.ds_dq``);
+    DS_TMA: through the 2-D descriptor ``DS_desc`` (rows ``(ds_row0 + slot) * BLOCK_N``), an
+    asynchronous bulk store from shared memory (``BwdConfig.ds_tma``).
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -299,14 +304,18 @@ def _attn_bwd_dkdv_inner(
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if STORE_DS:
-            slot = tl.load(SlotCol + qt * tile_stride).to(tl.int64)
-            ds_ptrs = (
-                DS_head
-                + slot * (BLOCK_N * BLOCK_M)
-                + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M
-                + offs_m_local[None, :]
-            )
-            tl.store(ds_ptrs, dsT)
+            if DS_TMA:
+                slot = tl.load(SlotCol + qt * tile_stride)
+                DS_desc.store([(ds_row0 + slot) * BLOCK_N, 0], dsT)
+            else:
+                slot = tl.load(SlotCol + qt * tile_stride).to(tl.int64)
+                ds_ptrs = (
+                    DS_head
+                    + slot * (BLOCK_N * BLOCK_M)
+                    + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M
+                    + offs_m_local[None, :]
+                )
+                tl.store(ds_ptrs, dsT)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
             if USE_TMA:
@@ -356,6 +365,8 @@ def _attn_bwd_dkdv(
     Slot=None,
     ds_tiles=0,
     STORE_DS: tl.constexpr = False,
+    DS_desc=None,
+    DS_TMA: tl.constexpr = False,
 ):  # fmt: skip
     if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
         rank = tl.program_id(0)
@@ -407,9 +418,11 @@ def _attn_bwd_dkdv(
             DQacc_head = DQacc + bh * Nq * HEAD_DIM_PAD
         DS_head = DS
         SlotCol = Slot
+        ds_row0 = 0
         if STORE_DS:
             DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
             SlotCol = Slot + tile_col
+            ds_row0 = (bh * ds_tiles).to(tl.int32)
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
@@ -420,6 +433,7 @@ def _attn_bwd_dkdv(
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol, STORE_DS,
+            DS_desc, ds_row0, DS_TMA,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -431,6 +445,7 @@ def _attn_bwd_dkdv(
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol, STORE_DS,
+            DS_desc, ds_row0, DS_TMA,
         )  # fmt: skip
 
     dk = dk * scale
@@ -1118,6 +1133,14 @@ def attention_backward(
         if use_ds
         else None
     )
+    # the dS buffer as [rows, BLOCK_M] for TMA (int32 coordinates): dS^T loads in the dS GEMM,
+    # and with cfg.ds_tma also the stores of the dK/dV kernel
+    ds_desc = None
+    if use_ds and qdo_descs is not None and ds_buf.shape[0] < 2**31:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        ds_desc = TensorDescriptor.from_tensor(ds_buf, [bn, bm])
+    ds_tma = ds_desc is not None and bool(cfg.ds_tma)
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     order = launch_order(cfg.dkdv_order, B * Hkv)
@@ -1136,7 +1159,7 @@ def attention_backward(
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
         DQacc=dq_acc, DQ_desc=dq_desc, ATOMIC_DQ=atomic,
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
-        STORE_DS=use_ds,
+        STORE_DS=use_ds, DS_desc=ds_desc if ds_tma else None, DS_TMA=ds_tma,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     if atomic:
@@ -1149,11 +1172,8 @@ def attention_backward(
     s = dq_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     if use_ds:
-        ds_desc = None
-        if kv_descs is not None:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            ds_desc = TensorDescriptor.from_tensor(ds_buf, [bn, bm])
+        if kv_descs is None:  # K through pointers: dS too
+            ds_desc = None
         order = launch_order(cfg.dq_order, B * Hq)
         _attn_bwd_dq_ds[launch_grid(order, B * Hq, Tq)](
             ds_buf, k, dq, ds_slots, s["q_count"], s["q_list"], s["q_order"],

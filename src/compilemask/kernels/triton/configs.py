@@ -261,6 +261,10 @@ class BwdConfig:
             deterministic). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the
             buffer's size from the plan (the largest number of touched tiles of one mask)
             or 0 when the buffer would exceed :func:`ds_buffer_limit` bytes.
+        ds_tma: 1 (with ``ds_dq`` and ``tma``) stores the dS tiles through a TMA descriptor:
+            the tile goes to shared memory and a bulk asynchronous copy writes it while the
+            loop goes on (the pipeliner waits for it before the buffer is reused), instead of
+            per-thread stores.
     """
 
     dkdv_block_m: int
@@ -278,14 +282,15 @@ class BwdConfig:
     overlap: int = 0
     atomic_dq: int = 0
     ds_dq: int = 0
+    ds_tma: int = 0
 
     def as_list(self) -> list[int]:
-        """The fifteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The sixteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
             self.dkdv_order, self.dq_order, self.fused, self.tma, self.overlap, self.atomic_dq,
-            self.ds_dq,
+            self.ds_dq, self.ds_tma,
         ]  # fmt: skip
 
 
