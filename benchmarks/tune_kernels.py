@@ -214,6 +214,14 @@ BWD_DSTMA = [
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     BwdConfig(64, 64, 4, 3, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
 ]
+# --bwd-set dkdv (session 7): with ds_tma, the dK/dV kernel at 64x64 with 8 warps (SASS: 251
+# registers and no stack, against 255 and 56 bytes at 4 warps; 108 KiB: one program of 8 warps
+# per SM instead of two of 4) and at 32x64 (254 registers, no stack, 70 KiB)
+BWD_DKDV = [
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 8, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(32, 64, 4, 2, 32, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -246,7 +254,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
@@ -294,6 +302,7 @@ def main() -> None:
                 "occupancy": BWD_OCCUPANCY,
                 "ds": BWD_DS,
                 "dstma": BWD_DSTMA,
+                "dkdv": BWD_DKDV,
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:

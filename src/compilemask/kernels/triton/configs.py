@@ -312,11 +312,14 @@ class BwdConfig:
 # 4.163 against 4.264, shared_prompt 6.426 / 6.689, hstu 16K 4.190 / 4.358, shared_prompt
 # 16K 6.538 / 6.529, clear 1K 2.701 / 2.807 (3 stages in the dS GEMM: within 2% either
 # way). Causal from 16K has a dS buffer over the limit and runs the dQ kernel (64x64).
+# Session 7 (h200-tune-2026-11-30-session7.jsonl): the dS tiles stored through TMA (ds_tma):
+# hstu 32K 3.955 ms against 4.213, shared_prompt 6.231 / 6.400, shared_prompt 16K 6.432 /
+# 6.520 (3 stages in dK/dV: 4.73 and 7.18, one program per SM).
 _BWD_16BIT: dict[int, BwdConfig] = {
     32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     96: BwdConfig(32, 128, 8, 2, 128, 32, 8, 2),  # D padded to 128
-    128: BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1),
+    128: BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     256: BwdConfig(32, 64, 8, 2, 64, 32, 8, 2),
 }
 
