@@ -14,6 +14,7 @@ plus ``config``) so that the winners can go into ``kernels/triton/configs.py`` w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -239,6 +240,11 @@ def _mask(name: str, n0: int):
     if name == "clear_tiled":
         w = workload("clear", n0)
         return w, cm.masks.tile_grid(w.mask, (8, 16))
+    if name == "dense":  # every pair visible (one bidirectional document) at clear's N and B:
+        # the floor of a nearly dense mask (Flex's block mask is all FULL blocks)
+        w = workload("clear", n0)
+        w = dataclasses.replace(w, name="dense", mask=cm.masks.document([w.N], causal=False))
+        return w, w.mask
     w = workload(name, n0)
     return w, w.mask
 
