@@ -53,7 +53,6 @@ from .common import (
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 from .forward import _load_kv_tile, tma_descriptors
-from .toolchain import bundled_ptxas
 
 _LOG2E = 1.4426950408889634
 _PRE_BLOCK = 64
@@ -1018,7 +1017,6 @@ def _attn_bwd_dq_ds(
     )  # fmt: skip
 
 
-@bundled_ptxas
 def attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -37,7 +37,6 @@ from .common import (
     tile_of_rank,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
-from .toolchain import bundled_ptxas
 
 _LOG2E = 1.4426950408889634
 
@@ -386,7 +385,6 @@ def _attn_fwd(
     tl.store(lse_ptrs, lse, mask=m_ok)
 
 
-@bundled_ptxas
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .toolchain import bundled_ptxas
-
 
 @triton.jit
 def _gather_rows(
@@ -55,7 +53,6 @@ def _gather_rows(
     tl.store(o_ptrs, tl.load(x_ptrs, mask=ok), mask=ok)
 
 
-@bundled_ptxas
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x.index_select(2, index)`` for ``x`` ``[B, H, N, D]`` (any strides but a unit last
     stride; otherwise, or for other ranks, it falls back to ``index_select``) and ``index``

@@ -36,7 +36,6 @@ import triton.language as tl
 
 from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import TileSchedule
-from .toolchain import bundled_ptxas
 
 _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
@@ -176,7 +175,6 @@ def _heaviest_first_kernel(
     tl.store(order + rank, t, mask=t_ok)
 
 
-@bundled_ptxas
 def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor, out=None):
     """``(q_order, kv_order)``: per mask the tiles by decreasing count, ties by lower index
     (``argsort(-count, stable=True)``) in one launch; int32 ``[M, Tq]`` and ``[M, Tk]``
@@ -204,7 +202,6 @@ def _list_buffers(m: int, rows: int, length: int, dev) -> list[torch.Tensor]:
     ]
 
 
-@bundled_ptxas
 def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
     """Lists of the q-tiles (``transposed=False``: per q-tile its kv-tiles) or of the kv-tiles.
 
@@ -229,7 +226,6 @@ def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
     return tuple(out)
 
 
-@bundled_ptxas
 def tile_lists_both(kind: torch.Tensor, out=None):
     """:func:`tile_lists` of the q-tiles and of the kv-tiles in one launch:
     ``(q lists, kv lists)``, each a 4-tuple as there (written into ``out``, two such 4-tuples
@@ -246,7 +242,6 @@ def tile_lists_both(kind: torch.Tensor, out=None):
     return tile_lists(kind), tile_lists(kind, transposed=True)
 
 
-@bundled_ptxas
 def build_tiles_triton(
     lo: torch.Tensor,
     hi: torch.Tensor,
