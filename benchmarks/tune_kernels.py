@@ -112,6 +112,17 @@ FWD_BITS1K = [
     FwdConfig(128, 64, 8, 3, 1, 1),
     FwdConfig(128, 128, 8, 2, 3, 1),
 ]
+# --fwd-set bits16 (session 7): bitmask words loaded as 16-bit halves, which the pipeliner
+# does not stage through shared memory (the 32-bit words took 512 bytes per stage): 64x64 with
+# 3 stages now fits two programs per SM (115712 bytes of dynamic shared memory, the limit;
+# was 116280) and 128x128 with 3 stages compiles (230400; was over the limit)
+FWD_BITS16 = [
+    FwdConfig(64, 64, 4, 2, 3, 1),
+    FwdConfig(64, 64, 4, 3, 3, 1),
+    FwdConfig(128, 128, 8, 3, 3, 1),
+    FwdConfig(128, 128, 8, 3, 3, 0),
+    FwdConfig(128, 64, 8, 3, 3, 1),
+]
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]

@@ -69,18 +69,23 @@ def bits_tile_mask(
 ):
     """visible[r, c] = bit c % 32 of word c // 32 of row r of bitmask ``bits_idx``.
 
-    Each word is loaded once per row (``BLOCK_N // 32`` loads of ``[BLOCK_M]``) and broadcast
-    along its 32 columns: in the MMA layout the word index of a register is a compile-time
-    constant (a thread's columns differ by less than 8 inside an aligned group of 8), so the
-    selection folds away and an element costs a shift and a test, not a load.
+    The words are read as 16-bit halves (little-endian: half h holds columns 16h..16h+15),
+    each loaded once per row (``BLOCK_N // 16`` loads of ``[BLOCK_M]``) and broadcast along
+    its 16 columns: in the MMA layout the half index of a register is a compile-time constant
+    (a thread's columns differ by less than 8 inside an aligned group of 8), so the selection
+    folds away and an element costs a shift and a test, not a load. 16-bit loads are too
+    narrow for the software pipeliner's asynchronous copies, so they stay in registers: 32-bit
+    words were staged through shared memory (512 bytes per stage at 64x64), which pushed the
+    64x64 forward with 3 stages past two programs per SM.
     """
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     base = Bits + bits_idx.to(tl.int64) * stride_bits_p + rows * stride_bits_r
-    word = tl.load(base)[:, None] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for j in tl.static_range(1, (BLOCK_N + 31) // 32):
-        word = tl.where((cols // 32 == j)[None, :], tl.load(base + j)[:, None], word)
-    return ((word >> (cols % 32)[None, :]) & 1) != 0
+    half = base.to(tl.pointer_type(tl.uint16))
+    word = tl.load(half)[:, None].to(tl.int32) + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for j in tl.static_range(1, (BLOCK_N + 15) // 16):
+        word = tl.where((cols // 16 == j)[None, :], tl.load(half + j)[:, None].to(tl.int32), word)
+    return ((word >> (cols % 16)[None, :]) & 1) != 0
 
 
 @triton.jit
