@@ -14,8 +14,10 @@ plus ``config``) so that the winners can go into ``kernels/triton/configs.py`` w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import time
 
 import torch
@@ -271,9 +273,10 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
+    fwd_sets += ["bits16", "library"]  # the library's own choice for the plan (no override)
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -306,6 +309,8 @@ def main() -> None:
                 "bits": FWD_BITS,
                 "masked": FWD_MASKED,
                 "bits1k": FWD_BITS1K,
+                "bits16": FWD_BITS16,
+                "library": [None],
             }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
@@ -320,6 +325,7 @@ def main() -> None:
                 "ds": BWD_DS,
                 "dstma": BWD_DSTMA,
                 "dkdv": BWD_DKDV,
+                "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
             if "bwd" in a.part:
@@ -347,10 +353,14 @@ def main() -> None:
                     print("budget spent: stopping", flush=True)
                     break
                 ctx = override_forward_config if mode == "fwd" else override_backward_config
+                if cfg is None:  # --*-set library: no override
+                    ctx = lambda _: contextlib.nullcontext()  # noqa: E731
                 row = {
                     **env, "workload": name, "N0": a.n0, "N": w.N, "B": w.B, "Hq": a.heads,
                     "Hkv": a.heads, "D": 128, "dtype": "bf16", "mode": mode,
-                    "system": "compilemask-triton", "config": list(vars(cfg).values()),
+                    "system": "compilemask-triton",
+                    "config": list(vars(cfg).values()) if cfg else "library",
+                    "ptxas": os.environ.get("TRITON_PTXAS_PATH"),
                 }  # fmt: skip
                 try:
                     with ctx(cfg):
