@@ -513,12 +513,10 @@ def test_plan_dependent_configs():
         cfg = forward_config(128, torch.bfloat16, None, *args)
         return cfg.block_m, cfg.block_n
 
-    assert tiles(eff_t, True) == (128, 64)
-    assert tiles(eff_t, True, 1088) == (64, 64)  # short rows: two programs per SM
-    assert tiles(eff_t, True, 16384) == (128, 64)
+    assert tiles(eff_t, True) == (64, 64)  # bitmask plans: the masked tiling at every size
     assert tiles(eff_t, False) == (64, 64)
     assert tiles(0.3, True) == (64, 64)
-    assert tiles(0.995, True) == (128, 64)  # never 128x128 with bitmask tiles
+    assert tiles(0.995, True) == (64, 64)  # never the dense tiling with bitmask tiles
     assert tiles(0.995, False) == (128, 128)
     assert tiles(0.945, False) == (128, 128)  # shared_prompt at 16K and 32K
     assert tiles(0.9, False) == (64, 64)

@@ -259,9 +259,7 @@ def _attention_tiled_order(q, k, v, plan: MaskPlan, scale: float, backend: str):
         eff = None
         if q.shape[-1] == 128 and q.dtype in (torch.float16, torch.bfloat16):
             eff = tile_efficiency_128(plan)
-        cfg = forward_config(
-            q.shape[-1], q.dtype, q.device, eff, has_bitmask_tiles(plan), plan.q_len
-        )
+        cfg = forward_config(q.shape[-1], q.dtype, q.device, eff, has_bitmask_tiles(plan))
         heads = plan.heads or 1
         mask_stride_b = heads if plan.batch else 0
         mask_stride_h = 1 if plan.heads else 0

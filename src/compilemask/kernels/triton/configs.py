@@ -79,7 +79,7 @@ _FWD_16BIT: dict[int, FwdConfig] = {
 #   :data:`DENSE_TILE_EFFICIENCY`: causal): 128x128, 8 warps, 3 stages (causal 8.60 ms against
 #   9.03 with 2 stages, 9.59 at 64x64 with TMA);
 # - plans with bitmask tiles (more than ``BITS_MIN_SLOTS`` intervals per row) whose tiles are
-#   at least :data:`BITS_WIDE_TILE_EFFICIENCY` visible: 128x64, 8 warps, 3 stages
+#   at least 0.5 visible: 128x64, 8 warps, 3 stages (until session 7)
 #   (clear through tile_grid: 3.36 ms against 3.63 at 64x64 with TMA). 128x128 measured
 #   97-150 ms there, because the sweep ran on the plan's own 128x128 schedule, which a GPU
 #   build makes without bitmask tiles (perf-notes session 4, item 4); attention calls now ask
@@ -88,7 +88,7 @@ _FWD_16BIT: dict[int, FwdConfig] = {
 # - launch order 3 (each head's tiles heaviest first, the plan's order): causal 8.375 ms
 #   against 8.492 in natural order (order 2, reversed, 8.312; order 0 8.607); session 4 had
 #   hstu at 1.159 against 1.184 (order 2 1.178): heaviest first for both tilings;
-# - bitmask plans of at most :data:`BITS_SMALL_Q_LEN` query rows: 64x64, 4 warps, 2 stages,
+# - bitmask plans of at most 8192 query rows (until session 7): 64x64, 4 warps, 2 stages,
 #   TMA (two programs per SM: 83 KiB of shared memory each), clear through tile_grid at 4K
 #   1.944 ms against 2.219 at 128x64 (Flex 2.444), at 1K 1.018 against 1.084; at 32K the
 #   session-4 choice stays (128x64: 3.36 ms against 3.63 at 64x64 with 3 stages).
@@ -97,12 +97,14 @@ _FWD_16BIT: dict[int, FwdConfig] = {
 # with TMA; hstu (0.836) stays at 64x64 (1.059 against 1.322-1.404 for 128x128 / 128x64).
 # Clear at 1K (bitmask, 0.923): 64x64 with 2 stages 0.778 ms against 0.807-0.819 for 128x64
 # and 128x128 (both launch orders equal).
+# Session 7 (h200-tune-2026-11-30-session7.jsonl): bitmask words read as 16-bit halves (not
+# staged through shared memory, common.bits_tile_mask) let 64x64 with 3 stages hold two
+# programs per SM with bitmask tiles too: bitmask plans take the masked default at every size
+# (clear at 1K 0.662 ms against 0.753 with 2 stages, 0.757-0.794 at 128x128; clear_tiled at
+# 32K 2.307 against 2.891 at 128x64, at 4K 1.874 against 1.943; clear at 4K 2.333 against
+# 2.381, at 32K 5.153 against 6.561 at 128x64).
 _FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, grid_order=3)
 DENSE_TILE_EFFICIENCY = 0.94
-_FWD_BITS_128 = FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-BITS_WIDE_TILE_EFFICIENCY = 0.5
-_FWD_BITS_SMALL_128 = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=1)
-BITS_SMALL_Q_LEN = 8192
 
 # fp32 (tf32x3 dots, about fp32 accuracy): a correctness path, not a fast one; smaller tiles.
 _FWD_32BIT: dict[int, FwdConfig] = {
@@ -186,15 +188,14 @@ def forward_config(
     device: torch.device | None = None,
     tile_efficiency: float | None = None,
     bitmask_tiles: bool = False,
-    q_len: int | None = None,
 ) -> FwdConfig:
     """The forward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
 
     ``tile_efficiency``: the plan's visible pairs / pairs of its touched 128x128 tiles
     (:func:`tile_efficiency_128`), or None when unknown; dense plans get larger tiles.
-    ``bitmask_tiles``: the plan's masked tiles are mostly bitmasks (:func:`has_bitmask_tiles`).
-    ``q_len``: the plan's query length (bitmask plans of at most :data:`BITS_SMALL_Q_LEN` rows
-    get smaller tiles), or None when unknown. TMA descriptors are used on sm_90 and newer only.
+    ``bitmask_tiles``: the plan's masked tiles are mostly bitmasks (:func:`has_bitmask_tiles`):
+    such plans keep the masked tiling however dense. TMA descriptors are used on sm_90 and
+    newer only.
 
     Raises:
         CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
@@ -205,12 +206,7 @@ def forward_config(
     table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
     cfg = table[head_dim]
     if head_dim == 128 and dtype != torch.float32 and tile_efficiency is not None:
-        if bitmask_tiles:  # 128x64, not 128x128 (see above); 64x64 for short rows
-            if q_len is not None and q_len <= BITS_SMALL_Q_LEN:
-                cfg = _FWD_BITS_SMALL_128
-            elif tile_efficiency >= BITS_WIDE_TILE_EFFICIENCY:
-                cfg = _FWD_BITS_128
-        elif tile_efficiency >= DENSE_TILE_EFFICIENCY:
+        if not bitmask_tiles and tile_efficiency >= DENSE_TILE_EFFICIENCY:
             cfg = _FWD_DENSE_128
     if cfg.tma and not _has_tma(device):
         cfg = replace(cfg, tma=0)
