@@ -70,6 +70,23 @@ def _hidden_ms(step, sleep_ms: float, n: int = 50, grad_to_none=()) -> float:
     return times[n // 2]
 
 
+def _profile(step, top: int, grads, n: int = 100) -> None:
+    """cProfile of ``n`` steps issued back to back: the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(n):
+        for x in grads:
+            x.grad = None
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", nargs="+", default=["shared_prompt"])
@@ -77,6 +94,12 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=["fwd+bwd"], choices=["fwd", "fwd+bwd"])
     ap.add_argument("--sleep-ms", type=float, default=5.0, help="GPU sleep before each step")
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        help="print the N costliest host functions (cProfile, by own time) of CompileMask's steps",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -138,6 +161,8 @@ def main() -> None:
                         f"issue {issue:7.3f} ms  hidden {hidden:7.3f} ms",
                         flush=True,
                     )
+                    if a.cprofile and system == "compilemask-triton":
+                        _profile(step, a.cprofile, grads)
 
 
 if __name__ == "__main__":
