@@ -98,17 +98,22 @@ class _EagerAttention(torch.autograd.Function):
     """The custom ops' eager twin: the same forward, context and backward functions, called
     without the custom-op dispatch (torch.library's argument flattening and redispatch cost
     about half of the host time of a small fwd+bwd step). ``torch.compile`` traces the custom
-    ops instead (their fake implementations keep the graph whole)."""
+    ops instead (their fake implementations keep the graph whole).
+
+    The context is set inside ``forward`` (the classic form): with a separate
+    ``setup_context``, ``Function.apply`` binds the arguments through ``inspect.signature`` on
+    every call."""
 
     @staticmethod
     def forward(
-        q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, config, bwd_config
+        ctx, q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, config,
+        bwd_config,
     ):  # fmt: skip
-        return _attention_fwd_impl(q, k, v, row_lo, row_hi, schedule, scale, msb, msh, config)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
+        output = _attention_fwd_impl(q, k, v, row_lo, row_hi, schedule, scale, msb, msh, config)
+        inputs = (q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, config,
+                  bwd_config)  # fmt: skip
         setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -48,6 +48,7 @@ from .common import (
     partial_tile_mask,
     partial_tile_mask_t,
     preload_row_slot,
+    q_tile_program,
     slots_mask,
     tile_of_rank,
 )
@@ -690,13 +691,9 @@ def _attn_bwd_dq(
         pid_bh = (pid_kv // Hkv) * Hq + (pid_kv % Hkv) * gqa_group + g
     else:
         pid_bh, rank = grid_position(GRID_ORDER)
-    off_b = pid_bh // Hq
-    off_h = pid_bh % Hq
-    off_hkv = off_h // gqa_group
-    mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
-
-    qt = tile_of_rank(QOrder + mask_id * Tq, rank, Tq, GRID_ORDER)
-    tile_row = mask_id * Tq + qt
+    off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
+        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+    )
     count = tl.load(QCount + tile_row)
     full_count = tl.load(QFullCount + tile_row)
     tile_list = QList + tile_row * Tk
@@ -967,12 +964,9 @@ def _attn_bwd_dq_ds(
     dS^T tiles at the slots ``Slot`` [M, Tq, Tk]; the tile lists are the forward schedule's
     at the dK/dV tiling. USE_TMA: K and dS^T tiles through the descriptors."""
     pid_bh, rank = grid_position(GRID_ORDER)
-    off_b = pid_bh // Hq
-    off_h = pid_bh % Hq
-    off_hkv = off_h // gqa_group
-    mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
-    qt = tile_of_rank(QOrder + mask_id * Tq, rank, Tq, GRID_ORDER)
-    tile_row = mask_id * Tq + qt
+    off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
+        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+    )
     count = tl.load(QCount + tile_row)
     tile_list = QList + tile_row * Tk
     slot_row = Slot + tile_row * Tk

@@ -306,6 +306,24 @@ def tile_of_rank(Order, rank, T, GRID_ORDER: tl.constexpr):
     return tile
 
 
+@triton.jit
+def q_tile_program(
+    pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq,
+    GRID_ORDER: tl.constexpr,
+):  # fmt: skip
+    """The q-tile of a program that owns one (forward, dQ): ``(off_b, off_h, off_hkv,
+    mask_id, qt, tile_row)`` for its (batch row, query head) index ``pid_bh`` and tile
+    ``rank``; ``mask_id`` (int64) picks the plan's mask, ``tile_row = mask_id * Tq + qt`` the
+    row of the [M, Tq, ...] schedule arrays."""
+    off_b = pid_bh // Hq
+    off_h = pid_bh % Hq
+    off_hkv = off_h // gqa_group
+    mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
+    qt = tile_of_rank(QOrder + mask_id * Tq, rank, Tq, GRID_ORDER)
+    tile_row = mask_id * Tq + qt
+    return off_b, off_h, off_hkv, mask_id, qt, tile_row
+
+
 def launch_order(grid_order: int, bh: int) -> int:
     """``grid_order``, or 0 when the (T, B * H) layout would put more than 65,535 programs on
     the grid's second axis (CUDA's limit)."""

@@ -33,8 +33,8 @@ from .common import (
     mask_constants,
     partial_tile_mask,
     preload_row_slot,
+    q_tile_program,
     slots_mask,
-    tile_of_rank,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
 
@@ -298,13 +298,9 @@ def _attn_fwd(
     OVERLAP: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
-    off_b = pid_bh // Hq
-    off_h = pid_bh % Hq
-    off_hkv = off_h // gqa_group
-    mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
-
-    qt = tile_of_rank(QOrder + mask_id * Tq, rank, Tq, GRID_ORDER)
-    tile_row = mask_id * Tq + qt  # row of the [M, Tq, ...] schedule arrays
+    off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
+        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+    )
     count = tl.load(QCount + tile_row)
     full_count = tl.load(QFullCount + tile_row)
     tile_list = QList + tile_row * Tk
