@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
 import compilemask as cm  # noqa: E402
+from compilemask.errors import InputError  # noqa: E402
 from compilemask.kernels import reference as reference_mod  # noqa: E402
 from compilemask.kernels.reference import (  # noqa: E402
     reference_attention,
@@ -704,3 +705,15 @@ def test_compile_under_inference_mode_then_train(tiled):
         assert not any(torch.is_tensor(t) and t.is_inference() for t in tensors)
     grads = _autograd_grads(q, k, v, do, plan)
     _assert_grads(grads, q, k, v, do, plan)
+
+
+def test_torch_func_transforms_get_a_clear_error_on_triton():
+    """The kernels take plain tensors: torch.func transforms over the Triton backend raise an
+    InputError that names the way out (before, the kernel launch failed on a functorch
+    wrapper deep in Triton)."""
+    plan = cm.compile(MASKS["causal"](), 40, device=DEVICE)
+    q, k, v, _ = _inputs(1, 2, 2, 40, 40, 32, torch.float32, seed=21)
+    with pytest.raises(InputError, match="torch.autograd"):
+        torch.func.grad(lambda x: cm.attention(x, k, v, plan, backend="triton").sum())(q)
+    with pytest.raises(InputError, match="torch.func"):
+        torch.func.vmap(lambda x: cm.attention(x, k, v, plan, backend="triton"))(q[None])

@@ -119,6 +119,22 @@ def test_user_errors_exit_2(run):
         assert "error:" in result.output and "Traceback" not in result.output
 
 
+@needs_compiler
+def test_show_names_text_masks_and_refuses_other_formats(run, tmp_path):
+    """Inline mask text gets its own default file name (not one shared ``out/mask.png``);
+    ``-o`` must name a PNG (a clean usage error, not matplotlib's traceback); a missing file
+    is reported as missing."""
+    result = run("show", "document([30, 34]) | prefix_lm(16)")
+    assert result.exit_code == 0, result.output
+    assert "out/document_30_34_prefix_lm_16.png" in result.output
+    assert (tmp_path / "out" / "document_30_34_prefix_lm_16.png").exists()
+    result = run("show", "causal()", "--q-len", "64", "-o", str(tmp_path / "x.txt"))
+    assert result.exit_code == 2 and "must be a .png" in result.output
+    assert "Traceback" not in result.output
+    result = run("stats", "examples/nonexistent.txt")
+    assert result.exit_code == 2 and "not found" in result.output
+
+
 def test_syntax_error_is_clean(run, tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("document([3, 5]) |\n")

@@ -209,6 +209,20 @@ def test_pack_documents():
     assert bool((plan.to_dense() == cm.dense(masks.document([3, 1, 2], causal=False), 6)).all())
 
 
+@pytest.mark.parametrize(
+    "documents, match",
+    [
+        ([[1, 2], []], r"documents\[1\] is empty"),
+        ([], "at least one document"),
+        ("abc", "list of token-id lists, got str"),
+        ([[1, 2], "ab"], r"documents\[1\] must be a list of token ids"),
+    ],
+)
+def test_pack_documents_errors_name_the_documents(documents, match):
+    with pytest.raises(InputError, match=match):
+        cm_hf.pack_documents(documents)
+
+
 def test_missing_plan_is_an_error(llama):
     llama.set_attn_implementation(cm_hf.register())
     with pytest.raises(InputError, match="compilemask_plan"):

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from ..compiler.plan import MaskPlan
+from ..errors import InputError
 from ..kernels.reference import reference_attention
 from ..kernels.triton.configs import (
     FwdConfig,
@@ -224,7 +225,8 @@ def attention(
 
     Raises:
         InputError: mismatching shapes, dtypes or devices, unsupported head_dim, a plan built
-            for other lengths / batch / heads or on another device, an unavailable backend.
+            for other lengths / batch / heads or on another device, an unavailable backend,
+            the Triton backend under a torch.func transform (grad, vjp, jvp, vmap).
 
     Example::
 
@@ -237,6 +239,16 @@ def attention(
     validate.check_plan(q, k, plan)
     scale = validate.check_scale(scale, q.shape[-1])
     backend = validate.resolve_backend(backend, q)
+    if (
+        backend == "triton"
+        and torch._C._are_functorch_transforms_active()
+        and not torch.compiler.is_compiling()
+    ):
+        raise InputError(
+            'backend="triton" does not run under torch.func transforms (grad, vjp, jvp, vmap): '
+            "the kernels take plain tensors; differentiate with torch.autograd (.backward(), "
+            "torch.autograd.grad) instead"
+        )
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
         q, k, v = (_permute_tokens(t, perm, inv) for t in (q, k, v))

@@ -179,7 +179,8 @@ def pack_documents(
         restart at 0 in each document, and the plan of ``document(lengths, causal)`` for N.
 
     Raises:
-        CompileMaskError: no documents, or an empty one.
+        InputError: ``documents`` is not a list of token-id lists, holds no document, or
+            an empty one.
 
     Example::
 
@@ -187,6 +188,17 @@ def pack_documents(
         >>> pos.tolist()
         [[0, 1, 2, 0, 1]]
     """
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
+        raise InputError(
+            f"documents must be a list of token-id lists, got {type(documents).__name__}"
+        )
+    if not documents:
+        raise InputError("documents must hold at least one document, got none")
+    for i, d in enumerate(documents):
+        if isinstance(d, (str, bytes)) or not isinstance(d, (Sequence, torch.Tensor)):
+            raise InputError(f"documents[{i}] must be a list of token ids, got {type(d).__name__}")
+        if len(d) == 0:
+            raise InputError(f"documents[{i}] is empty; every document needs a token")
     lengths = [len(d) for d in documents]
     mask = document(lengths, causal=causal)
     flat = [int(t) for d in documents for t in d]

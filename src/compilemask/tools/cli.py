@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -119,7 +120,10 @@ def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) ->
     if path.is_file():
         text, label = path.read_text(), path.name
     elif any(c in spec for c in "(\n{") or spec.startswith("layout"):
-        text, label = spec, "mask"
+        # a label for file names: the text's words, e.g. "document_30_34_prefix_lm_16"
+        text, label = spec, re.sub(r"[^A-Za-z0-9]+", "_", spec).strip("_")[:60] or "mask"
+    elif "/" in spec or path.suffix:
+        raise CompileMaskError(f"MASK file {spec!r} not found")
     else:
         raise CompileMaskError(
             f"MASK {spec!r} is neither a file nor a seed workload "
@@ -196,12 +200,20 @@ def cli():
     default=None,
     help="PNG to write (default: out/<mask>.png).",
 )
-@click.option("--max-pixels", type=int, default=1024, show_default=True)
+@click.option(
+    "--max-pixels",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Largest side of the mask picture in pixels (longer masks are downsampled).",
+)
 @_clean_errors
 def show(mask, q_len, kv_len, size, block_m, block_n, output, max_pixels):
     """Write a PNG of MASK and its tile classes."""
     from .visualize import plot_mask
 
+    if output is not None and Path(output).suffix.lower() != ".png":
+        raise click.BadParameter(f"{output!r} must be a .png file", param_hint="-o/--output")
     spec = resolve_mask(mask, q_len, kv_len, size)
     plan, _ = compile_spec(spec, block_m, block_n)
     output = output or f"out/{Path(spec.label).stem.replace('@', '-')}.png"
