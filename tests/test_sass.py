@@ -52,3 +52,37 @@ def test_three_stage_loops_keep_copies_in_flight():
         counts = {int(w): n for w, n in waits[name].items()}
         # one pipelined wait per loop (masked tiles, FULL tiles); 0 would wait for every copy
         assert sum(n for w, n in counts.items() if w > 0) >= 2, (name, counts)
+
+
+_CHILD_SMEM = """
+import json, sys
+sys.path.insert(0, {bench!r})
+from sass_stats import launch_all
+from compilemask.kernels.triton import sass
+from compilemask.kernels.triton.configs import BwdConfig, FwdConfig
+from compilemask.workloads import workload
+with sass.capture_sm90() as kernels:
+    launch_all(workload("clear", 1024), FwdConfig(64, 64, 4, 3, 3, 1),
+               BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1))
+print(json.dumps({{n: k.metadata.shared for n, k in kernels}}))
+"""
+
+# Two programs per SM on sm_90: 2 x (dynamic + 1 KiB reserved per block) <= 228 KiB.
+TWO_PER_SM = 228 * 1024 // 2 - 1024
+
+
+def test_bitmask_forward_keeps_two_programs_per_sm():
+    """Session 7: the pipeliner staged the 32-bit bitmask words through shared memory (512
+    bytes per stage), which put the 64x64 forward with 3 stages one program per SM; the
+    16-bit loads of ``common.bits_tile_mask`` stay in registers. Clear at 1K has bitmask
+    tiles in every image row."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    child = _CHILD_SMEM.format(bench=str(ROOT / "benchmarks"))
+    done = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert shared["_attn_fwd"] <= TWO_PER_SM, shared
+    assert shared["_attn_bwd_dkdv"] <= TWO_PER_SM, shared
