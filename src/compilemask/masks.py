@@ -184,10 +184,11 @@ def dilated(window: int, dilation: int) -> Mask:
 
 def tile_grid(mask: Mask, tile: tuple[int, int] = (8, 16)) -> Mask:
     """Reorder the tokens of the mask's 2-D grids into ``th x tw`` tiles (a compiler pass for
-    local 2-D windows, DESIGN.md section 4). ``compilemask.attention`` with a plan of this mask
-    takes q, k, v in the ORIGINAL token order: it permutes them, runs the tiled plan and puts
-    the output back (``plan.permutation``); ``plan.in_permuted_order()`` drops that step for
-    models that keep their tokens tiled. Needs ``q_len == kv_len``.
+    local 2-D windows: a disc or window of neighbouring cells then covers few tiles).
+    ``compilemask.attention`` with a plan of this mask takes q, k, v in the ORIGINAL token
+    order: it permutes them, runs the tiled plan and puts the output back
+    (``plan.permutation``); ``plan.in_permuted_order()`` drops that step for models that keep
+    their tokens tiled. Needs ``q_len == kv_len``.
 
     Args:
         mask: a mask holding at least one 2-D grid (``clear``, ``natten2d`` or a layout's
@@ -201,8 +202,8 @@ def tile_grid(mask: Mask, tile: tuple[int, int] = (8, 16)) -> Mask:
         CompileMaskError: ``tile`` is not a pair of positive ints; when compiled, a mask without
             a grid, or ``q_len != kv_len``.
 
-    Source: DESIGN.md section 4 (token permutation for grid masks); CLEAR (Liu et al., 2024)
-    for the disc-shaped local attention it speeds up.
+    Source: the project's design notes (token permutation for grid masks); CLEAR (Liu et
+    al., 2024) for the disc-shaped local attention it speeds up.
 
     Example::
 

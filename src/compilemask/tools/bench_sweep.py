@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="compilemask bench",
-        description="Time CompileMask beside its peers on the seed workloads (GPU.md).",
+        description="Time CompileMask beside its peers on the seed workloads "
+        "(docs/gpu-runbook.md).",
     )
     p.add_argument(
         "--workloads",

@@ -352,7 +352,8 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args):
-    """Time CompileMask beside its peers on the GPU (GPU.md); `bench --help` lists options."""
+    """Time CompileMask beside its peers on the GPU (docs/gpu-runbook.md); `bench --help` lists
+    options."""
     from .bench_sweep import main as bench_main
 
     sys.exit(bench_main(list(args)))
