@@ -42,6 +42,7 @@ from compilemask.kernels.triton.configs import (  # noqa: E402
 from compilemask.kernels.triton.forward import attention_forward  # noqa: E402
 from compilemask.kernels.triton.schedule import (  # noqa: E402
     dkdv_schedule,
+    ds_pair_slots,
     ds_slots,
     forward_schedule,
 )
@@ -61,6 +62,8 @@ BWD_TILES = {
     "atomic-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1),
     # dQ from the dS tiles stored by the dK/dV kernel (16-bit; fp32 runs the dQ kernel)
     "ds-16x32": BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, dq_order=3, ds_dq=1),
+    # the same with dQ tiles of two dK/dV q-tiles (schedule.ds_pair_slots)
+    "ds-pair-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, dq_order=3, ds_dq=1),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -98,13 +101,16 @@ def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None):
     )  # fmt: skip
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
     s1 = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n)
+    s2 = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n)
     slots = None
-    if cfg.ds_dq:  # the buffer's tiles per head: the most touched tiles of one mask
-        slots = ds_slots(s1["kind"])
-        cfg = replace(cfg, ds_dq=int((s1["kind"] != 0).flatten(1).sum(1).max()))
+    if cfg.ds_dq:  # the buffer's slots per head: the most touched dQ tiles of one mask
+        if cfg.dq_block_m == cfg.dkdv_block_m:
+            slots = ds_slots(s1["kind"])
+        else:  # dQ tiles of two dK/dV q-tiles
+            slots = ds_pair_slots(s1["kind"], s2["kind"])
+        cfg = replace(cfg, ds_dq=int((s2["kind"] != 0).flatten(1).sum(1).max()))
     attention_backward(
-        q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1,
-        forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n),
+        q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1, s2,
         scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=cfg, dlse=dlse,
         dq=dq, dk=dk, dv=dv, ds_slots=slots,
     )  # fmt: skip
@@ -437,7 +443,19 @@ def test_autograd_triton(dtype):
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
 
 
-def test_ds_dq_replaces_the_dq_kernel(monkeypatch):
+def test_ds_pair_slots():
+    """Slots of q-tile pairs: ``4 * slot + present`` (bit r: q-tile 2p + r touches the
+    kv-tile), -1 where neither does; an odd last q-tile pairs with nothing."""
+    kind = torch.tensor([[[1, 0], [0, 2], [0, 0]]], dtype=torch.int32)  # Tq = 3, Tk = 2
+    pair_kind = torch.tensor([[[2, 2], [0, 0]]], dtype=torch.int32)
+    got = ds_pair_slots(kind, pair_kind)
+    assert got.tolist() == [[[0 * 4 + 1, 1 * 4 + 2], [-1, -1]]]
+    kind = torch.tensor([[[1], [1], [3]]], dtype=torch.int32)
+    assert ds_pair_slots(kind, torch.tensor([[[1], [3]]])).tolist() == [[[3], [4 + 1]]]
+
+
+@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
+def test_ds_dq_replaces_the_dq_kernel(monkeypatch, tiles):
     """With ``ds_dq`` the recomputing dQ kernel never runs: dQ comes from the stored dS."""
     from compilemask.kernels.triton import backward as bwd
 
@@ -448,36 +466,38 @@ def test_ds_dq_replaces_the_dq_kernel(monkeypatch):
     plan = cm.compile(MASKS["document"](), 100, device=DEVICE)
     q, k, v, do = _inputs(2, 2, 1, 100, 100, 32, torch.float16, seed=11)
     monkeypatch.setattr(bwd, "_attn_bwd_dq", _Refuse())
-    grads = _triton_grads(q, k, v, do, plan, BWD_TILES["ds-16x32"])
+    grads = _triton_grads(q, k, v, do, plan, BWD_TILES[tiles])
     _assert_grads(grads, q, k, v, do, plan)
 
 
+@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
 @pytest.mark.parametrize("limit", [None, 0])
-def test_ds_dq_through_autograd(monkeypatch, limit):
+def test_ds_dq_through_autograd(monkeypatch, limit, tiles):
     """The public path: the buffer is sized from the plan (GQA, a batch of 2 sharing one mask,
     dlse); a limit of 0 bytes falls back to the dQ kernel, with the same gradients."""
     from compilemask.api.autograd import backward_inputs
     from compilemask.kernels.triton import configs
 
     monkeypatch.setattr(configs, "DS_BUFFER_MAX_BYTES", limit)
-    cfg = BWD_TILES["ds-16x32"]
+    cfg = BWD_TILES[tiles]
     plan = cm.compile(MASKS["shared_prompt"](), 100, device=DEVICE)
     q, k, v, do = _inputs(2, 4, 2, 100, 100, 32, torch.float16, seed=12)
     dlse = torch.randn(2, 4, 100, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     with override_backward_config(cfg):
         _, ints = backward_inputs(plan, q.clone().requires_grad_(True), k, v)
-    kind = plan.tiles(16, 32, bits=True).kind
+    kind = plan.tiles(cfg.dq_block_m, cfg.dq_block_n, bits=True).kind  # a slot per dQ tile
     want = int((kind != 0).flatten(1).sum(1).max()) if limit is None else 0
     assert ints[14] == want and (want > 0 or limit == 0)  # BwdConfig.ds_dq
     grads = _autograd_grads(q, k, v, do, plan, dlse=dlse, bwd_cfg=cfg)
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
 
 
+@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
 @pytest.mark.parametrize("mask", ["document", "dilated_bits"])
-def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask):
+def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask, tiles):
     """``ds_tma`` (with ``tma``): the dK/dV kernel stores dS^T through the buffer's TMA
     descriptor (the same gradients pass the float64 check), and without ``tma`` it falls back
-    to per-thread stores."""
+    to per-thread stores; with paired dQ tiles (a slot of two q-tiles side by side) too."""
     from compilemask.kernels.triton import backward as bwd
 
     real = bwd._attn_bwd_dkdv
@@ -495,19 +515,22 @@ def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask):
     plan = cm.compile(MASKS[mask](), 100, device=DEVICE)
     q, k, v, do = _inputs(2, 2, 1, 100, 100, 32, torch.float16, seed=14)
     for tma in (1, 0):
-        cfg = replace(BWD_TILES["ds-16x32"], tma=tma, ds_tma=1)
+        cfg = replace(BWD_TILES[tiles], tma=tma, ds_tma=1)
         grads = _triton_grads(q, k, v, do, plan, cfg)
         _assert_grads(grads, q, k, v, do, plan)
     assert seen == [(True, True), (False, False)]
 
 
 def test_ds_dq_is_off_where_it_cannot_run():
-    """fp32, different dQ and dK/dV tilings, atomic dQ and the fused launch turn it off."""
+    """fp32, dQ tilings other than the dK/dV tiling or its pairs of q-tiles, atomic dQ and the
+    fused launch turn it off."""
     base = BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, ds_dq=1)
     assert backward_config(128, torch.float16).ds_dq in (0, 1)
     cases = [
         (torch.float32, base),
-        (torch.float16, replace(base, dq_block_m=128)),
+        (torch.float16, replace(base, dq_block_m=32)),
+        (torch.float16, replace(base, dq_block_n=128)),
+        (torch.float16, replace(base, dq_block_m=128, dq_block_n=32)),
         (torch.float16, replace(base, atomic_dq=1)),
         (torch.float16, replace(base, fused=1)),
     ]
@@ -522,6 +545,8 @@ def test_ds_dq_is_off_where_it_cannot_run():
             configs._BWD_16BIT.update(old[0]), configs._BWD_32BIT.update(old[1])
     configs._BWD_16BIT[128], saved = base, configs._BWD_16BIT[128]
     try:
+        assert configs.backward_config(128, torch.float16, None).ds_dq == 1
+        configs._BWD_16BIT[128] = replace(base, dq_block_m=128)  # pairs of q-tiles
         assert configs.backward_config(128, torch.float16, None).ds_dq == 1
     finally:
         configs._BWD_16BIT[128] = saved

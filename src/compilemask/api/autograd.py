@@ -28,6 +28,7 @@ from ..kernels.triton.schedule import (
     DKDV_SCHEDULE_FIELDS,
     FWD_SCHEDULE_FIELDS,
     dkdv_schedule,
+    ds_pair_slots,
     ds_slots,
     forward_schedule,
 )
@@ -137,10 +138,13 @@ _BWD_SCHEDULES: dict[tuple[int, int, bool], _Entry] = {}
 
 def _build(plan: MaskPlan, cfg: BwdConfig) -> list[torch.Tensor]:
     dkdv = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
-    tensors = list(dkdv.values())
-    tensors += list(forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True).values())
-    if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling (backward_config)
-        tensors.append(ds_slots(dkdv["kind"]))
+    dq = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True)
+    tensors = list(dkdv.values()) + list(dq.values())
+    if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling or pairs its q-tiles (backward_config)
+        if cfg.dq_block_m == cfg.dkdv_block_m:
+            tensors.append(ds_slots(dkdv["kind"]))
+        else:
+            tensors.append(ds_pair_slots(dkdv["kind"], dq["kind"]))
     return tensors
 
 

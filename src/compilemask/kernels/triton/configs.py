@@ -249,14 +249,16 @@ class BwdConfig:
             ``tma``, else atomic adds) and no dQ kernel runs (5 MMAs per tile pair instead of
             7); not bit-reproducible (the order of the fp32 additions varies), so it is off
             under ``torch.use_deterministic_algorithms(True)``. The dQ tiling is then unused.
-        ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling) stores dS, in the
-            inputs' dtype, tile by tile from the dK/dV kernel into a buffer of ``ds_dq``
-            tiles per (batch row, query head), and computes ``dQ = scale * dS K`` with a
-            GEMM-only kernel over the same tiles (1 MMA per tile pair instead of 3:
+        ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling, or with twice its
+            rows: :func:`ds_tilings_match`) stores dS, in the inputs' dtype, tile by tile
+            from the dK/dV kernel into a buffer of ``ds_dq`` slots per (batch row, query
+            head), one per touched tile of the dQ tiling, and computes ``dQ = scale * dS K``
+            with a GEMM-only kernel over the dQ tiling (1 MMA per tile pair instead of 3:
             6 per pair in all instead of 7, no recomputation of P in the dQ pass;
-            deterministic). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the
-            buffer's size from the plan (the largest number of touched tiles of one mask)
-            or 0 when the buffer would exceed :func:`ds_buffer_limit` bytes.
+            deterministic; with paired q-tiles each K tile is read once per two dK/dV
+            q-tiles). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the buffer's size
+            from the plan (the largest number of touched tiles of one mask) or 0 when the
+            buffer would exceed :func:`ds_buffer_limit` bytes.
         ds_tma: 1 (with ``ds_dq`` and ``tma``) stores the dS tiles through a TMA descriptor:
             the tile goes to shared memory and a bulk asynchronous copy writes it while the
             loop goes on (the pipeliner waits for it before the buffer is reused), instead of
@@ -380,10 +382,7 @@ def backward_config(
     if cfg.atomic_dq and (dtype == torch.float32 or torch.are_deterministic_algorithms_enabled()):
         cfg = replace(cfg, atomic_dq=0)
     if cfg.ds_dq and (
-        dtype == torch.float32
-        or cfg.atomic_dq
-        or cfg.fused
-        or (cfg.dq_block_m, cfg.dq_block_n) != (cfg.dkdv_block_m, cfg.dkdv_block_n)
+        dtype == torch.float32 or cfg.atomic_dq or cfg.fused or not ds_tilings_match(cfg)
     ):
         cfg = replace(cfg, ds_dq=0)
     elem_bytes = 4 if dtype == torch.float32 else 2
@@ -448,6 +447,14 @@ def _touched_while_tracing(plan, block_m: int, block_n: int) -> int:
 _touched_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def ds_tilings_match(cfg: BwdConfig) -> bool:
+    """Whether dQ can come from the dS tiles of the dK/dV kernel (``ds_dq``): the dQ tiling is
+    the dK/dV tiling, or pairs its q-tiles (``dq_block_m == 2 * dkdv_block_m``, same
+    ``block_n``; ``schedule.ds_pair_slots``)."""
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    return (cfg.dq_block_m, cfg.dq_block_n) in ((bm, bn), (2 * bm, bn))
+
+
 def fit_ds_buffer(
     cfg: BwdConfig, plan, batch: int, heads: int, elem_bytes: int, device
 ) -> BwdConfig:
@@ -456,8 +463,9 @@ def fit_ds_buffer(
     exceed :func:`ds_buffer_limit` or no tile is touched."""
     if not cfg.ds_dq:
         return cfg
-    tiles = touched_tiles_max(plan, cfg.dkdv_block_m, cfg.dkdv_block_n)
-    size = batch * heads * tiles * cfg.dkdv_block_m * cfg.dkdv_block_n * elem_bytes
+    # one slot per touched tile of the dQ tiling (the dK/dV tiling, or pairs of its q-tiles)
+    tiles = touched_tiles_max(plan, cfg.dq_block_m, cfg.dq_block_n)
+    size = batch * heads * tiles * cfg.dq_block_m * cfg.dq_block_n * elem_bytes
     if tiles == 0 or size > ds_buffer_limit(device):
         return replace(cfg, ds_dq=0)
     return replace(cfg, ds_dq=tiles)
