@@ -125,6 +125,16 @@ FWD_BITS16 = [
     FwdConfig(128, 128, 8, 3, 3, 0),
     FwdConfig(128, 64, 8, 3, 3, 1),
 ]
+# --fwd-set oneloop (session 7, not yet timed): FULL and PARTIAL tiles in one pipelined loop
+# (FwdConfig.one_loop: one pipeline fill and drain per program instead of two; hstu rows hold
+# about 27 tiles of 64 keys at 32K). SASS (hstu 4K, 64x64): 168 registers, 114744 bytes (two
+# programs per SM), against 160 and 115712 with two loops
+FWD_ONELOOP = [
+    FwdConfig(64, 64, 4, 3, 3, 1),
+    FwdConfig(64, 64, 4, 3, 3, 1, one_loop=1),
+    FwdConfig(128, 128, 8, 3, 3, 0),
+    FwdConfig(128, 128, 8, 3, 3, 0, one_loop=1),
+]
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -287,7 +297,7 @@ def main() -> None:
     bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
-    fwd_sets += ["bits16", "library"]  # the library's own choice for the plan (no override)
+    fwd_sets += ["bits16", "oneloop", "library"]  # library: the library's own choice, no override
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -321,6 +331,7 @@ def main() -> None:
                 "masked": FWD_MASKED,
                 "bits1k": FWD_BITS1K,
                 "bits16": FWD_BITS16,
+                "oneloop": FWD_ONELOOP,
                 "library": [None],
             }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []

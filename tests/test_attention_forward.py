@@ -568,6 +568,21 @@ def test_overlapped_full_tile_loop(mask_name, tma):
     _assert_lse(lse, q, k, v, plan)
 
 
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("tma", [0, 1])
+def test_one_loop_over_full_and_partial_tiles(mask_name, tma):
+    """``FwdConfig.one_loop`` (FULL and PARTIAL tiles in one pipelined loop, the mask applied
+    from the first PARTIAL tile on): same results as the reference, LSE included, for
+    interval, preloaded-slot and bitmask plans and rows past the key length."""
+    Nq, Nk = 150, 150 if mask_name in ("document", "shared_prompt") else 130  # fixed lengths
+    plan = cm.compile(MASKS[mask_name](), Nq, Nk, device=DEVICE)
+    q, k, v = _inputs(1, 2, 1, Nq, Nk, 32, torch.float16, seed=5)
+    with override_forward_config(FwdConfig(16, 32, 4, 2, 3, tma=tma, one_loop=1)):
+        out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
+    _assert_matches(out, q, k, v, plan)
+    _assert_lse(lse, q, k, v, plan)
+
+
 @pytest.mark.parametrize("tile_builder_on", [False, True], ids=["tensor-builder", "triton-builder"])
 @pytest.mark.parametrize("mask", [cm.masks.natten2d((8, 8), (5, 5)), cm.masks.causal()], ids=str)
 def test_fullgraph_compile_of_a_fresh_plan(mask, tile_builder_on):

@@ -56,7 +56,8 @@ def attention_fwd(
             grad (then backward raises).
         scale: softmax scale.
         mask_stride_b, mask_stride_h: mask index ``m = b * mask_stride_b + h * mask_stride_h``.
-        config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order, tma, overlap]``.
+        config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order, tma, overlap,
+            one_loop]`` (``FwdConfig``'s fields).
     """
     return _attention_fwd_impl(
         q, k, v, row_lo, row_hi, schedule, scale, mask_stride_b, mask_stride_h, config
@@ -292,7 +293,7 @@ def _attention_tiled_order(q, k, v, plan: MaskPlan, scale: float, backend: str):
             scale, mask_stride_b, mask_stride_h,
             [
                 cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.grid_order,
-                cfg.tma, cfg.overlap,
+                cfg.tma, cfg.overlap, cfg.one_loop,
             ],  # fmt: skip
             bwd_config,
         )  # fmt: skip

@@ -50,6 +50,10 @@ class FwdConfig:
             the H200 sweep measured it faster (sm_90 and newer only).
         overlap: 1 issues Q K^T of the next FULL tile before the softmax of the current one
             (FlashAttention-3's intra-warpgroup overlap). Off: it lost on 3 of the 4 seeds.
+        one_loop: 1 runs a q-tile's FULL and PARTIAL tiles in one software-pipelined loop (a
+            branch per tile applies the mask from the first PARTIAL tile on) instead of two
+            loops, each filling and draining its own pipeline; for short rows (hstu: about 27
+            tiles of 64 keys per q-tile at 32K). Not used with ``overlap``.
     """
 
     block_m: int
@@ -59,6 +63,7 @@ class FwdConfig:
     grid_order: int = 1
     tma: int = 0
     overlap: int = 0
+    one_loop: int = 0
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),

@@ -42,6 +42,32 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _mask_scores(
+    qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base,
+    offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
+):  # fmt: skip
+    """``qk`` with -inf where the PARTIAL tile ``kt`` hides a pair: from the preloaded slots
+    ``lo*/hi*`` when SLOTS > 0, else from the tile's intervals or bitmask (``bidx``)."""
+    if SLOTS > 0:
+        visible = slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS)
+    else:
+        kind = 0
+        if HAS_BITS:
+            kind = tl.load(Kind + kt)
+        visible = partial_tile_mask(
+            kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+            tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, bidx,
+            stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
+        )  # fmt: skip
+    return tl.where(visible, qk, float("-inf"))
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc,
     l_i,
@@ -86,12 +112,15 @@ def _attn_fwd_inner(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    mask_from=0,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
-    MASKED=False: the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no bounds
-    checks, no mask. MASKED=True: PARTIAL tiles; loads are bounds-checked and scores masked,
-    from the preloaded slots ``lo*/hi*`` when SLOTS > 0, else from the tile's data.
+    MASKED=False (0): the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no
+    bounds checks, no mask. MASKED=True (1): PARTIAL tiles; loads are bounds-checked and scores
+    masked, from the preloaded slots ``lo*/hi*`` when SLOTS > 0, else from the tile's data.
+    MASKED=2: one loop over FULL and PARTIAL tiles (``FwdConfig.one_loop``): loads as for 1,
+    the mask applied from list position ``mask_from`` on (a branch per tile).
     USE_TMA: K and V tiles come through the tensor descriptors ``K_desc, V_desc`` (Hopper TMA;
     rows past Nk and columns past HEAD_DIM read as zeros), not per-thread pointers.
     """
@@ -140,19 +169,20 @@ def _attn_fwd_inner(
         # unscaled scores: the scale (> 0, so it commutes with max) is folded into the FFMA of
         # the exponent below, one multiply per score fewer
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if MASKED:
-            if SLOTS > 0:
-                visible = slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS)
-            else:
-                kind = 0
-                if HAS_BITS:
-                    kind = tl.load(Kind + kt)
-                visible = partial_tile_mask(
-                    kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, bidx,
-                    stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
+        if MASKED == 1:
+            qk = _mask_scores(
+                qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
+                row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk,
+                n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
+            )  # fmt: skip
+        elif MASKED == 2:
+            if i >= mask_from:
+                qk = _mask_scores(
+                    qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo,
+                    RowHi, row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
+                    Nq, Nk, n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
                 )  # fmt: skip
-            qk = tl.where(visible, qk, float("-inf"))
+        if MASKED:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             # A row that has seen nothing yet keeps m = -inf: subtract 0 instead (p = 0).
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -275,6 +305,54 @@ def _attn_fwd_full_overlap(
 
 
 @triton.jit
+def _attn_fwd_two_loops(
+    acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
+    RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
+    Nq, Nk, n_slots, full_count, count, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    OVERLAP: tl.constexpr,
+):  # fmt: skip
+    """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
+    ``TileList[0:full_count]`` in an unmasked one (or the overlapped loop, ``OVERLAP``)."""
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
+        RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
+        Nq, Nk, n_slots, full_count, count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+        SLOTS, USE_TMA,
+    )  # fmt: skip
+    if OVERLAP:
+        acc, l_i, m_i = _attn_fwd_full_overlap(
+            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+            stride_kn, stride_kd, stride_vn, stride_vd, TileList, 0, full_count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
+            RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
+            Nq, Nk, n_slots, 0, full_count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+            SLOTS, USE_TMA,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse, K_desc, V_desc,
     RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
@@ -296,6 +374,7 @@ def _attn_fwd(
     GRID_ORDER: tl.constexpr,
     USE_TMA: tl.constexpr,
     OVERLAP: tl.constexpr = False,
+    ONE_LOOP: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
@@ -336,32 +415,25 @@ def _attn_fwd(
     lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
     lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
 
-    # PARTIAL tiles: interval or bitmask masking.
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-        stride_kn, stride_kd, stride_vn, stride_vd,
-        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
-        stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS, USE_TMA,
-    )  # fmt: skip
-    # FULL tiles: no mask, no bounds checks.
-    if OVERLAP:
-        acc, l_i, m_i = _attn_fwd_full_overlap(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd, tile_list, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-        )  # fmt: skip
-    else:
+    if ONE_LOOP:  # FULL then PARTIAL tiles in one pipelined loop, masked from full_count on
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
             stride_kn, stride_kd, stride_vn, stride_vd,
             tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
             Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA,
+            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+            SLOTS, USE_TMA, full_count,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _attn_fwd_two_loops(
+            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
+            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
+            USE_TMA, OVERLAP,
         )  # fmt: skip
 
     empty = l_i == 0.0
@@ -451,6 +523,7 @@ def attention_forward(
         GRID_ORDER=order,
         USE_TMA=descs is not None,
         OVERLAP=bool(cfg.overlap),
+        ONE_LOOP=bool(cfg.one_loop),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
