@@ -257,6 +257,14 @@ BWD_DSPAIR = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
 ]
+# --bwd-set oneloop (session 7, not yet timed): each kv-tile's FULL and PARTIAL q-tiles in one
+# dK/dV loop (BwdConfig.one_loop); SASS (hstu 4K): 255 registers, 16 bytes of stack (56 with
+# two loops), 107040 bytes; the PARTIAL tiles' interval loads stay unpipelined in the branch
+BWD_ONELOOP = [
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
+]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -294,7 +302,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "library"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
     fwd_sets += ["bits16", "oneloop", "library"]  # library: the library's own choice, no override
@@ -348,6 +356,7 @@ def main() -> None:
                 "dstma": BWD_DSTMA,
                 "dkdv": BWD_DKDV,
                 "dspair": BWD_DSPAIR,
+                "oneloop": BWD_ONELOOP,
                 "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []

@@ -64,6 +64,9 @@ BWD_TILES = {
     "ds-16x32": BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, dq_order=3, ds_dq=1),
     # the same with dQ tiles of two dK/dV q-tiles (schedule.ds_pair_slots)
     "ds-pair-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, dq_order=3, ds_dq=1),
+    # FULL and PARTIAL q-tiles of a kv-tile in one dK/dV loop, alone and with stored dS
+    "oneloop-16x32": BwdConfig(16, 32, 4, 2, 32, 32, 4, 1, one_loop=1),
+    "ds-oneloop-16x32": BwdConfig(16, 32, 4, 2, 16, 32, 4, 1, ds_dq=1, one_loop=1),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -363,7 +366,7 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 16
+            assert len(cfg.as_list()) == 17
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -492,7 +495,7 @@ def test_ds_dq_through_autograd(monkeypatch, limit, tiles):
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
 
 
-@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
+@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32", "ds-oneloop-16x32"])
 @pytest.mark.parametrize("mask", ["document", "dilated_bits"])
 def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask, tiles):
     """``ds_tma`` (with ``tma``): the dK/dV kernel stores dS^T through the buffer's TMA
@@ -578,7 +581,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 16 and len(tensors) == 18
+    assert len(ints) == 17 and len(tensors) == 18
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

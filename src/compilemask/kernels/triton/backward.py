@@ -137,6 +137,34 @@ def _attn_bwd_dq_convert(
 
 
 @triton.jit
+def _mask_p_t(
+    pT, tile, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
+    row_base, offs_m, offs_n, Nq, Nk, n_slots,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPAN: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+    SLOTS: tl.constexpr,
+):  # fmt: skip
+    """``pT`` ([BLOCK_N, BLOCK_M]) with 0 where the PARTIAL tile at offset ``tile`` of the
+    tile arrays hides a pair (transposed interval or bitmask masking)."""
+    kind = 0
+    if HAS_BITS:
+        kind = tl.load(Kind + tile)
+    jlo = 0
+    jhi = 0
+    if SLOTS == 0:
+        jlo = tl.load(Jlo + tile)
+        jhi = tl.load(Jhi + tile)
+    visible = partial_tile_mask_t(
+        kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits,
+        tl.load(BitsIndex + tile), stride_bits_p, stride_bits_r,
+        BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
+    )  # fmt: skip
+    return tl.where(visible, pT, 0.0)
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(
     dk,
     dv,
@@ -194,11 +222,14 @@ def _attn_bwd_dkdv_inner(
     ds_row0=0,
     DS_TMA: tl.constexpr = False,
     DS_PAIR: tl.constexpr = False,
+    mask_from=0,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
     ``Kind`` etc. point at this kv-tile's column of the [Tq, Tk] tile arrays (entry of q-tile qt
-    at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks).
+    at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks);
+    MASKED=2: FULL and PARTIAL tiles in one loop, masked from list position ``mask_from`` on
+    (``BwdConfig.one_loop``).
     USE_TMA: Q and dO tiles through the descriptors ``Q_desc, DO_desc`` (rows past Nq read as
     zeros), not per-thread pointers. ATOMIC_DQ: also add this kv-tile's share of dQ / scale,
     ``dS K``, to the fp32 rows ``DQacc_head`` ([Nq, HEAD_DIM_PAD]; through the descriptor
@@ -252,21 +283,19 @@ def _attn_bwd_dkdv_inner(
             lse2 = tl.load(Lse2_head + offs_m)
         qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED:
-            kind = 0
-            if HAS_BITS:
-                kind = tl.load(Kind + qt * tile_stride)
-            jlo = 0
-            jhi = 0
-            if SLOTS == 0:
-                jlo = tl.load(Jlo + qt * tile_stride)
-                jhi = tl.load(Jhi + qt * tile_stride)
-            visible = partial_tile_mask_t(
-                kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits,
-                tl.load(BitsIndex + qt * tile_stride), stride_bits_p, stride_bits_r,
+        if MASKED == 1:
+            pT = _mask_p_t(
+                pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
+                stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
                 BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
-            pT = tl.where(visible, pT, 0.0)
+        elif MASKED == 2:
+            if i >= mask_from:
+                pT = _mask_p_t(
+                    pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
+                    stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                    BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
+                )  # fmt: skip
         if USE_TMA:
             do = DO_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
             if MASKED:
@@ -380,6 +409,7 @@ def _attn_bwd_dkdv(
     DS_TMA: tl.constexpr = False,
     DS_PAIR: tl.constexpr = False,
     Tq2=0,
+    ONE_LOOP: tl.constexpr = False,
 ):  # fmt: skip
     if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
         rank = tl.program_id(0)
@@ -440,30 +470,43 @@ def _attn_bwd_dkdv(
                 DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
                 SlotCol = Slot + tile_col
             ds_row0 = (bh * ds_tiles).to(tl.int32)
-        # PARTIAL q-tiles: interval or bitmask masking, transposed.
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-            Lse2 + bh * Nq, Delta + bh * Nq,
-            stride_qm, stride_qd, stride_dom, stride_dod,
-            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-            Bits, stride_bits_p, stride_bits_r, Tk,
-            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol, STORE_DS,
-            DS_desc, ds_row0, DS_TMA, DS_PAIR,
-        )  # fmt: skip
-        # FULL q-tiles: no mask, no bounds checks.
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-            Lse2 + bh * Nq, Delta + bh * Nq,
-            stride_qm, stride_qd, stride_dom, stride_dod,
-            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-            Bits, stride_bits_p, stride_bits_r, Tk,
-            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol, STORE_DS,
-            DS_desc, ds_row0, DS_TMA, DS_PAIR,
-        )  # fmt: skip
+        if ONE_LOOP:  # FULL then PARTIAL q-tiles in one loop, masked from full_count on
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+                Lse2 + bh * Nq, Delta + bh * Nq,
+                stride_qm, stride_qd, stride_dom, stride_dod,
+                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+                Bits, stride_bits_p, stride_bits_r, Tk,
+                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, count, qk_scale,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, LOAD_T, MAX_SPAN,
+                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
+                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, full_count,
+            )  # fmt: skip
+        else:
+            # PARTIAL q-tiles: interval or bitmask masking, transposed.
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+                Lse2 + bh * Nq, Delta + bh * Nq,
+                stride_qm, stride_qd, stride_dom, stride_dod,
+                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+                Bits, stride_bits_p, stride_bits_r, Tk,
+                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
+                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
+                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
+            )  # fmt: skip
+            # FULL q-tiles: no mask, no bounds checks.
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+                Lse2 + bh * Nq, Delta + bh * Nq,
+                stride_qm, stride_qd, stride_dom, stride_dod,
+                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+                Bits, stride_bits_p, stride_bits_r, Tk,
+                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
+                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
+                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
+            )  # fmt: skip
 
     dk = dk * scale
     tl.store(
@@ -1188,7 +1231,7 @@ def attention_backward(
         DQacc=dq_acc, DQ_desc=dq_desc, ATOMIC_DQ=atomic,
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
         STORE_DS=use_ds, DS_desc=ds_store_desc if ds_tma else None, DS_TMA=ds_tma,
-        DS_PAIR=use_ds and pair, Tq2=Tq2,
+        DS_PAIR=use_ds and pair, Tq2=Tq2, ONE_LOOP=bool(cfg.one_loop),
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     if atomic:

@@ -268,6 +268,8 @@ class BwdConfig:
             the tile goes to shared memory and a bulk asynchronous copy writes it while the
             loop goes on (the pipeliner waits for it before the buffer is reused), instead of
             per-thread stores.
+        one_loop: 1 runs each kv-tile's FULL and PARTIAL q-tiles in one pipelined loop in
+            the dK/dV kernel (as ``FwdConfig.one_loop``), instead of two.
     """
 
     dkdv_block_m: int
@@ -286,14 +288,15 @@ class BwdConfig:
     atomic_dq: int = 0
     ds_dq: int = 0
     ds_tma: int = 0
+    one_loop: int = 0
 
     def as_list(self) -> list[int]:
-        """The sixteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The seventeen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
             self.dkdv_order, self.dq_order, self.fused, self.tma, self.overlap, self.atomic_dq,
-            self.ds_dq, self.ds_tma,
+            self.ds_dq, self.ds_tma, self.one_loop,
         ]  # fmt: skip
 
 
