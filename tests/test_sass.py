@@ -38,15 +38,20 @@ print(json.dumps({{n: sass.async_copy_waits(sass.sass(k)) for n, k in kernels}})
 """
 
 
-def test_three_stage_loops_keep_copies_in_flight():
+def _run_child(template: str):
+    """Run a compile script in a child without TRITON_INTERPRET; its last line as JSON."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    child = _CHILD.format(bench=str(ROOT / "benchmarks"))
+    child = template.format(bench=str(ROOT / "benchmarks"))
     done = subprocess.run(
         [sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    waits = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_three_stage_loops_keep_copies_in_flight():
+    waits = _run_child(_CHILD)
     assert set(waits) >= {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}
     for name in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"):
         counts = {int(w): n for w, n in waits[name].items()}
@@ -76,13 +81,6 @@ def test_bitmask_forward_keeps_two_programs_per_sm():
     bytes per stage), which put the 64x64 forward with 3 stages one program per SM; the
     16-bit loads of ``common.bits_tile_mask`` stay in registers. Clear at 1K has bitmask
     tiles in every image row."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    child = _CHILD_SMEM.format(bench=str(ROOT / "benchmarks"))
-    done = subprocess.run(
-        [sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    shared = _run_child(_CHILD_SMEM)
     assert shared["_attn_fwd"] <= TWO_PER_SM, shared
     assert shared["_attn_bwd_dkdv"] <= TWO_PER_SM, shared
