@@ -99,6 +99,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="append JSON lines here")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="also print cProfile (cumulative) and torch.profiler CPU tables, top N",
+    )
     a = ap.parse_args()
 
     w = workload(a.workload, a.n)
@@ -142,7 +148,7 @@ def main() -> None:
     import compilemask.api.autograd as ag
     import compilemask.api.functional as fn_mod
 
-    patched = [(mod, name, new) for mod in (fwd_mod, fn_mod, ag)
+    patched = [(mod, name, new) for mod in (fwd_mod, bwd_mod, fn_mod, ag)
                for name, new in (("attention_forward", cap_f), ("attention_backward", cap_b))
                if hasattr(mod, name)]  # fmt: skip
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
@@ -178,7 +184,41 @@ def main() -> None:
     rows.append(("torch.empty_like(q)", _per_call_us(
         lambda: torch.empty_like(q), a.calls, a.rounds)))  # fmt: skip
 
+    # a step under sync checking: a device-to-host read would show up here
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        sync_note = "no synchronisation"
+    except RuntimeError as exc:
+        sync_note = f"synchronises: {str(exc).splitlines()[0][:160]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+    if a.profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(a.profile)
+        print(buf.getvalue())
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as tp:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile))
+
     env = environment()
+    print(f"# step: {sync_note}")
     print(f"# {a.workload} N={w.N} B=1 H={a.heads} D=128 bf16, host us per call "
           f"(best of {a.rounds} rounds of {a.calls}); {env}")  # fmt: skip
     for name, us in rows:
