@@ -22,7 +22,7 @@ import torch
 
 import compilemask as cm
 import compilemask.api.functional as functional
-from compilemask.api.autograd import backward, setup_context
+from compilemask.api.autograd import _attention_bwd_impl, setup_context
 from compilemask.kernels.triton import backward as bwd_mod
 from compilemask.kernels.triton import forward as fwd_mod
 from compilemask.workloads import workload
@@ -53,7 +53,11 @@ class _SetupContextForm(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        dq, dk, dv = backward(ctx, dout, dlse, eager=True)[:3]
+        q, k, v, out, lse, row_lo, row_hi, *bwd_schedule = ctx.saved_tensors
+        dq, dk, dv = _attention_bwd_impl(
+            q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, ctx.scale,
+            *ctx.mask_strides, ctx.bwd_config,
+        )  # fmt: skip
         return (dq, dk, dv) + (None,) * 9
 
 

@@ -133,6 +133,37 @@ def main() -> None:
         fn()
         rows.append((name, _per_call_us(fn, a.calls, a.rounds)))
 
+    # the autograd engine alone: Functions that launch nothing (empty outputs and gradients),
+    # with one output (out) or two (out, lse unused: materialised as zeros unless disabled),
+    # with q, k, v or 26 tensors saved for the backward
+    extra = [torch.empty(64, device="cuda") for _ in range(21)]
+    for n_out, n_saved, materialize in ((1, 3, True), (2, 3, True), (2, 3, False),
+                                        (2, 26, False)):  # fmt: skip
+
+        class _Null(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, n_out=n_out, n_saved=n_saved, materialize=materialize):
+                ctx.set_materialize_grads(materialize)
+                ctx.save_for_backward(q, k, v, *extra[: n_saved - 3])
+                out = torch.empty_like(q)
+                if n_out == 1:
+                    return out
+                return out, torch.empty(q.shape[:-1], device=q.device)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                q, k, v, *_ = ctx.saved_tensors
+                return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def null_step(f=_Null, n_out=n_out):
+            qg.grad = kg.grad = vg.grad = None
+            o = f.apply(qg, kg, vg)
+            (o if n_out == 1 else o[0]).backward(do)
+
+        null_step()
+        what = f"null Function step: {n_out} out, {n_saved} saved, materialize {materialize}"
+        rows.append((what, _per_call_us(null_step, a.calls, a.rounds)))
+
     # the kernel modules' launch functions alone, with the arguments of one step
     captured = {}
     orig_f, orig_b = fwd_mod.attention_forward, bwd_mod.attention_backward

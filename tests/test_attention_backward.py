@@ -446,6 +446,20 @@ def test_autograd_triton(dtype):
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
 
 
+def test_autograd_triton_lse_only():
+    """Only lse is used: the eager Function (gradients not materialised) gets dout = None and
+    must still give the gradients of the lse term alone."""
+    plan = cm.compile(MASKS["window_prefix"](), 70, 90, device=DEVICE)
+    q, k, v, _ = _inputs(1, 4, 2, 70, 90, 32, torch.float16, seed=8)
+    dlse = torch.randn(1, 4, 70, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    with override_forward_config(FWD_CFG), override_backward_config(SMALL):
+        _, lse = cm.attention(qg, kg, vg, plan, backend="triton", return_lse=True)
+        (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum().backward()
+    do = torch.zeros_like(q)
+    _assert_grads((qg.grad, kg.grad, vg.grad), q, k, v, do, plan, dlse=dlse)
+
+
 def test_ds_pair_slots():
     """Slots of q-tile pairs: ``4 * slot + present`` (bit r: q-tile 2p + r touches the
     kv-tile), -1 where neither does; an odd last q-tile pairs with nothing."""

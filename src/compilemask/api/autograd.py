@@ -109,18 +109,21 @@ def setup_context(ctx, inputs, output) -> None:
     ctx.bwd_config = list(bwd_config)
 
 
-def backward(ctx, dout, dlse, eager: bool = False):
-    """Gradients for the forward op's inputs (q, k, v; None for the plan tensors).
-    ``eager``: call the backward directly, not through the custom op (the eager
-    ``autograd.Function`` of ``functional.py``)."""
-    if not ctx.bwd_config:
+def check_backward_config(bwd_config: list[int]) -> None:
+    """Raise when the forward ran without a backward schedule (no input required grad)."""
+    if not bwd_config:
         raise CompileMaskError(
             "compilemask.attention ran without a backward schedule (no input required grad "
             "when it ran); run the forward with grad enabled on q, k or v"
         )
+
+
+def backward(ctx, dout, dlse):
+    """Gradients for the forward op's inputs (q, k, v; None for the plan tensors), through the
+    backward custom op (the eager ``autograd.Function`` of ``functional.py`` has its own)."""
+    check_backward_config(ctx.bwd_config)
     q, k, v, out, lse, row_lo, row_hi, *bwd_schedule = ctx.saved_tensors
-    op = _attention_bwd_impl if eager else torch.ops.compilemask.attention_bwd
-    dq, dk, dv = op(
+    dq, dk, dv = torch.ops.compilemask.attention_bwd(
         q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, ctx.scale,
         *ctx.mask_strides, ctx.bwd_config,
     )  # fmt: skip

@@ -26,7 +26,13 @@ from ..kernels.triton.configs import (
 )
 from ..kernels.triton.schedule import FWD_SCHEDULE_FIELDS, forward_schedule
 from . import validate
-from .autograd import backward, backward_inputs, setup_context
+from .autograd import (
+    _attention_bwd_impl,
+    backward,
+    backward_inputs,
+    check_backward_config,
+    setup_context,
+)
 
 
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=())
@@ -97,30 +103,51 @@ def _forward_only(
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The custom ops' eager twin: the same forward, context and backward functions, called
-    without the custom-op dispatch (torch.library's argument flattening and redispatch cost
-    about half of the host time of a small fwd+bwd step). ``torch.compile`` traces the custom
-    ops instead (their fake implementations keep the graph whole).
+    """The custom ops' eager twin: the same forward and backward functions, called without the
+    custom-op dispatch (torch.library's argument flattening and redispatch cost about half of
+    the host time of a small fwd+bwd step). ``torch.compile`` traces the custom ops instead
+    (their fake implementations keep the graph whole).
 
-    The context is set inside ``forward`` (the classic form): with a separate
-    ``setup_context``, ``Function.apply`` binds the arguments through ``inspect.signature`` on
-    every call."""
+    Host time per step (``benchmarks/launch_cost.py``), hence:
+
+    - the context is set inside ``forward`` (the classic form): with a separate
+      ``setup_context``, ``Function.apply`` binds the arguments through ``inspect.signature``
+      on every call;
+    - only q, k, v, out and lse go through ``save_for_backward``; the plan's tensors (row
+      intervals, backward schedule: 21 tensors, constants of the plan's cache that nothing
+      writes) are kept as attributes, so the backward does not unpack them one by one;
+    - gradients are not materialised: an unused ``lse`` (the usual case) reaches the backward
+      as None instead of a zero-filled tensor, and the backward then skips its dlse term.
+    """
 
     @staticmethod
     def forward(
         ctx, q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, config,
         bwd_config,
     ):  # fmt: skip
-        output = _attention_fwd_impl(q, k, v, row_lo, row_hi, schedule, scale, msb, msh, config)
-        inputs = (q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, config,
-                  bwd_config)  # fmt: skip
-        setup_context(ctx, inputs, output)
-        return output
+        out, lse = _attention_fwd_impl(q, k, v, row_lo, row_hi, schedule, scale, msb, msh, config)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan_tensors = (row_lo, row_hi, bwd_schedule)
+        ctx.scale = scale
+        ctx.mask_strides = (msb, msh)
+        ctx.bwd_config = list(bwd_config)
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        dq, dk, dv = backward(ctx, dout, dlse, eager=True)[:3]
+        if dout is None and dlse is None:
+            return (None,) * 12
+        check_backward_config(ctx.bwd_config)
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only lse was used
+            dout = torch.zeros_like(out)
+        row_lo, row_hi, bwd_schedule = ctx.plan_tensors
+        dq, dk, dv = _attention_bwd_impl(
+            q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, ctx.scale,
+            *ctx.mask_strides, ctx.bwd_config,
+        )  # fmt: skip
         return (dq, dk, dv) + (None,) * 9
 
 

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -160,20 +161,33 @@ def _shared_memory_bytes(cfg: FwdConfig, head_dim: int, elem_bytes: int) -> int:
     return (cfg.block_m + 2 * max(cfg.num_stages, 1) * cfg.block_n) * d_pad * elem_bytes
 
 
-def _device_smem_limit(device: torch.device | None) -> int:
+@functools.cache
+def _cuda_device_info(index: int) -> tuple[int, tuple[int, int], int]:
+    """(opt-in shared memory per block in bytes, compute capability, total memory in bytes)
+    of CUDA device ``index``, read once per process (these calls sit on every launch's host
+    path)."""
+    props = torch.cuda.get_device_properties(index)
+    limit = int(getattr(props, "shared_memory_per_block_optin", 0)) or 48 * 1024
+    return limit, (props.major, props.minor), int(props.total_memory)
+
+
+def _cuda_info(device: torch.device | None) -> tuple[int, tuple[int, int], int] | None:
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return _HOPPER_SMEM_BYTES
-    props = torch.cuda.get_device_properties(device)
-    limit = getattr(props, "shared_memory_per_block_optin", 0)
-    return int(limit) if limit else 48 * 1024
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_device_info(index)
+
+
+def _device_smem_limit(device: torch.device | None) -> int:
+    info = _cuda_info(device)
+    return _HOPPER_SMEM_BYTES if info is None else info[0]
 
 
 def _has_tma(device: torch.device | None) -> bool:
     """Whether ``device`` has TMA (Hopper, sm_90, and newer); True off CUDA (the interpreter
     runs the descriptor path)."""
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return True
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    info = _cuda_info(device)
+    return True if info is None else info[1] >= (9, 0)
 
 
 def has_bitmask_tiles(plan) -> bool:
@@ -422,9 +436,8 @@ def ds_buffer_limit(device: torch.device | None) -> int:
     if DS_BUFFER_MAX_BYTES is not None:
         return DS_BUFFER_MAX_BYTES
     cap = 4 << 30
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return cap
-    return min(cap, torch.cuda.get_device_properties(device).total_memory // 16)
+    info = _cuda_info(device)
+    return cap if info is None else min(cap, info[2] // 16)
 
 
 def touched_tiles_max(plan, block_m: int, block_n: int) -> int:
