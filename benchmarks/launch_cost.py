@@ -133,6 +133,40 @@ def main() -> None:
         fn()
         rows.append((name, _per_call_us(fn, a.calls, a.rounds)))
 
+    # the step with its backward timed from inside the engine (the Function's backward and
+    # the launch function it calls), to split the step's backward into engine and our code
+    import threading
+
+    from compilemask.api import functional as fmod
+
+    spent = {"backward": 0.0, "impl": 0.0, "n": 0, "thread": None}
+    orig_bwd, orig_impl = fmod._EagerAttention.backward, fmod._attention_bwd_impl
+
+    def timed_bwd(ctx, *grads):
+        t0 = time.perf_counter()
+        res = orig_bwd(ctx, *grads)
+        spent["backward"] += time.perf_counter() - t0
+        spent["n"] += 1
+        spent["thread"] = threading.current_thread() is threading.main_thread()
+        return res
+
+    def timed_impl(*args):
+        t0 = time.perf_counter()
+        res = orig_impl(*args)
+        spent["impl"] += time.perf_counter() - t0
+        return res
+
+    fmod._EagerAttention.backward, fmod._attention_bwd_impl = staticmethod(timed_bwd), timed_impl
+    try:
+        step_us = _per_call_us(step, a.calls, 1)
+    finally:
+        fmod._EagerAttention.backward, fmod._attention_bwd_impl = staticmethod(orig_bwd), orig_impl
+    n = max(spent["n"], 1)
+    rows.append(("step fwd+bwd (timed inside)", step_us))
+    rows.append((f"  Function.backward inside the step (main thread: {spent['thread']})",
+                 spent["backward"] / n * 1e6))  # fmt: skip
+    rows.append(("  _attention_bwd_impl inside the step", spent["impl"] / n * 1e6))
+
     # the autograd engine alone: Functions that launch nothing (empty outputs and gradients),
     # with one output (out) or two (out, lse unused: materialised as zeros unless disabled),
     # with q, k, v or 26 tensors saved for the backward
