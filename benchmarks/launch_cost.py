@@ -231,6 +231,50 @@ def main() -> None:
                          _per_call_us(lambda f=f, args=args, kwargs=kwargs: f(*args, **kwargs),
                                       a.calls, a.rounds)))  # fmt: skip
 
+    # the same launch function from other threads: a plain Python thread, and the autograd
+    # engine's device thread (inside a Function's backward that launches nothing else)
+    if "bwd" in captured:
+        args, kwargs = captured["bwd"]
+
+        def bwd_once(args=args, kwargs=kwargs):
+            orig_b(*args, **kwargs)
+
+        box = {}
+
+        def in_thread():
+            box["us"] = _per_call_us(bwd_once, a.calls, a.rounds)
+
+        th = threading.Thread(target=in_thread)
+        th.start()
+        th.join()
+        rows.append(("attention_backward in a Python thread", box["us"]))
+
+        probe = {"t": 0.0, "n": 0}
+
+        class _Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                t0 = time.perf_counter()
+                bwd_once()
+                probe["t"] += time.perf_counter() - t0
+                probe["n"] += 1
+                return g
+
+        def probe_step():
+            qg.grad = None
+            _Probe.apply(qg).backward(do)
+
+        probe_step()
+        probe["t"], probe["n"] = 0.0, 0
+        rows.append(("step of a Function whose backward is attention_backward",
+                     _per_call_us(probe_step, a.calls, a.rounds)))  # fmt: skip
+        rows.append(("  attention_backward inside it (engine thread)",
+                     probe["t"] / max(probe["n"], 1) * 1e6))  # fmt: skip
+
     for jit, args, kwargs in _record_launches(step):
         name = jit.fn.__name__
         kw = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
