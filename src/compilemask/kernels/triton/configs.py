@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -161,14 +160,20 @@ def _shared_memory_bytes(cfg: FwdConfig, head_dim: int, elem_bytes: int) -> int:
     return (cfg.block_m + 2 * max(cfg.num_stages, 1) * cfg.block_n) * d_pad * elem_bytes
 
 
-@functools.cache
+_CUDA_DEVICE_INFO: dict[int, tuple[int, tuple[int, int], int]] = {}
+
+
 def _cuda_device_info(index: int) -> tuple[int, tuple[int, int], int]:
     """(opt-in shared memory per block in bytes, compute capability, total memory in bytes)
     of CUDA device ``index``, read once per process (these calls sit on every launch's host
-    path)."""
-    props = torch.cuda.get_device_properties(index)
-    limit = int(getattr(props, "shared_memory_per_block_optin", 0)) or 48 * 1024
-    return limit, (props.major, props.minor), int(props.total_memory)
+    path). A plain dict, not ``functools.cache``: Dynamo warns on cache wrappers it traces."""
+    info = _CUDA_DEVICE_INFO.get(index)
+    if info is None:
+        props = torch.cuda.get_device_properties(index)
+        limit = int(getattr(props, "shared_memory_per_block_optin", 0)) or 48 * 1024
+        info = (limit, (props.major, props.minor), int(props.total_memory))
+        _CUDA_DEVICE_INFO[index] = info
+    return info
 
 
 def _cuda_info(device: torch.device | None) -> tuple[int, tuple[int, int], int] | None:
