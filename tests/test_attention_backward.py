@@ -588,6 +588,31 @@ def test_autograd_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
+def test_torch_compile_first_call_head_dim_128():
+    """head_dim 128 in 16 bits takes the plan-dependent tilings (tile efficiency, dS buffer
+    size): a fresh plan's first use inside torch.compile reads them while tracing (through the
+    plan's uid) and matches eager mode."""
+    from compilemask.compiler.plan import live_plan
+
+    plan = cm.compile(cm.masks.sliding_window(20), 64, device=DEVICE)
+    assert live_plan(plan._uid) is plan
+    q, k, v, do = _inputs(1, 2, 2, 64, 64, 128, torch.float16, seed=6)
+
+    def grads(f):
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out = f(qg, kg, vg)
+        (out.float() * do.float()).sum().backward()
+        return out.detach(), qg.grad, kg.grad, vg.grad
+
+    def f(q, k, v):
+        return cm.attention(q, k, v, plan, backend="triton")
+
+    torch._dynamo.reset()
+    compiled = grads(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(grads(f), compiled):
+        assert torch.equal(a, b)
+
+
 def test_backward_without_grad_at_forward_time_builds_nothing():
     from compilemask.api.autograd import backward_inputs
 

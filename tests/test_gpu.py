@@ -108,6 +108,25 @@ def test_attention_under_torch_compile():
     torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, plan))
 
 
+def test_first_call_under_torch_compile():
+    """A fresh plan whose first use is inside ``torch.compile`` (head_dim 128, bf16: the
+    plan-dependent tilings read the plan while tracing, through its uid): forward and
+    gradients equal the eager ones (torch 2.11's Dynamo could not pass the plan itself)."""
+    plan = cm.compile(cm.masks.sliding_window(100), 1000, device="cuda")
+    q, k, v = _qkv((2, 4, 1000, 128), grad=True)
+    f = torch.compile(lambda q, k, v: cm.attention(q, k, v, plan), fullgraph=True)
+    out = f(q, k, v)
+    out.float().square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = cm.attention(q, k, v, plan)
+    ref.float().square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for got, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, t.grad)
+
+
 def test_demo_runs_from_the_source_tree():
     env = {**os.environ, "PYTHONPATH": "src", "CM_NO_PROGRESS": "1"}
     done = subprocess.run(

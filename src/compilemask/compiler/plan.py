@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +41,17 @@ def outside_inference_mode(fn):
 #: ``MaskPlan._cache`` key of the largest number of intervals of a row (an int, set by the
 #: kernels' first host read of the plan, ``kernels/triton/configs.tile_efficiency_128``).
 MAX_ROW_SLOTS = "max_row_slots"
+
+# Live plans by ``MaskPlan._uid``: under ``torch.compile`` the kernels' constant-result helpers
+# (``configs.tile_efficiency_128``) are handed the plan's uid, an int Dynamo passes as is,
+# instead of the plan (some torch versions cannot rebuild a frozen dataclass for that call).
+_LIVE_PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_PLAN_UIDS = itertools.count()
+
+
+def live_plan(uid: int) -> MaskPlan:
+    """The live plan with ``_uid == uid`` (KeyError once it is gone)."""
+    return _LIVE_PLANS[uid]
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +103,14 @@ class MaskPlan:
     row_runs: torch.Tensor | None = None
     permutation: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    #: a process-unique id (see :func:`live_plan`); -1 for a plan made while Dynamo traces
+    _uid: int = field(init=False, default=-1, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not torch.compiler.is_compiling():
+            uid = next(_PLAN_UIDS)
+            object.__setattr__(self, "_uid", uid)
+            _LIVE_PLANS[uid] = self
 
     # ------------------------------------------------------------------ basic facts
     @property

@@ -452,8 +452,9 @@ def touched_tiles_max(plan, block_m: int, block_n: int) -> int:
     key = ("touched_tiles_max", block_m, block_n)
     cache = plan._cache
     if key not in cache:
-        if torch.compiler.is_compiling():
-            cache[key] = _touched_while_tracing(plan, block_m, block_n)
+        if torch.compiler.is_compiling():  # the plan's uid, as in tile_efficiency_128
+            uid = plan._uid
+            cache[key] = _touched_while_tracing(uid if uid >= 0 else plan, block_m, block_n)
         else:
             cache[key] = _touched(plan, block_m, block_n)
     return cache[key]
@@ -466,7 +467,10 @@ def _touched(plan, block_m: int, block_n: int) -> int:
     return int((kind != 0).flatten(1).sum(1).max())
 
 
-def _touched_while_tracing(plan, block_m: int, block_n: int) -> int:
+def _touched_while_tracing(plan_or_uid, block_m: int, block_n: int) -> int:
+    from ...compiler.plan import live_plan
+
+    plan = live_plan(plan_or_uid) if isinstance(plan_or_uid, int) else plan_or_uid
     return _touched(plan, block_m, block_n)
 
 
@@ -512,7 +516,10 @@ def tile_efficiency_128(plan) -> float:
     if _EFFICIENCY_KEY in cache:
         return cache[_EFFICIENCY_KEY]
     if torch.compiler.is_compiling():
-        return _efficiency_while_tracing(plan)
+        # the plan's uid, an int, when it has one; a plan made while tracing is passed itself
+        # (torch 2.13's Dynamo takes it; torch 2.11's cannot rebuild the frozen dataclass)
+        uid = plan._uid
+        return _efficiency_while_tracing(uid if uid >= 0 else plan)
     return _efficiency(plan)
 
 
@@ -538,8 +545,10 @@ def _efficiency(plan) -> float:
     return value
 
 
-def _efficiency_while_tracing(plan) -> float:
-    return _efficiency(plan)
+def _efficiency_while_tracing(plan_or_uid) -> float:
+    from ...compiler.plan import live_plan
+
+    return _efficiency(live_plan(plan_or_uid) if isinstance(plan_or_uid, int) else plan_or_uid)
 
 
 # What ``torch.compiler.assume_constant_result`` does (Dynamo calls the function while tracing
