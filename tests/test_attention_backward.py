@@ -588,14 +588,20 @@ def test_autograd_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
-def test_torch_compile_first_call_head_dim_128():
+@pytest.mark.parametrize("made", ["compiled", "deepcopy"])
+def test_torch_compile_first_call_head_dim_128(made):
     """head_dim 128 in 16 bits takes the plan-dependent tilings (tile efficiency, dS buffer
     size): a fresh plan's first use inside torch.compile reads them while tracing (through the
-    plan's uid) and matches eager mode."""
+    plan's uid; a copied plan has none and is passed itself) and matches eager mode."""
+    import copy
+
     from compilemask.compiler.plan import live_plan
 
     plan = cm.compile(cm.masks.sliding_window(20), 64, device=DEVICE)
     assert live_plan(plan._uid) is plan
+    if made == "deepcopy":
+        plan = copy.deepcopy(plan)
+        assert plan._uid == -1
     q, k, v, do = _inputs(1, 2, 2, 64, 64, 128, torch.float16, seed=6)
 
     def grads(f):

@@ -112,6 +112,13 @@ class MaskPlan:
             object.__setattr__(self, "_uid", uid)
             _LIVE_PLANS[uid] = self
 
+    def __getstate__(self) -> dict:
+        # copies and unpickled plans are not registered: they get the class default uid -1
+        # (an unpickled uid would name another process's plan, a copied one the original)
+        state = dict(self.__dict__)
+        state.pop("_uid", None)
+        return state
+
     # ------------------------------------------------------------------ basic facts
     @property
     def device(self) -> torch.device:
