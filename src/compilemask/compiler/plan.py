@@ -107,17 +107,24 @@ class MaskPlan:
     _uid: int = field(init=False, default=-1, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._register()
+
+    def _register(self) -> None:
         if not torch.compiler.is_compiling():
             uid = next(_PLAN_UIDS)
             object.__setattr__(self, "_uid", uid)
             _LIVE_PLANS[uid] = self
 
+    # copies and unpickled plans get a uid of their own (a stored one would name the original,
+    # or another process's plan)
     def __getstate__(self) -> dict:
-        # copies and unpickled plans are not registered: they get the class default uid -1
-        # (an unpickled uid would name another process's plan, a copied one the original)
         state = dict(self.__dict__)
         state.pop("_uid", None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._register()
 
     # ------------------------------------------------------------------ basic facts
     @property
