@@ -602,7 +602,7 @@ def test_torch_compile_first_call_head_dim_128(made):
     if made == "deepcopy":  # a copy registers a uid of its own
         uid = plan._uid
         plan = copy.deepcopy(plan)
-        assert plan._uid not in (uid, -1) and live_plan(plan._uid) is plan
+        assert plan._uid not in (uid, "") and live_plan(plan._uid) is plan
     q, k, v, do = _inputs(1, 2, 2, 64, 64, 128, torch.float16, seed=6)
 
     def grads(f):
@@ -618,6 +618,22 @@ def test_torch_compile_first_call_head_dim_128(made):
     compiled = grads(torch.compile(f, fullgraph=True, backend="aot_eager"))
     for a, b in zip(grads(f), compiled):
         assert torch.equal(a, b)
+
+
+def test_torch_compile_plan_as_argument_head_dim_128():
+    """A compiled function taking the plan as an argument, called with one fresh plan after
+    another (head_dim 128, 16 bits): each new plan recompiles (its uid is a string, never a
+    symbolic int the constant-result helpers could not take) and matches eager mode."""
+    q, k, v, _ = _inputs(1, 2, 2, 64, 64, 128, torch.float16, seed=7)
+
+    def f(q, k, v, plan):
+        return cm.attention(q, k, v, plan, backend="triton")
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for mask in (cm.masks.document([32, 32]), cm.masks.causal(), cm.masks.sliding_window(9)):
+        plan = cm.compile(mask, 64, device=DEVICE)
+        assert torch.equal(cf(q, k, v, plan), f(q, k, v, plan))
 
 
 def test_backward_without_grad_at_forward_time_builds_nothing():

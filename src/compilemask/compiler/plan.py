@@ -43,13 +43,15 @@ def outside_inference_mode(fn):
 MAX_ROW_SLOTS = "max_row_slots"
 
 # Live plans by ``MaskPlan._uid``: under ``torch.compile`` the kernels' constant-result helpers
-# (``configs.tile_efficiency_128``) are handed the plan's uid, an int Dynamo passes as is,
-# instead of the plan (some torch versions cannot rebuild a frozen dataclass for that call).
+# (``configs.tile_efficiency_128``) are handed the plan's uid instead of the plan (some torch
+# versions cannot rebuild a frozen dataclass for that call). A string, not an int: Dynamo
+# makes an int that changes between calls symbolic, and a constant-result helper cannot take
+# a symbolic argument; a string is guarded on and recompiles.
 _LIVE_PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _PLAN_UIDS = itertools.count()
 
 
-def live_plan(uid: int) -> MaskPlan:
+def live_plan(uid: str) -> MaskPlan:
     """The live plan with ``_uid == uid`` (KeyError once it is gone)."""
     return _LIVE_PLANS[uid]
 
@@ -103,15 +105,15 @@ class MaskPlan:
     row_runs: torch.Tensor | None = None
     permutation: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
-    #: a process-unique id (see :func:`live_plan`); -1 for a plan made while Dynamo traces
-    _uid: int = field(init=False, default=-1, repr=False, compare=False)
+    #: a process-unique id (see :func:`live_plan`); "" for a plan made while Dynamo traces
+    _uid: str = field(init=False, default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._register()
 
     def _register(self) -> None:
         if not torch.compiler.is_compiling():
-            uid = next(_PLAN_UIDS)
+            uid = f"plan-{next(_PLAN_UIDS)}"
             object.__setattr__(self, "_uid", uid)
             _LIVE_PLANS[uid] = self
 

@@ -451,12 +451,13 @@ def touched_tiles_max(plan, block_m: int, block_n: int) -> int:
     and tiling (one small copy), then cached; a constant under ``torch.compile``."""
     key = ("touched_tiles_max", block_m, block_n)
     cache = plan._cache
-    if key not in cache:
-        if torch.compiler.is_compiling():  # the plan's uid, as in tile_efficiency_128
-            uid = plan._uid
-            cache[key] = _touched_while_tracing(uid if uid >= 0 else plan, block_m, block_n)
-        else:
-            cache[key] = _touched(plan, block_m, block_n)
+    if key in cache:
+        return cache[key]
+    if torch.compiler.is_compiling():
+        # the plan's uid, as in tile_efficiency_128; not stored while tracing (Dynamo would
+        # apply the store after the graph and fail its own guard on the cache: a recompile)
+        return _touched_while_tracing(plan._uid or plan, block_m, block_n)
+    cache[key] = _touched(plan, block_m, block_n)
     return cache[key]
 
 
@@ -470,7 +471,7 @@ def _touched(plan, block_m: int, block_n: int) -> int:
 def _touched_while_tracing(plan_or_uid, block_m: int, block_n: int) -> int:
     from ...compiler.plan import live_plan
 
-    plan = live_plan(plan_or_uid) if isinstance(plan_or_uid, int) else plan_or_uid
+    plan = live_plan(plan_or_uid) if isinstance(plan_or_uid, str) else plan_or_uid
     return _touched(plan, block_m, block_n)
 
 
@@ -516,10 +517,9 @@ def tile_efficiency_128(plan) -> float:
     if _EFFICIENCY_KEY in cache:
         return cache[_EFFICIENCY_KEY]
     if torch.compiler.is_compiling():
-        # the plan's uid, an int, when it has one; a plan made while tracing is passed itself
+        # the plan's uid (a string) when it has one; a plan made while tracing is passed itself
         # (torch 2.13's Dynamo takes it; torch 2.11's cannot rebuild the frozen dataclass)
-        uid = plan._uid
-        return _efficiency_while_tracing(uid if uid >= 0 else plan)
+        return _efficiency_while_tracing(plan._uid or plan)
     return _efficiency(plan)
 
 
@@ -548,7 +548,7 @@ def _efficiency(plan) -> float:
 def _efficiency_while_tracing(plan_or_uid) -> float:
     from ...compiler.plan import live_plan
 
-    return _efficiency(live_plan(plan_or_uid) if isinstance(plan_or_uid, int) else plan_or_uid)
+    return _efficiency(live_plan(plan_or_uid) if isinstance(plan_or_uid, str) else plan_or_uid)
 
 
 # What ``torch.compiler.assume_constant_result`` does (Dynamo calls the function while tracing
