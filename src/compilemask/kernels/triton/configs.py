@@ -451,13 +451,11 @@ def touched_tiles_max(plan, block_m: int, block_n: int) -> int:
     and tiling (one small copy), then cached; a constant under ``torch.compile``."""
     key = ("touched_tiles_max", block_m, block_n)
     cache = plan._cache
-    if key in cache:
-        return cache[key]
-    if torch.compiler.is_compiling():
-        # the plan's uid, as in tile_efficiency_128; not stored while tracing (Dynamo would
-        # apply the store after the graph and fail its own guard on the cache: a recompile)
-        return _touched_while_tracing(plan._uid or plan, block_m, block_n)
-    cache[key] = _touched(plan, block_m, block_n)
+    if key not in cache:
+        if torch.compiler.is_compiling():  # the plan's uid, as in tile_efficiency_128
+            cache[key] = _touched_while_tracing(plan._uid or plan, block_m, block_n)
+        else:
+            cache[key] = _touched(plan, block_m, block_n)
     return cache[key]
 
 
