@@ -135,6 +135,15 @@ FWD_ONELOOP = [
     FwdConfig(128, 128, 8, 3, 3, 0),
     FwdConfig(128, 128, 8, 3, 3, 0, one_loop=1),
 ]
+# --fwd-set prefetch (session 9): the program's q-tile, counts and first tiles from one work
+# entry (FwdConfig.prefetch) against the chain of dependent loads, at both library tilings,
+# alternated twice (the same process measures both within the spread)
+FWD_PREFETCH = [
+    FwdConfig(64, 64, 4, 3, 3, 1),
+    FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1),
+    FwdConfig(128, 128, 8, 3, 3, 0),
+    FwdConfig(128, 128, 8, 3, 3, 0, prefetch=1),
+] * 2
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -305,7 +314,12 @@ def main() -> None:
     bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
-    fwd_sets += ["bits16", "oneloop", "library"]  # library: the library's own choice, no override
+    fwd_sets += [
+        "bits16",
+        "oneloop",
+        "prefetch",
+        "library",
+    ]  # library: the library's own choice, no override
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -340,6 +354,7 @@ def main() -> None:
                 "bits1k": FWD_BITS1K,
                 "bits16": FWD_BITS16,
                 "oneloop": FWD_ONELOOP,
+                "prefetch": FWD_PREFETCH,
                 "library": [None],
             }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -379,6 +380,61 @@ def test_triton_backend_unavailable_without_interpreter(small, monkeypatch):
     assert cm.attention(q, k, v, plan).shape == q.shape  # auto falls back to the reference
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("duals", ["q", "kv", "qkv"])
+def test_triton_refuses_forward_mode_ad(small, duals, requires_grad):
+    """Dual tensors (forward-mode AD) on the Triton backend: an InputError naming the inputs
+    that carry a tangent and the reference backend (before, inputs without grad gave an output
+    with no tangent, silently, and inputs with grad torch's generic "implement the jvp" error)."""
+    q, k, v, plan = small
+    args = {"q": q, "k": k, "v": v}
+    match = rf"forward-mode AD.*: {', '.join(duals)} carr.*backend=\"reference\""
+    with forward_ad.dual_level():
+        for name in duals:
+            x = args[name].clone().requires_grad_(requires_grad)
+            args[name] = forward_ad.make_dual(x, torch.randn_like(x))
+        with pytest.raises(InputError, match=match):
+            cm.attention(args["q"], args["k"], args["v"], plan, backend="triton")
+        with pytest.raises(InputError, match=match):  # "auto" picks Triton here
+            cm.attention(args["q"], args["k"], args["v"], plan)
+
+
+def test_triton_runs_plain_inputs_inside_a_dual_level(small):
+    q, k, v, plan = small
+    want = cm.attention(q, k, v, plan, backend="triton")
+    with forward_ad.dual_level():
+        out = cm.attention(q, k, v, plan, backend="triton")
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_reference_backend_forward_mode_ad(requires_grad, tiled):
+    """Dual tensors on the reference backend (plain torch ops) carry tangents through out and
+    lse: those of ``torch.func.jvp`` of the reference."""
+    mask = cm.tile_grid(cm.masks.clear((6, 8), 2, 5), (2, 4)) if tiled else cm.masks.causal()
+    plan = cm.compile(mask, 53, device=DEVICE)  # a 6 x 8 token grid plus 5 text tokens
+    g = torch.Generator().manual_seed(3)
+    primals, tangents = (
+        [torch.randn(1, 2, 53, 32, generator=g, dtype=torch.float64).to(DEVICE) for _ in "qkv"]
+        for _ in range(2)
+    )
+
+    def f(q, k, v):
+        return cm.attention(q, k, v, plan, backend="reference", return_lse=True)
+
+    (out, lse), (want_out_t, want_lse_t) = torch.func.jvp(f, tuple(primals), tuple(tangents))
+    with forward_ad.dual_level():
+        duals = [
+            forward_ad.make_dual(x.clone().requires_grad_(requires_grad), t)
+            for x, t in zip(primals, tangents)
+        ]
+        got_out, got_lse = (forward_ad.unpack_dual(y) for y in f(*duals))
+    torch.testing.assert_close(got_out.primal, out)
+    torch.testing.assert_close(got_out.tangent, want_out_t)
+    torch.testing.assert_close(got_lse.tangent, want_lse_t)
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -581,6 +637,42 @@ def test_one_loop_over_full_and_partial_tiles(mask_name, tma):
         out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
     _assert_matches(out, q, k, v, plan)
     _assert_lse(lse, q, k, v, plan)
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("order,one_loop,tma", [(3, 0, 1), (0, 0, 0), (3, 1, 0), (1, 0, 1)])
+def test_prefetched_work_entries(mask_name, order, one_loop, tma):
+    """``FwdConfig.prefetch`` (the q-tile, counts and first tile of each loop read from the
+    schedule's work list): same results as the reference, LSE included, in both launch orders
+    that read it, with one loop, and ignored in natural order (1)."""
+    Nq, Nk = 150, 150 if mask_name in ("document", "shared_prompt") else 130  # fixed lengths
+    plan = cm.compile(MASKS[mask_name](), Nq, Nk, device=DEVICE)
+    q, k, v = _inputs(1, 2, 1, Nq, Nk, 32, torch.float16, seed=6)
+    cfg = FwdConfig(16, 32, 4, 2, order, tma=tma, one_loop=one_loop, prefetch=1)
+    with override_forward_config(cfg):
+        out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
+    _assert_matches(out, q, k, v, plan)
+    _assert_lse(lse, q, k, v, plan)
+
+
+def test_work_list_entries():
+    """``schedule.work_list``: entry r is (t, count, full_count, list[0], list[full_count])
+    of the tile t = order[r], zeros where a tile touches nothing or has no PARTIAL tile."""
+    from compilemask.kernels.triton.schedule import forward_schedule
+
+    plan = cm.compile(cm.masks.shared_prompt(20, [30, 27]), 77, device=DEVICE)
+    s = forward_schedule(plan, 16, 16, bits=True)
+    work = s["q_work"]
+    M, Tq = s["q_order"].shape
+    assert work.shape == (M, Tq, 8) and work.dtype == torch.int32
+    for m in range(M):
+        for r in range(Tq):
+            t = int(s["q_order"][m, r])
+            count, full = int(s["q_count"][m, t]), int(s["q_full_count"][m, t])
+            first = int(s["q_list"][m, t, 0]) if count else 0
+            part = int(s["q_list"][m, t, full]) if full < count else 0
+            assert work[m, r].tolist() == [t, count, full, first, part, 0, 0, 0]
+    assert (s["q_count"] > s["q_full_count"]).any() and (s["q_full_count"] > 0).any()
 
 
 @pytest.mark.parametrize("tile_builder_on", [False, True], ids=["tensor-builder", "triton-builder"])

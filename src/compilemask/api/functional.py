@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.autograd import forward_ad
 
 from ..compiler.plan import MaskPlan
 from ..errors import InputError
@@ -63,7 +64,7 @@ def attention_fwd(
         scale: softmax scale.
         mask_stride_b, mask_stride_h: mask index ``m = b * mask_stride_b + h * mask_stride_h``.
         config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order, tma, overlap,
-            one_loop]`` (``FwdConfig``'s fields).
+            one_loop, prefetch]`` (``FwdConfig``'s fields).
     """
     return _attention_fwd_impl(
         q, k, v, row_lo, row_hi, schedule, scale, mask_stride_b, mask_stride_h, config
@@ -245,7 +246,8 @@ def attention(
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
     backward kernels, also under ``torch.compile``; the opt-in atomic dQ of
     ``BwdConfig.atomic_dq`` is not, and is off under ``torch.use_deterministic_algorithms``;
-    reference: torch autograd with per-chunk recomputation).
+    reference: torch autograd with per-chunk recomputation). Forward-mode AD (dual tensors of
+    ``torch.autograd.forward_ad``, ``torch.func.jvp``) on the reference backend only.
 
     Returns:
         out [B, Hq, Nq, D] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32
@@ -254,7 +256,8 @@ def attention(
     Raises:
         InputError: mismatching shapes, dtypes or devices, unsupported head_dim, a plan built
             for other lengths / batch / heads or on another device, an unavailable backend,
-            the Triton backend under a torch.func transform (grad, vjp, jvp, vmap).
+            the Triton backend under a torch.func transform (grad, vjp, jvp, vmap) or on
+            dual tensors of forward-mode AD (``torch.autograd.forward_ad``).
 
     Example::
 
@@ -277,6 +280,10 @@ def attention(
             "the kernels take plain tensors; differentiate with torch.autograd (.backward(), "
             "torch.autograd.grad) instead"
         )
+    # forward-mode AD: tangents exist only inside a dual level (else one attribute read); eager
+    # only: tracing sees no tangents
+    if backend == "triton" and forward_ad._current_level >= 0 and not torch.compiler.is_compiling():
+        validate.check_no_tangents(q, k, v)
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
         q, k, v = (_permute_tokens(t, perm, inv) for t in (q, k, v))
@@ -320,7 +327,7 @@ def _attention_tiled_order(q, k, v, plan: MaskPlan, scale: float, backend: str):
             scale, mask_stride_b, mask_stride_h,
             [
                 cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.grid_order,
-                cfg.tma, cfg.overlap, cfg.one_loop,
+                cfg.tma, cfg.overlap, cfg.one_loop, cfg.prefetch,
             ],  # fmt: skip
             bwd_config,
         )  # fmt: skip

@@ -54,6 +54,11 @@ class FwdConfig:
             branch per tile applies the mask from the first PARTIAL tile on) instead of two
             loops, each filling and draining its own pipeline; for short rows (hstu: about 27
             tiles of 64 keys per q-tile at 32K). Not used with ``overlap``.
+        prefetch: 1 (launch orders 0 and 3) reads the program's q-tile, tile counts and the
+            first tile of each loop from one 32-byte entry of the schedule's work list
+            (``schedule.work_list``) instead of a chain of dependent loads (order, counts,
+            list, then K/V): one or two memory latencies fewer per program, which short rows
+            feel (hstu, shared_prompt).
     """
 
     block_m: int
@@ -64,6 +69,7 @@ class FwdConfig:
     tma: int = 0
     overlap: int = 0
     one_loop: int = 0
+    prefetch: int = 0
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),

@@ -113,6 +113,8 @@ def _attn_fwd_inner(
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
     mask_from=0,
+    kt_first=0,
+    HAS_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
@@ -123,6 +125,9 @@ def _attn_fwd_inner(
     the mask applied from list position ``mask_from`` on (a branch per tile).
     USE_TMA: K and V tiles come through the tensor descriptors ``K_desc, V_desc`` (Hopper TMA;
     rows past Nk and columns past HEAD_DIM read as zeros), not per-thread pointers.
+    HAS_FIRST: ``kt_first`` is ``TileList[list_start]``, loaded by the caller before (from the
+    program's work entry, ``schedule.work_list``), so the loop's first K/V copies need no
+    load of the list first.
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -130,7 +135,10 @@ def _attn_fwd_inner(
     # The next tile index is loaded one iteration ahead with a plain load: an index load inside
     # the pipelined loop becomes the last async copy group of each iteration, and waiting for
     # it at the top of the next one waits for every copy in flight (no pipelining at all).
-    kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+    if HAS_FIRST:
+        kt_next = kt_first
+    else:
+        kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
     # likewise the bitmask index of a masked tile: its words' loads then need nothing loaded
     # in the same iteration
     bidx_next = 0
@@ -310,7 +318,7 @@ def _attn_fwd_two_loops(
     stride_kn, stride_kd, stride_vn, stride_vd,
     TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
     RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-    Nq, Nk, n_slots, full_count, count, qk_scale,
+    Nq, Nk, n_slots, full_count, count, qk_scale, kt_full, kt_partial,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -321,9 +329,11 @@ def _attn_fwd_two_loops(
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
     OVERLAP: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
 ):  # fmt: skip
     """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
-    ``TileList[0:full_count]`` in an unmasked one (or the overlapped loop, ``OVERLAP``)."""
+    ``TileList[0:full_count]`` in an unmasked one (or the overlapped loop, ``OVERLAP``).
+    HAS_FIRST: ``kt_partial`` / ``kt_full`` are the first entries of the two ranges."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
         stride_kn, stride_kd, stride_vn, stride_vd,
@@ -331,7 +341,7 @@ def _attn_fwd_two_loops(
         RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
         Nq, Nk, n_slots, full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS, USE_TMA,
+        SLOTS, USE_TMA, 0, kt_partial, HAS_FIRST,
     )  # fmt: skip
     if OVERLAP:
         acc, l_i, m_i = _attn_fwd_full_overlap(
@@ -347,7 +357,7 @@ def _attn_fwd_two_loops(
             RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
             Nq, Nk, n_slots, 0, full_count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA,
+            SLOTS, USE_TMA, 0, kt_full, HAS_FIRST,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -355,7 +365,7 @@ def _attn_fwd_two_loops(
 @triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse, K_desc, V_desc,
-    RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
+    RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder, QWork,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -375,13 +385,31 @@ def _attn_fwd(
     USE_TMA: tl.constexpr,
     OVERLAP: tl.constexpr = False,
     ONE_LOOP: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
-    off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
-        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
-    )
-    count = tl.load(QCount + tile_row)
-    full_count = tl.load(QFullCount + tile_row)
+    # PREFETCH (launch orders 0 and 3 only): the q-tile, its counts and the first tile of each
+    # loop come from one 32-byte work entry (schedule.work_list), not a chain of dependent loads
+    if PREFETCH:
+        off_b = pid_bh // Hq
+        off_h = pid_bh % Hq
+        off_hkv = off_h // gqa_group
+        mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
+        work = QWork + (mask_id * Tq + rank) * 8
+        qt = tl.load(work)
+        count = tl.load(work + 1)
+        full_count = tl.load(work + 2)
+        kt_full = tl.load(work + 3)
+        kt_partial = tl.load(work + 4)
+        tile_row = mask_id * Tq + qt
+    else:
+        off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
+            pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+        )
+        count = tl.load(QCount + tile_row)
+        full_count = tl.load(QFullCount + tile_row)
+        kt_full = 0
+        kt_partial = 0
     tile_list = QList + tile_row * Tk
     kind_row = tile_row * Tk  # offset of kind / jlo / jhi / bits_index rows
     row_base = mask_id * Nq * n_slots
@@ -423,7 +451,7 @@ def _attn_fwd(
             Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
             lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA, full_count,
+            SLOTS, USE_TMA, full_count, kt_full, PREFETCH,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _attn_fwd_two_loops(
@@ -432,8 +460,9 @@ def _attn_fwd(
             tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
             Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
             lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
+            kt_full, kt_partial,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
-            USE_TMA, OVERLAP,
+            USE_TMA, OVERLAP, PREFETCH,
         )  # fmt: skip
 
     empty = l_i == 0.0
@@ -506,7 +535,7 @@ def attention_forward(
         q, k, v, out, lse, *(descs or (k, v)),
         row_lo, row_hi, kind, schedule["jlo"], schedule["jhi"], schedule["bits_index"], bits,
         schedule["q_count"], schedule["q_full_count"], schedule["q_list"], schedule["q_order"],
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        schedule["q_work"], *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         bits.stride(0), bits.stride(1),
         Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
         scale * _LOG2E,
@@ -524,6 +553,7 @@ def attention_forward(
         USE_TMA=descs is not None,
         OVERLAP=bool(cfg.overlap),
         ONE_LOOP=bool(cfg.one_loop),
+        PREFETCH=bool(cfg.prefetch) and order in (0, 3),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -15,7 +15,11 @@ from ...compiler.tiles import FULL
 #: Order of the forward schedule tensors (the ``schedule`` argument of the custom op).
 FWD_SCHEDULE_FIELDS = (
     "kind", "jlo", "jhi", "bits_index", "bits", "q_count", "q_full_count", "q_list", "q_order",
+    "q_work",
 )  # fmt: skip
+
+#: Ints per entry of a :func:`work_list` (padded to 32 bytes: one sector per program).
+WORK_FIELDS = 8
 
 
 def split_full_first(
@@ -49,6 +53,37 @@ def split_full_first(
     order = torch.sort(key, dim=-1, stable=True).indices
     reordered = torch.where(valid, lists, 0).gather(-1, order)
     return reordered.to(torch.int32).contiguous(), is_full.sum(-1).to(torch.int32)
+
+
+def work_list(
+    order: torch.Tensor, counts: torch.Tensor, full_counts: torch.Tensor, lists: torch.Tensor
+) -> torch.Tensor:
+    """What a program of launch rank r needs first, in one 32-byte entry: int32 [M, T, 8],
+    entry ``[m, r] = (t, count, full_count, list[0], list[full_count], 0, 0, 0)`` for the tile
+    ``t = order[m, r]`` (heaviest first), with ``lists`` FULL first (``split_full_first``);
+    ``list[0]`` is 0 when the tile touches nothing, ``list[full_count]`` 0 when it has no
+    PARTIAL tile.
+
+    The kernels that launch in the plan's order (``GRID_ORDER`` 0 and 3) read it with one
+    load instead of the chain order -> counts -> list -> first K/V tile, and get the first
+    tile of their second loop before the first loop runs (one memory latency fewer per
+    loop). Pure tensor operations with static shapes, no host synchronisation.
+    """
+    M, T = order.shape
+    length = lists.shape[-1]
+    o = order.long()
+    if length == 0 or T == 0:
+        first = part = torch.zeros_like(counts)
+    else:
+        first = lists[..., 0]
+        part = lists.gather(-1, full_counts.clamp(max=length - 1).long()[..., None])[..., 0]
+        first = torch.where(counts > 0, first, 0)
+        part = torch.where(full_counts < counts, part, 0)
+    cols = [order, counts.gather(1, o), full_counts.gather(1, o), first.gather(1, o),
+            part.gather(1, o)]  # fmt: skip
+    zero = torch.zeros_like(order)
+    cols += [zero] * (WORK_FIELDS - len(cols))
+    return torch.stack([c.to(torch.int32) for c in cols], -1).contiguous()
 
 
 def _full_first(kind, lists, counts, transposed: bool):
@@ -122,7 +157,8 @@ def forward_schedule(
         int32 tensors on the plan's device, keyed by :data:`FWD_SCHEDULE_FIELDS`: the tile
         schedule's ``kind, jlo, jhi, bits_index, q_count, q_order``; ``bits`` (a 1x1x1 dummy
         when the tiling has no bitmask tiles); ``q_list`` reordered FULL tiles first and
-        ``q_full_count`` (see :func:`split_full_first`).
+        ``q_full_count`` (see :func:`split_full_first`); ``q_work``, the q-tiles' entries
+        in launch order (:func:`work_list`).
     """
     sched = plan.tiles(block_m, block_n, bits=bits)
     q_list, q_full_count = _full_first(sched.kind, sched.q_list, sched.q_count, False)
@@ -137,6 +173,7 @@ def forward_schedule(
         "q_full_count": q_full_count,
         "q_list": q_list,
         "q_order": sched.q_order,
+        "q_work": work_list(sched.q_order, sched.q_count, q_full_count, q_list),
     }
 
 
