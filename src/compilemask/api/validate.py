@@ -13,6 +13,7 @@ import math
 import os
 
 import torch
+from torch.autograd import forward_ad
 
 from ..compiler.plan import MaskPlan
 from ..errors import InputError
@@ -114,6 +115,25 @@ def check_scale(scale: object, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise InputError(f"scale must be a positive finite float, got {scale}")
     return scale
+
+
+def check_no_tangents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """No forward-mode AD tangent on q, k or v: the Triton backend has no jvp.
+
+    ``attention`` calls it in eager mode while a dual level is active only (outside one no
+    tensor carries a tangent, so its hot path pays one attribute read). Without it, dual
+    inputs that do not require grad gave an output without a tangent (silently wrong), and
+    inputs that do failed with torch's generic "implement the jvp function" error.
+    """
+    names = [n for n, t in zip("qkv", (q, k, v)) if forward_ad.unpack_dual(t).tangent is not None]
+    if names:
+        raise InputError(
+            f'backend="triton" does not support forward-mode AD (jvp, dual tensors of '
+            f"torch.autograd.forward_ad): {', '.join(names)} "
+            f"{'carries' if len(names) == 1 else 'carry'} a tangent; use "
+            f'backend="reference" (plain torch ops: it propagates tangents), or pass the '
+            f"primals (forward_ad.unpack_dual(x).primal) to drop the tangents"
+        )
 
 
 def triton_usable(device: torch.device) -> tuple[bool, str]:
