@@ -274,6 +274,14 @@ BWD_ONELOOP = [
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
 ]
+# --bwd-set prefetch (session 9, not yet timed): the dK/dV kernel's kv-tile, counts and first
+# q-tiles and the dS GEMM's q-tile, count and first kv-tile from one work entry each
+# (BwdConfig.prefetch) against the chains of dependent loads, at the library D=128 config,
+# alternated twice (the same process measures both within the spread)
+BWD_PREFETCH = [
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, prefetch=1),
+] * 2
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -311,7 +319,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "library"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "prefetch"]
+    bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
     fwd_sets += [
@@ -372,6 +381,7 @@ def main() -> None:
                 "dkdv": BWD_DKDV,
                 "dspair": BWD_DSPAIR,
                 "oneloop": BWD_ONELOOP,
+                "prefetch": BWD_PREFETCH,
                 "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []

@@ -67,6 +67,20 @@ BWD_TILES = {
     # FULL and PARTIAL q-tiles of a kv-tile in one dK/dV loop, alone and with stored dS
     "oneloop-16x32": BwdConfig(16, 32, 4, 2, 32, 32, 4, 1, one_loop=1),
     "ds-oneloop-16x32": BwdConfig(16, 32, 4, 2, 16, 32, 4, 1, ds_dq=1, one_loop=1),
+    # the tile, counts and first tiles from the work lists (schedule.work_list) in the
+    # heaviest-first orders 0 and 3: dK/dV two loops / one loop, the dS GEMM (paired or not)
+    "prefetch-32x64/16x32": BwdConfig(
+        32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3, prefetch=1
+    ),
+    "prefetch-oneloop-16x32": BwdConfig(
+        16, 32, 4, 2, 32, 32, 4, 1, dkdv_order=3, dq_order=0, one_loop=1, prefetch=1
+    ),
+    "prefetch-ds-16x32": BwdConfig(
+        16, 32, 4, 2, 16, 32, 4, 1, dkdv_order=3, dq_order=0, ds_dq=1, prefetch=1
+    ),
+    "prefetch-ds-pair-oneloop-16x32": BwdConfig(
+        16, 32, 4, 2, 32, 32, 4, 1, dkdv_order=0, dq_order=3, ds_dq=1, one_loop=1, prefetch=1
+    ),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -94,8 +108,9 @@ def _mask_strides(plan):
     return (heads if plan.batch else 0), (1 if plan.heads else 0)
 
 
-def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None):
-    """Forward and backward kernels launched directly, into NaN-poisoned output buffers."""
+def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None, edit=None):
+    """Forward and backward kernels launched directly, into NaN-poisoned output buffers
+    (``edit(s1, s2)``: a change to the dK/dV and dQ schedules before the backward)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     msb, msh = _mask_strides(plan)
     out, lse = attention_forward(
@@ -112,6 +127,8 @@ def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None):
         else:  # dQ tiles of two dK/dV q-tiles
             slots = ds_pair_slots(s1["kind"], s2["kind"])
         cfg = replace(cfg, ds_dq=int((s2["kind"] != 0).flatten(1).sum(1).max()))
+    if edit is not None:
+        edit(s1, s2)
     attention_backward(
         q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1, s2,
         scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=cfg, dlse=dlse,
@@ -233,8 +250,9 @@ def test_per_batch_plan():
     _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
 
 
+@pytest.mark.parametrize("cfg", [SMALL, BWD_TILES["prefetch-ds-16x32"]], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_per_head_plan_within_gqa_groups(dtype):
+def test_per_head_plan_within_gqa_groups(dtype, cfg):
     # The heads of one GQA group have different masks: one dK/dV program walks all of them.
     masks = [
         cm.masks.causal(),
@@ -242,9 +260,10 @@ def test_per_head_plan_within_gqa_groups(dtype):
         cm.masks.document([20, 40]),
         cm.masks.dilated(12, 2),
     ]
+    # (prefetch: the work entry is the group's first head's; the second head loads its own)
     plan = cm.compile(cm.masks.per_head(masks), 60, 60, heads=4, device=DEVICE)
     q, k, v, do = _inputs(2, 4, 2, 60, 60, 32, dtype)
-    _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
+    _assert_grads(_triton_grads(q, k, v, do, plan, cfg), q, k, v, do, plan)
 
 
 def _dense_with_empty_rows_and_cols(Nq, Nk, seed=0):
@@ -361,12 +380,38 @@ def test_strided_inputs_and_grad_output():
     _assert_grads(grads, q, k, v, do, plan)
 
 
+@pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "gqa"])
+@pytest.mark.parametrize("tiles", ["prefetch-ds-16x32", "prefetch-ds-pair-oneloop-16x32"])
+def test_prefetch_reads_the_work_entries(tiles, hkv):
+    """``BwdConfig.prefetch``: the dK/dV kernel and the dS GEMM take their tile, counts and
+    first tiles from ``kv_work`` / ``q_work`` (orders and counts zeroed: the same gradients;
+    with GQA the dK/dV kernel reads the counts of a group's second head from ``kv_count``, so
+    only the orders are zeroed there); the entries are ``schedule.work_list``'s."""
+    from compilemask.kernels.triton.schedule import work_list
+
+    plan = cm.compile(cm.masks.sliding_window(20) | cm.masks.prefix_lm(5), 100, device=DEVICE)
+    q, k, v, do = _inputs(1, 2, hkv, 100, 100, 32, torch.float16, seed=3)
+    s1 = dkdv_schedule(plan, 16, 32)
+    want = work_list(s1["kv_order"], s1["kv_count"], s1["kv_full_count"], s1["kv_list"])
+    assert torch.equal(s1["kv_work"], want) and s1["kv_work"].shape[-1] == 8
+
+    def zero_orders_and_counts(s1, s2):
+        zeroed = ("kv_order",) if hkv == 1 else ("kv_order", "kv_count", "kv_full_count")
+        for name in zeroed:
+            s1[name] = torch.zeros_like(s1[name])
+        for name in ("q_order", "q_count"):
+            s2[name] = torch.zeros_like(s2[name])
+
+    grads = _triton_grads(q, k, v, do, plan, BWD_TILES[tiles], edit=zero_orders_and_counts)
+    _assert_grads(grads, q, k, v, do, plan)
+
+
 def test_backward_config_table():
     for d in SUPPORTED_HEAD_DIMS:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 17
+            assert len(cfg.as_list()) == 18
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -638,12 +683,14 @@ def test_torch_compile_plan_as_argument_head_dim_128():
 
 def test_backward_without_grad_at_forward_time_builds_nothing():
     from compilemask.api.autograd import backward_inputs
+    from compilemask.kernels.triton.schedule import DKDV_SCHEDULE_FIELDS, FWD_SCHEDULE_FIELDS
 
     plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    assert len(ints) == 17 and len(tensors) == 18
+    n_tensors = len(DKDV_SCHEDULE_FIELDS) + len(FWD_SCHEDULE_FIELDS)  # no dS slots here
+    assert len(ints) == len(BwdConfig(*ints).as_list()) == 18 and len(tensors) == n_tensors
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

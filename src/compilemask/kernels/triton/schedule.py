@@ -181,6 +181,7 @@ def forward_schedule(
 #: dQ kernel's half is a :func:`forward_schedule` at the dQ tiling, :data:`FWD_SCHEDULE_FIELDS`).
 DKDV_SCHEDULE_FIELDS = (
     "kind", "jlo", "jhi", "bits_index", "bits", "kv_count", "kv_full_count", "kv_list", "kv_order",
+    "kv_work",
 )  # fmt: skip
 
 
@@ -194,7 +195,8 @@ def dkdv_schedule(
         int32 tensors keyed by :data:`DKDV_SCHEDULE_FIELDS`: the tile schedule's ``kind, jlo,
         jhi, bits_index, kv_count, kv_order``; ``bits`` transposed (:func:`transposed_bits`,
         ``[P, block_n, ceil(block_m / 32)]``; a 1x1x1 dummy without bitmask tiles);
-        ``kv_list`` (q-tiles per kv-tile) reordered FULL tiles first and ``kv_full_count``.
+        ``kv_list`` (q-tiles per kv-tile) reordered FULL tiles first and ``kv_full_count``;
+        ``kv_work``, the kv-tiles' entries in launch order (:func:`work_list`).
     """
     sched = plan.tiles(block_m, block_n, bits=bits)
     kv_list, kv_full_count = _full_first(sched.kind, sched.kv_list, sched.kv_count, True)
@@ -211,6 +213,7 @@ def dkdv_schedule(
         "kv_full_count": kv_full_count,
         "kv_list": kv_list,
         "kv_order": sched.kv_order,
+        "kv_work": work_list(sched.kv_order, sched.kv_count, kv_full_count, kv_list),
     }
 
 
