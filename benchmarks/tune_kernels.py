@@ -144,6 +144,24 @@ FWD_PREFETCH = [
     FwdConfig(128, 128, 8, 3, 3, 0),
     FwdConfig(128, 128, 8, 3, 3, 0, prefetch=1),
 ] * 2
+# --fwd-set oneslot (session 9): PARTIAL tiles masked from the one slot per row that meets the
+# tile (FwdConfig.one_slot; plans with no row holding two intervals in one kv-tile, such as
+# shared_prompt), with the work-list prefetch, at both tilings (128x128 also through TMA:
+# 235 registers against 255 and 8 bytes of stack with pointers), alternated twice
+FWD_ONESLOT = [
+    FwdConfig(128, 128, 8, 3, 3, 0, prefetch=1),
+    FwdConfig(128, 128, 8, 3, 3, 0, prefetch=1, one_slot=1),
+    FwdConfig(128, 128, 8, 3, 3, 1, prefetch=1, one_slot=1),
+    FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1),
+    FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1, one_slot=1),
+] * 2
+# --fwd-set stages (session 9): 64x64 with 1 stage (48 KiB of shared memory: three programs
+# of 4 warps per SM, registers permitting) or 2 (two per SM) against 3, prefetch and one slot
+FWD_STAGES = [
+    FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1, one_slot=1),
+    FwdConfig(64, 64, 4, 1, 3, 1, prefetch=1, one_slot=1),
+    FwdConfig(64, 64, 4, 2, 3, 1, prefetch=1, one_slot=1),
+] * 2
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -323,12 +341,7 @@ def main() -> None:
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
-    fwd_sets += [
-        "bits16",
-        "oneloop",
-        "prefetch",
-        "library",
-    ]  # library: the library's own choice, no override
+    fwd_sets += ["bits16", "oneloop", "prefetch", "oneslot", "stages", "library"]
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -364,6 +377,8 @@ def main() -> None:
                 "bits16": FWD_BITS16,
                 "oneloop": FWD_ONELOOP,
                 "prefetch": FWD_PREFETCH,
+                "oneslot": FWD_ONESLOT,
+                "stages": FWD_STAGES,
                 "library": [None],
             }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []

@@ -655,6 +655,43 @@ def test_prefetched_work_entries(mask_name, order, one_loop, tma):
     _assert_lse(lse, q, k, v, plan)
 
 
+@pytest.mark.parametrize(
+    "mask",
+    [
+        cm.masks.shared_prompt(24, [40, 40, 26]),  # 2 slots
+        cm.masks.shared_prompt(4, [3, 40, 40, 43]),  # prompt and a response in one tile
+        cm.masks.sliding_window(20) | cm.masks.prefix_lm(5),
+        cm.masks.hstu([60, 70], [5, 9], contextual=3),
+        cm.masks.global_local(6, [0, 70]),  # 3 slots: global, local window, global
+    ],
+    ids=["shared_prompt", "shared_prompt_tight", "window_prefix", "hstu", "global_local"],
+)
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_one_slot_mask(mask, block_n):
+    """``FwdConfig.one_slot``: where no row has two intervals in one kv-tile
+    (``one_interval_per_tile``, checked here against the dense mask) the PARTIAL tiles are
+    masked from one slot per row; elsewhere the flag is ignored. Same results as the reference
+    either way, LSE included."""
+    from compilemask.kernels.triton.common import one_interval_per_tile
+
+    N = 130
+    plan = cm.compile(mask, N, device=DEVICE)
+    dense = plan.to_dense().cpu()  # [N, N] bool
+    lo, hi = plan.row_lo.cpu(), plan.row_hi.cpu()
+    tiles = -(-N // block_n)
+    runs = 0  # rows with two intervals in one tile, counted from the dense mask
+    for t in range(tiles):
+        block = dense[:, t * block_n : (t + 1) * block_n].to(torch.int8)
+        starts = (block[:, 1:] > block[:, :-1]).sum(1) + block[:, 0]
+        runs += int((starts > 1).sum())
+    assert one_interval_per_tile(lo, hi, block_n) == (runs == 0)
+    q, k, v = _inputs(1, 2, 1, N, N, 32, torch.float16, seed=7)
+    with override_forward_config(FwdConfig(16, block_n, 4, 2, 3, tma=1, prefetch=1, one_slot=1)):
+        out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
+    _assert_matches(out, q, k, v, plan)
+    _assert_lse(lse, q, k, v, plan)
+
+
 def test_work_list_entries():
     """``schedule.work_list``: entry r is (t, count, full_count, list[0], list[full_count])
     of the tile t = order[r], zeros where a tile touches nothing or has no PARTIAL tile."""

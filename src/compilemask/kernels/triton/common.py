@@ -121,6 +121,33 @@ def slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS: tl.constex
 
 
 @triton.jit
+def one_slot_mask(
+    offs_n, start_n, end_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS: tl.constexpr
+):  # fmt: skip
+    """:func:`slots_mask` for a plan in which no row has two intervals in one kv-tile
+    (:func:`one_interval_per_tile`): per row, the one slot that meets the tile's keys
+    ``[start_n, end_n)`` (slot 0 when none does: it then hides the whole tile) is picked from
+    the preloaded slots with a few row-wise selects, and each score costs two comparisons
+    instead of two per slot (four compares and three logic operations at 2 slots)."""
+    lo = lo0
+    hi = hi0
+    if SLOTS > 1:
+        hit = (lo1 < hi1) & (lo1 < end_n) & (hi1 > start_n)
+        lo = tl.where(hit, lo1, lo)
+        hi = tl.where(hit, hi1, hi)
+    if SLOTS > 2:
+        hit = (lo2 < hi2) & (lo2 < end_n) & (hi2 > start_n)
+        lo = tl.where(hit, lo2, lo)
+        hi = tl.where(hit, hi2, hi)
+    if SLOTS > 3:
+        hit = (lo3 < hi3) & (lo3 < end_n) & (hi3 > start_n)
+        lo = tl.where(hit, lo3, lo)
+        hi = tl.where(hit, hi3, hi)
+    n = offs_n[None, :]
+    return (n >= lo[:, None]) & (n < hi[:, None])
+
+
+@triton.jit
 def partial_tile_mask(
     kind,
     RowLo,
@@ -345,6 +372,38 @@ MAX_STATIC_SPAN = 8
 #: (``slots_mask``) when their schedule has no bitmask tile.
 MAX_PRELOAD_SLOTS = 4
 _MASK_CONSTANTS: dict[int, tuple[object, tuple[int, int, int]]] = {}
+_ONE_PER_TILE: dict[tuple[int, int], tuple[object, bool]] = {}
+
+
+def one_interval_per_tile(row_lo, row_hi, block_n: int) -> bool:
+    """Whether no row of the plan has two of its intervals in one kv-tile of ``block_n`` keys
+    (then :func:`one_slot_mask` masks a PARTIAL tile exactly).
+
+    A row's intervals are sorted and do not touch (``hi[j] < lo[j + 1]``), so two of them
+    meet the same tile exactly when two consecutive used slots do, that is when
+    ``(hi[j] - 1) // block_n == lo[j + 1] // block_n``. True for one slot per row. Read back
+    once (one small copy) and cached while ``row_lo`` lives.
+    """
+    import weakref
+
+    import torch
+
+    if row_lo.shape[-1] < 2 or row_lo.numel() == 0:
+        return True
+    key = (id(row_lo), block_n)
+    hit = _ONE_PER_TILE.get(key)
+    if hit is not None and hit[0]() is row_lo:
+        return hit[1]
+    lo, hi = row_lo, row_hi
+    both_used = (lo[..., :-1] < hi[..., :-1]) & (lo[..., 1:] < hi[..., 1:])
+    last = torch.div(hi[..., :-1] - 1, block_n, rounding_mode="floor")
+    same_tile = last == torch.div(lo[..., 1:], block_n, rounding_mode="floor")
+    value = not bool((both_used & same_tile).any())
+    _ONE_PER_TILE[key] = (
+        weakref.ref(row_lo, lambda _, key=key: _ONE_PER_TILE.pop(key, None)),
+        value,
+    )
+    return value
 
 
 def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, int]:

@@ -10,8 +10,9 @@ Shared memory of one program is about ``(BLOCK_M + 2 * num_stages * BLOCK_N) * D
 
 Example::
 
-    >>> forward_config(128, torch.float16)
-    FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, grid_order=1, tma=1, overlap=0)
+    >>> cfg = forward_config(128, torch.float16)
+    >>> cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch
+    (64, 64, 4, 3, 1)
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class FwdConfig:
             (``schedule.work_list``) instead of a chain of dependent loads (order, counts,
             list, then K/V): one or two memory latencies fewer per program, which short rows
             feel (hstu, shared_prompt).
+        one_slot: 1 masks PARTIAL tiles of plans with 2-4 preloaded slots per row, none of
+            whose rows has two intervals in one kv-tile (``common.one_interval_per_tile``,
+            read back once per plan and BLOCK_N), from the one slot per row that meets the
+            tile (``common.one_slot_mask``: two comparisons per score instead of two per
+            slot).
     """
 
     block_m: int
@@ -70,6 +76,7 @@ class FwdConfig:
     overlap: int = 0
     one_loop: int = 0
     prefetch: int = 0
+    one_slot: int = 0
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
@@ -79,7 +86,7 @@ _FWD_16BIT: dict[int, FwdConfig] = {
     32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     96: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),  # D padded to 128
-    128: FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, grid_order=3, tma=1),
+    128: FwdConfig(64, 64, 4, 3, grid_order=3, tma=1, prefetch=1, one_slot=1),
     256: FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
 # D=128, 16-bit, from the H200 sweeps of session 4 (32K, 16 heads, bf16;
@@ -114,7 +121,17 @@ _FWD_16BIT: dict[int, FwdConfig] = {
 # (clear at 1K 0.662 ms against 0.753 with 2 stages, 0.757-0.794 at 128x128; clear_tiled at
 # 32K 2.307 against 2.891 at 128x64, at 4K 1.874 against 1.943; clear at 4K 2.333 against
 # 2.381, at 32K 5.153 against 6.561 at 128x64).
-_FWD_DENSE_128 = FwdConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, grid_order=3)
+# Session 9 (h200-tune-2026-11-30-session9.jsonl, alternated pairs in one process): the work
+# entry read in one load (prefetch): 128x128 shared_prompt 32K 1.674 / 1.675 ms against 1.684 /
+# 1.775, clear 1K 0.758 / 0.758 against 0.798 / 0.799, hstu 1K 0.535 against 0.544; 64x64
+# within the spread (hstu 1K 0.343 / 0.348 against 0.349 / 0.352, clear 1K 0.719 / 0.738
+# against 0.710 / 0.733 measured first). One slot per PARTIAL tile (one_slot, shared_prompt):
+# 64x64 1K 0.371 / 0.379 against 0.382 / 0.385, 16K 1.691 / 1.706 against 1.696 / 1.796; at
+# 128x128 it spills (255 registers, 40 bytes of stack) and loses (32K 1.716 / 1.755 against
+# 1.661 / 1.701): not used there.
+_FWD_DENSE_128 = FwdConfig(
+    block_m=128, block_n=128, num_warps=8, num_stages=3, grid_order=3, prefetch=1
+)
 DENSE_TILE_EFFICIENCY = 0.94
 
 # fp32 (tf32x3 dots, about fp32 accuracy): a correctness path, not a fast one; smaller tiles.

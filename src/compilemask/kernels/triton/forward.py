@@ -31,6 +31,8 @@ from .common import (
     launch_grid,
     launch_order,
     mask_constants,
+    one_interval_per_tile,
+    one_slot_mask,
     partial_tile_mask,
     preload_row_slot,
     q_tile_program,
@@ -50,10 +52,17 @@ def _mask_scores(
     MAX_SPAN: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
+    ONE_PER_TILE: tl.constexpr = False,
 ):  # fmt: skip
     """``qk`` with -inf where the PARTIAL tile ``kt`` hides a pair: from the preloaded slots
-    ``lo*/hi*`` when SLOTS > 0, else from the tile's intervals or bitmask (``bidx``)."""
-    if SLOTS > 0:
+    ``lo*/hi*`` when SLOTS > 0 (the one slot that meets the tile when ``ONE_PER_TILE``:
+    ``common.one_slot_mask``), else from the tile's intervals or bitmask (``bidx``)."""
+    if SLOTS > 1 and ONE_PER_TILE:
+        start_n = kt * BLOCK_N
+        visible = one_slot_mask(
+            offs_n, start_n, start_n + BLOCK_N, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS
+        )
+    elif SLOTS > 0:
         visible = slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS)
     else:
         kind = 0
@@ -115,6 +124,7 @@ def _attn_fwd_inner(
     mask_from=0,
     kt_first=0,
     HAS_FIRST: tl.constexpr = False,
+    ONE_PER_TILE: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
@@ -181,14 +191,14 @@ def _attn_fwd_inner(
             qk = _mask_scores(
                 qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
                 row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk,
-                n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
+                n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE,
             )  # fmt: skip
         elif MASKED == 2:
             if i >= mask_from:
                 qk = _mask_scores(
                     qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo,
                     RowHi, row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-                    Nq, Nk, n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
+                    Nq, Nk, n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE,
                 )  # fmt: skip
         if MASKED:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -330,6 +340,7 @@ def _attn_fwd_two_loops(
     USE_TMA: tl.constexpr,
     OVERLAP: tl.constexpr,
     HAS_FIRST: tl.constexpr,
+    ONE_PER_TILE: tl.constexpr,
 ):  # fmt: skip
     """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
     ``TileList[0:full_count]`` in an unmasked one (or the overlapped loop, ``OVERLAP``).
@@ -341,7 +352,7 @@ def _attn_fwd_two_loops(
         RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
         Nq, Nk, n_slots, full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS, USE_TMA, 0, kt_partial, HAS_FIRST,
+        SLOTS, USE_TMA, 0, kt_partial, HAS_FIRST, ONE_PER_TILE,
     )  # fmt: skip
     if OVERLAP:
         acc, l_i, m_i = _attn_fwd_full_overlap(
@@ -386,6 +397,7 @@ def _attn_fwd(
     OVERLAP: tl.constexpr = False,
     ONE_LOOP: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    ONE_PER_TILE: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     # PREFETCH (launch orders 0 and 3 only): the q-tile, its counts and the first tile of each
@@ -451,7 +463,7 @@ def _attn_fwd(
             Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
             lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA, full_count, kt_full, PREFETCH,
+            SLOTS, USE_TMA, full_count, kt_full, PREFETCH, ONE_PER_TILE,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _attn_fwd_two_loops(
@@ -462,7 +474,7 @@ def _attn_fwd(
             lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
             kt_full, kt_partial,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
-            USE_TMA, OVERLAP, PREFETCH,
+            USE_TMA, OVERLAP, PREFETCH, ONE_PER_TILE,
         )  # fmt: skip
 
     empty = l_i == 0.0
@@ -531,6 +543,9 @@ def attention_forward(
     order = launch_order(cfg.grid_order, B * Hq)
     d_pad = padded_head_dim(D)
     descs = tma_descriptors(k, v, cfg.block_n, d_pad) if cfg.tma else None
+    one_per_tile = (
+        bool(cfg.one_slot) and slots > 1 and one_interval_per_tile(row_lo, row_hi, cfg.block_n)
+    )
     _attn_fwd[launch_grid(order, B * Hq, Tq)](
         q, k, v, out, lse, *(descs or (k, v)),
         row_lo, row_hi, kind, schedule["jlo"], schedule["jhi"], schedule["bits_index"], bits,
@@ -554,6 +569,7 @@ def attention_forward(
         OVERLAP=bool(cfg.overlap),
         ONE_LOOP=bool(cfg.one_loop),
         PREFETCH=bool(cfg.prefetch) and order in (0, 3),
+        ONE_PER_TILE=one_per_tile,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
