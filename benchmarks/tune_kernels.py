@@ -162,6 +162,14 @@ FWD_STAGES = [
     FwdConfig(64, 64, 4, 1, 3, 1, prefetch=1, one_slot=1),
     FwdConfig(64, 64, 4, 2, 3, 1, prefetch=1, one_slot=1),
 ] * 2
+# --fwd-set dense (session 9): the dense tiling (128x128, 8 warps, prefetch) with pointer loads
+# (255 registers, 8 bytes of stack) against TMA (235, none) and the masked tiling with one slot
+# per tile, for plans near DENSE_TILE_EFFICIENCY (shared_prompt: 0.945), alternated three times
+FWD_DENSE = [
+    FwdConfig(128, 128, 8, 3, 3, 0, prefetch=1),
+    FwdConfig(128, 128, 8, 3, 3, 1, prefetch=1),
+    FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1, one_slot=1),
+] * 3
 # --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
@@ -341,7 +349,8 @@ def main() -> None:
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
-    fwd_sets += ["bits16", "oneloop", "prefetch", "oneslot", "stages", "library"]
+    fwd_sets += ["bits16", "oneloop", "prefetch", "oneslot", "stages", "dense"]
+    fwd_sets += ["library"]  # library: the library's own choice, no override
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
     a = ap.parse_args()
@@ -379,6 +388,7 @@ def main() -> None:
                 "prefetch": FWD_PREFETCH,
                 "oneslot": FWD_ONESLOT,
                 "stages": FWD_STAGES,
+                "dense": FWD_DENSE,
                 "library": [None],
             }.get(a.fwd_set, FWD_CANDIDATES)
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []

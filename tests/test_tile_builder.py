@@ -20,7 +20,7 @@ from compilemask.compiler import tiles as tiles_mod  # noqa: E402
 from compilemask.compiler.tiles import build_tiles  # noqa: E402
 from compilemask.errors import LayoutError  # noqa: E402
 from compilemask.kernels.triton import tile_builder  # noqa: E402
-from compilemask.kernels.triton.schedule import split_full_first  # noqa: E402
+from compilemask.kernels.triton.schedule import split_full_first, work_list  # noqa: E402
 from compilemask.language.semantics import dense  # noqa: E402
 from test_compiler import cases  # noqa: E402
 
@@ -50,6 +50,12 @@ def _assert_same(lo, hi, count, q_len, kv_len, bm, bn):
         _, _, full_first, full_count = tile_builder.tile_lists(got.kind, transposed=transposed)
         assert torch.equal(full_count, ref_full)
         assert torch.equal(full_first, ref_list)
+        # the work entries made in the ordering launch (schedule.work_list)
+        order = want.kv_order if transposed else want.q_order
+        made = tile_builder.full_first_lists(got.kind, transposed)
+        if made[2] is not None or got.kind.numel():
+            assert made[2] is not None
+            assert torch.equal(made[2], work_list(order, counts, ref_full, ref_list)), transposed
 
 
 @pytest.mark.parametrize(

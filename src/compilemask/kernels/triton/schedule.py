@@ -86,9 +86,11 @@ def work_list(
     return torch.stack([c.to(torch.int32) for c in cols], -1).contiguous()
 
 
-def _full_first(kind, lists, counts, transposed: bool):
-    """:func:`split_full_first`, or one ``_tile_lists`` launch when the registered tile builder
-    serves the schedule's device (see ``compiler.tiles.register_device_tile_builder``)."""
+def _full_first(kind, lists, counts, order, transposed: bool):
+    """``(lists FULL first, full_count, work)``: :func:`split_full_first` and
+    :func:`work_list`, or what the Triton tile builder made with this schedule (one launch
+    each for the lists and, with the order, for the work entries) when the registered tile
+    builder serves the schedule's device (``compiler.tiles.register_device_tile_builder``)."""
     from ...compiler import tiles as tiles_mod
 
     builder = tiles_mod.device_tile_builder()
@@ -98,10 +100,16 @@ def _full_first(kind, lists, counts, transposed: bool):
 
         made = full_first_lists(kind, transposed)  # by the Triton builder, with this schedule
         if made is not None:
-            return made
-        _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
-        return full_first, full_count
-    return split_full_first(kind, lists, counts, transposed=transposed)
+            full_first, full_count, work = made
+        else:
+            _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
+            work = None
+    else:
+        full_first, full_count = split_full_first(kind, lists, counts, transposed=transposed)
+        work = None
+    if work is None:
+        work = work_list(order, counts, full_count, full_first)
+    return full_first, full_count, work
 
 
 _DUMMY_BITS: dict[torch.device, torch.Tensor] = {}
@@ -161,7 +169,9 @@ def forward_schedule(
         in launch order (:func:`work_list`).
     """
     sched = plan.tiles(block_m, block_n, bits=bits)
-    q_list, q_full_count = _full_first(sched.kind, sched.q_list, sched.q_count, False)
+    q_list, q_full_count, q_work = _full_first(
+        sched.kind, sched.q_list, sched.q_count, sched.q_order, False
+    )
     words = _bits_or_dummy(sched)  # the bitmask tensor (``bits`` is the keyword)
     return {
         "kind": sched.kind,
@@ -173,7 +183,7 @@ def forward_schedule(
         "q_full_count": q_full_count,
         "q_list": q_list,
         "q_order": sched.q_order,
-        "q_work": work_list(sched.q_order, sched.q_count, q_full_count, q_list),
+        "q_work": q_work,
     }
 
 
@@ -199,7 +209,9 @@ def dkdv_schedule(
         ``kv_work``, the kv-tiles' entries in launch order (:func:`work_list`).
     """
     sched = plan.tiles(block_m, block_n, bits=bits)
-    kv_list, kv_full_count = _full_first(sched.kind, sched.kv_list, sched.kv_count, True)
+    kv_list, kv_full_count, kv_work = _full_first(
+        sched.kind, sched.kv_list, sched.kv_count, sched.kv_order, True
+    )
     words = _bits_or_dummy(sched)  # the bitmask tensor (``bits`` is the keyword)
     if words is sched.bits:
         words = transposed_bits(words, block_m, block_n)
@@ -213,7 +225,7 @@ def dkdv_schedule(
         "kv_full_count": kv_full_count,
         "kv_list": kv_list,
         "kv_order": sched.kv_order,
-        "kv_work": work_list(sched.kv_order, sched.kv_count, kv_full_count, kv_list),
+        "kv_work": kv_work,
     }
 
 

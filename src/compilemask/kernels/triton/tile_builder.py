@@ -151,15 +151,20 @@ def _tile_lists(
 @triton.jit
 def _heaviest_first_kernel(
     CountQ, CountK, OrderQ, OrderK, Tq, Tk,
+    FullCountQ, FullCountK, FullFirstQ, FullFirstK, WorkQ, WorkK,
     BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
+    WORK: tl.constexpr,
 ):  # fmt: skip
     """``order[m, rank(t)] = t`` with rank(t) = #{u: c[u] > c[t]} + #{u < t: c[u] == c[t]}:
     the tiles by decreasing count, ties by index (a stable argsort of -count). Axis 2 of the
-    grid picks the q-tiles (0) or the kv-tiles (1)."""
+    grid picks the q-tiles (0) or the kv-tiles (1). WORK: also the work entries of
+    ``schedule.work_list`` from the FULL-first lists (``work[m, rank(t)] = (t, count,
+    full_count, list[0], list[full_count], 0, 0, 0)``)."""
     which = tl.program_id(2)
     m = tl.program_id(1).to(tl.int64)
     n = tl.where(which == 0, Tq, Tk)
+    length = tl.where(which == 0, Tk, Tq)  # of each tile's list
     count = tl.where(which == 0, CountQ, CountK) + m * n
     order = tl.where(which == 0, OrderQ, OrderK) + m * n
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -173,25 +178,48 @@ def _heaviest_first_kernel(
         tie_before = (cu[None, :] == c[:, None]) & (u[None, :] < t[:, None])
         rank += tl.sum((heavier | tie_before).to(tl.int32), axis=1)
     tl.store(order + rank, t, mask=t_ok)
+    if WORK:
+        full = tl.load(tl.where(which == 0, FullCountQ, FullCountK) + m * n + t, mask=t_ok)
+        lists = tl.where(which == 0, FullFirstQ, FullFirstK) + (m * n + t) * length
+        first = tl.load(lists, mask=t_ok & (c > 0), other=0)
+        part = tl.load(lists + full, mask=t_ok & (full < c), other=0)
+        work = tl.where(which == 0, WorkQ, WorkK) + (m * n + rank) * 8
+        tl.store(work, t, mask=t_ok)
+        tl.store(work + 1, c, mask=t_ok)
+        tl.store(work + 2, full, mask=t_ok)
+        tl.store(work + 3, first, mask=t_ok)
+        tl.store(work + 4, part, mask=t_ok)
+        for f in tl.static_range(5, 8):
+            tl.store(work + f, tl.zeros([BLOCK], dtype=tl.int32), mask=t_ok)
 
 
-def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor, out=None):
+def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor, out=None, work=None):
     """``(q_order, kv_order)``: per mask the tiles by decreasing count, ties by lower index
     (``argsort(-count, stable=True)``) in one launch; int32 ``[M, Tq]`` and ``[M, Tk]``
-    (written into ``out``, two such tensors, when given)."""
+    (written into ``out``, two such tensors, when given).
+
+    ``work``: ``((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count,
+    kv_work))``, the FULL-first lists and counts and two empty int32 ``[M, T, 8]`` tensors
+    that the same launch fills with the work entries of ``schedule.work_list``. Returns
+    ``(q_order, kv_order, made)`` then, ``made`` False where the tiles were sorted by torch
+    instead (more than ``_ORDER_KERNEL_MAX_TILES``: the work tensors are not written).
+    """
     m, tq = q_count.shape
     tk = kv_count.shape[1]
     if max(tq, tk) > _ORDER_KERNEL_MAX_TILES:  # O(T^2) compares: a sort beyond this
-        return tuple(
+        orders = tuple(
             torch.argsort(-c, dim=-1, stable=True).to(torch.int32) for c in (q_count, kv_count)
         )
+        return orders if work is None else (*orders, False)
     q_order, kv_order = out or (torch.empty_like(q_count), torch.empty_like(kv_count))
     if m and max(tq, tk):
         grid = (-(-max(tq, tk) // _ORDER_BLOCK), m, 2)
+        (qff, qfc, qw), (kff, kfc, kw) = work or ((q_count,) * 3, (kv_count,) * 3)
         _heaviest_first_kernel[grid](
-            q_count, kv_count, q_order, kv_order, tq, tk, BLOCK=_ORDER_BLOCK, CHUNK=_ORDER_CHUNK
-        )
-    return q_order, kv_order
+            q_count, kv_count, q_order, kv_order, tq, tk, qfc, kfc, qff, kff, qw, kw,
+            BLOCK=_ORDER_BLOCK, CHUNK=_ORDER_CHUNK, WORK=work is not None,
+        )  # fmt: skip
+    return (q_order, kv_order) if work is None else (q_order, kv_order, True)
 
 
 def _list_buffers(m: int, rows: int, length: int, dev) -> list[torch.Tensor]:
@@ -258,7 +286,7 @@ def build_tiles_triton(
     # every output in one allocation (on a GPU host each one costs about as much as a launch)
     per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
     shapes = [tiles] * 5 + [per_q, tiles, tiles, per_q, per_kv, tiles_t, tiles_t, per_kv]
-    shapes += [per_q, per_kv, (0, block_m, -(-block_n // 32))]
+    shapes += [per_q, per_kv, (0, block_m, -(-block_n // 32)), (m, tq, 8), (m, tk, 8)]
     sizes = [math.prod(shape) for shape in shapes]
     flat = torch.empty(sum(sizes), dtype=torch.int32, device=lo.device)
     out = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
@@ -271,11 +299,19 @@ def build_tiles_triton(
     q_lists, kv_lists = tile_lists_both(kind, out=(out[5:9], out[9:13]))
     q_count, q_list, q_full_first, q_full_count = q_lists
     kv_count, kv_list, kv_full_first, kv_full_count = kv_lists
-    q_order, kv_order = heaviest_first(q_count, kv_count, out=out[13:15])
+    q_work, kv_work = out[16:18]  # the kernels' work lists (schedule.work_list), same launch
+    q_order, kv_order, made = heaviest_first(
+        q_count, kv_count, out=out[13:15],
+        work=((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)),
+    )  # fmt: skip
+    if not made or not m * tq * tk:
+        q_work = kv_work = None
     bits = out[15]
     key = id(kind)
     ref = weakref.ref(kind, lambda _, key=key: _FULL_FIRST.pop(key, None))
-    _FULL_FIRST[key] = (ref, (q_full_first, q_full_count), (kv_full_first, kv_full_count))
+    _FULL_FIRST[key] = (
+        ref, (q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)
+    )  # fmt: skip
     return TileSchedule(
         block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits,
         q_count, q_list, kv_count, kv_list, q_order, kv_order,
@@ -283,8 +319,9 @@ def build_tiles_triton(
 
 
 def full_first_lists(kind: torch.Tensor, transposed: bool):
-    """``(full_first, full_count)`` that :func:`build_tiles_triton` made with ``kind`` (the
-    kv-tiles' lists when ``transposed``), or None for a schedule it did not build."""
+    """``(full_first, full_count, work)`` that :func:`build_tiles_triton` made with ``kind``
+    (the kv-tiles' lists when ``transposed``; ``work`` the ``schedule.work_list`` entries, or
+    None when it did not make them), or None for a schedule it did not build."""
     hit = _FULL_FIRST.get(id(kind))
     if hit is None or hit[0]() is not kind:
         return None
