@@ -136,7 +136,6 @@ class _EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         if dout is None and dlse is None:
             return (None,) * 12
@@ -145,11 +144,30 @@ class _EagerAttention(torch.autograd.Function):
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
         row_lo, row_hi, bwd_schedule = ctx.plan_tensors
-        dq, dk, dv = _attention_bwd_impl(
-            q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, ctx.scale,
-            *ctx.mask_strides, ctx.bwd_config,
-        )  # fmt: skip
+        with torch.no_grad():
+            dq, dk, dv = _attention_bwd_impl(
+                q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, ctx.scale,
+                *ctx.mask_strides, ctx.bwd_config,
+            )  # fmt: skip
+        if torch.is_grad_enabled():  # create_graph=True: no double backward
+            dq, dk, dv = _no_double_backward(dq, dk, dv)
         return (dq, dk, dv) + (None,) * 9
+
+
+def _no_double_backward(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradients of a backward run with ``create_graph=True``, made to raise a clear error
+    when differentiated again. ``once_differentiable`` does that only when the incoming
+    gradient requires grad; with a constant one (``out.sum()``) the gradients came back
+    without a graph, and a second-order term through them (a gradient penalty) was dropped
+    silently instead of failing."""
+    err = torch._C._functions.DelayedError(
+        b"compilemask.attention (backend='triton') has no double backward: its gradients "
+        b"cannot be differentiated again (create_graph=True); use backend='reference' for "
+        b"higher-order gradients",
+        len(grads),
+    )
+    # as once_differentiable: the node gets a graph only from inputs that require grad
+    return err(*(g.detach().requires_grad_() for g in grads))
 
 
 # Forward schedules (FULL tiles first) per TileSchedule object, kept while it lives. Eager only:
@@ -247,7 +265,9 @@ def attention(
     backward kernels, also under ``torch.compile``; the opt-in atomic dQ of
     ``BwdConfig.atomic_dq`` is not, and is off under ``torch.use_deterministic_algorithms``;
     reference: torch autograd with per-chunk recomputation). Forward-mode AD (dual tensors of
-    ``torch.autograd.forward_ad``, ``torch.func.jvp``) on the reference backend only.
+    ``torch.autograd.forward_ad``, ``torch.func.jvp``) and higher-order gradients on the
+    reference backend only (Triton: gradients taken with ``create_graph=True`` raise when
+    differentiated again).
 
     Returns:
         out [B, Hq, Nq, D] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32
