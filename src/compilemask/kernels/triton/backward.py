@@ -49,8 +49,10 @@ from .common import (
     partial_tile_mask_t,
     preload_row_slot,
     q_tile_program,
+    q_tile_work,
     slots_mask,
     tile_of_rank,
+    work_entry,
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 from .forward import _load_kv_tile, tma_descriptors
@@ -437,12 +439,9 @@ def _attn_bwd_dkdv(
     first_mask = (off_b * mask_stride_b + h_first * mask_stride_h).to(tl.int64)
     # the group's first head orders the tiles
     if PREFETCH:
-        work = KvWork + (first_mask * Tk + rank) * 8
-        kt = tl.load(work)
-        next_count = tl.load(work + 1)
-        next_full_count = tl.load(work + 2)
-        next_qt_full = tl.load(work + 3)
-        next_qt_partial = tl.load(work + 4)
+        kt, next_count, next_full_count, next_qt_full, next_qt_partial = work_entry(
+            KvWork, first_mask * Tk + rank
+        )
     else:
         kt = tile_of_rank(KvOrder + first_mask * Tk, rank, Tk, GRID_ORDER)
 
@@ -1078,21 +1077,10 @@ def _attn_bwd_dq_ds(
     count and its first kv-tile from the work entry ``QWork[mask, rank]``
     (``schedule.work_list``, ``BwdConfig.prefetch``)."""
     pid_bh, rank = grid_position(GRID_ORDER)
-    if PREFETCH:
-        off_b = pid_bh // Hq
-        off_h = pid_bh % Hq
-        off_hkv = off_h // gqa_group
-        mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
-        work = QWork + (mask_id * Tq + rank) * 8
-        qt = tl.load(work)
-        count = tl.load(work + 1)
-        kt_first = tl.load(work + 3)
-        tile_row = mask_id * Tq + qt
-    else:
-        off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
-            pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
-        )
-        count = tl.load(QCount + tile_row)
+    off_b, off_h, off_hkv, mask_id, qt, tile_row, count, _, kt_first, _ = q_tile_work(
+        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, QWork, QCount,
+        QCount, Tq, GRID_ORDER, PREFETCH,
+    )  # fmt: skip
     tile_list = QList + tile_row * Tk
     slot_row = Slot + tile_row * Tk
     ds_row0 = pid_bh.to(tl.int64) * ds_tiles

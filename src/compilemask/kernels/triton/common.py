@@ -351,6 +351,42 @@ def q_tile_program(
     return off_b, off_h, off_hkv, mask_id, qt, tile_row
 
 
+@triton.jit
+def work_entry(Work, row):
+    """``(tile, count, full_count, first FULL tile, first PARTIAL tile)`` of entry ``row`` of
+    a work list (``schedule.work_list``: 8 int32 per entry, one 32-byte sector)."""
+    work = Work + row * 8
+    return tl.load(work), tl.load(work + 1), tl.load(work + 2), tl.load(work + 3), tl.load(work + 4)
+
+
+@triton.jit
+def q_tile_work(
+    pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, QWork, QCount,
+    QFullCount, Tq, GRID_ORDER: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """:func:`q_tile_program` plus the q-tile's counts and the first tile of its two loops:
+    ``(off_b, off_h, off_hkv, mask_id, qt, tile_row, count, full_count, kt_full,
+    kt_partial)``. PREFETCH (launch orders 0 and 3 only): all from one 32-byte work entry
+    ``QWork[mask, rank]`` (``schedule.work_list``) instead of the chain of dependent loads
+    order -> counts (the first tiles are then 0: the loops load them from the list)."""
+    if PREFETCH:
+        off_b = pid_bh // Hq
+        off_h = pid_bh % Hq
+        off_hkv = off_h // gqa_group
+        mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
+        qt, count, full_count, kt_full, kt_partial = work_entry(QWork, mask_id * Tq + rank)
+        tile_row = mask_id * Tq + qt
+    else:
+        off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
+            pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+        )
+        count = tl.load(QCount + tile_row)
+        full_count = tl.load(QFullCount + tile_row)
+        kt_full = 0
+        kt_partial = 0
+    return off_b, off_h, off_hkv, mask_id, qt, tile_row, count, full_count, kt_full, kt_partial
+
+
 def launch_order(grid_order: int, bh: int) -> int:
     """``grid_order``, or 0 when the (T, B * H) layout would put more than 65,535 programs on
     the grid's second axis (CUDA's limit)."""

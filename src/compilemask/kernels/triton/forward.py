@@ -35,7 +35,7 @@ from .common import (
     one_slot_mask,
     partial_tile_mask,
     preload_row_slot,
-    q_tile_program,
+    q_tile_work,
     slots_mask,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
@@ -402,26 +402,12 @@ def _attn_fwd(
     pid_bh, rank = grid_position(GRID_ORDER)
     # PREFETCH (launch orders 0 and 3 only): the q-tile, its counts and the first tile of each
     # loop come from one 32-byte work entry (schedule.work_list), not a chain of dependent loads
-    if PREFETCH:
-        off_b = pid_bh // Hq
-        off_h = pid_bh % Hq
-        off_hkv = off_h // gqa_group
-        mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
-        work = QWork + (mask_id * Tq + rank) * 8
-        qt = tl.load(work)
-        count = tl.load(work + 1)
-        full_count = tl.load(work + 2)
-        kt_full = tl.load(work + 3)
-        kt_partial = tl.load(work + 4)
-        tile_row = mask_id * Tq + qt
-    else:
-        off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
-            pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+    off_b, off_h, off_hkv, mask_id, qt, tile_row, count, full_count, kt_full, kt_partial = (
+        q_tile_work(
+            pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, QWork, QCount,
+            QFullCount, Tq, GRID_ORDER, PREFETCH,
         )
-        count = tl.load(QCount + tile_row)
-        full_count = tl.load(QFullCount + tile_row)
-        kt_full = 0
-        kt_partial = 0
+    )  # fmt: skip
     tile_list = QList + tile_row * Tk
     kind_row = tile_row * Tk  # offset of kind / jlo / jhi / bits_index rows
     row_base = mask_id * Nq * n_slots
