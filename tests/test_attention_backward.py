@@ -857,18 +857,26 @@ def test_torch_func_transforms_get_a_clear_error_on_triton():
 
 
 def test_double_backward_raises_instead_of_dropping_the_term():
-    """With ``create_graph=True`` the Triton backward's gradients carry a node that raises a
-    clear error when differentiated again: a gradient penalty through them used to be a
-    constant (no grad_fn), so ``loss.backward()`` dropped it silently. A first-order backward
-    with ``create_graph=True`` still gives the same gradients."""
+    """With ``create_graph=True`` the Triton backward's gradients are tied to q, k, v and the
+    incoming gradient by a node that raises a clear error when differentiated again: a
+    gradient penalty through them used to be a constant (no grad_fn), dropped silently by
+    ``loss.backward()`` and by ``torch.autograd.grad(loss, q)``. A first-order backward with
+    ``create_graph=True`` still gives the same gradients."""
     plan = cm.compile(cm.masks.causal(), 48, device=DEVICE)
     q, k, v, _ = _inputs(1, 2, 2, 48, 48, 32, torch.float32, seed=3)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    w = torch.randn(32, device=DEVICE)
+    w = torch.randn(32, device=DEVICE, requires_grad=True)
     out = cm.attention(q, k, v, plan, backend="triton")
     (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     (plain,) = torch.autograd.grad(cm.attention(q, k, v, plan, backend="triton").sum(), q)
     assert torch.equal(g.detach(), plain)
     loss = (out * w).sum() + g.pow(2).sum()
     with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(loss, q, retain_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
         loss.backward()
+    # the incoming gradient requires grad (d/dw of a term through the gradient)
+    out = cm.attention(q, k, v, plan, backend="triton")
+    (gk,) = torch.autograd.grad((out * w).sum(), k, create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(gk.sum(), w)

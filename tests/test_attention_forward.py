@@ -336,6 +336,7 @@ def small():
         (lambda q, k, v, p: (q[:, :, :30], k, v, p), "q_len=40, kv_len=48"),
         (lambda q, k, v, p: (q, k[:, :, :40], v[:, :, :40], p), "kv_len=48"),
         (lambda q, k, v, p: (q, k, v, "causal"), "compilemask.MaskPlan"),
+        (lambda q, k, v, p: (q, k, v, cm.masks.causal()), r"compile the mask first"),
         (lambda q, k, v, p: (q.to(torch.int32), k.to(torch.int32), v.to(torch.int32), p), "int32"),
     ],
 )
@@ -710,6 +711,30 @@ def test_work_list_entries():
             part = int(s["q_list"][m, t, full]) if full < count else 0
             assert work[m, r].tolist() == [t, count, full, first, part, 0, 0, 0]
     assert (s["q_count"] > s["q_full_count"]).any() and (s["q_full_count"] > 0).any()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fullgraph_compile_of_a_fresh_bitmask_plan(head_dim):
+    """A ``from_dense`` plan (bitmask tiles) compiles with fullgraph=True on its first use,
+    forward and backward: the number of its bitmask tiles, data-dependent while tracing, is
+    never branched on (found by a helper: GuardOnDataDependentSymNode in the schedule)."""
+    torch._dynamo.reset()
+    dense = torch.rand(150, 150, generator=torch.Generator().manual_seed(1)) < 0.3
+    plan = cm.from_dense(dense.to(DEVICE))
+    q, k, v = _inputs(1, 2, 1, 150, 150, head_dim, torch.float16, seed=8)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    f = torch.compile(
+        lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    out = f(q, k, v)
+    _assert_matches(out.detach(), q.detach(), k.detach(), v.detach(), plan)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = torch.autograd.grad(cm.attention(q, k, v, plan, backend="triton"), (q, k, v), do)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("tile_builder_on", [False, True], ids=["tensor-builder", "triton-builder"])

@@ -150,24 +150,28 @@ class _EagerAttention(torch.autograd.Function):
                 *ctx.mask_strides, ctx.bwd_config,
             )  # fmt: skip
         if torch.is_grad_enabled():  # create_graph=True: no double backward
-            dq, dk, dv = _no_double_backward(dq, dk, dv)
+            dq, dk, dv = _NoDoubleBackward.apply(dq, dk, dv, q, k, v, dout, dlse)
         return (dq, dk, dv) + (None,) * 9
 
 
-def _no_double_backward(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The gradients of a backward run with ``create_graph=True``, made to raise a clear error
-    when differentiated again. ``once_differentiable`` does that only when the incoming
-    gradient requires grad; with a constant one (``out.sum()``) the gradients came back
-    without a graph, and a second-order term through them (a gradient penalty) was dropped
-    silently instead of failing."""
-    err = torch._C._functions.DelayedError(
-        b"compilemask.attention (backend='triton') has no double backward: its gradients "
-        b"cannot be differentiated again (create_graph=True); use backend='reference' for "
-        b"higher-order gradients",
-        len(grads),
-    )
-    # as once_differentiable: the node gets a graph only from inputs that require grad
-    return err(*(g.detach().requires_grad_() for g in grads))
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradients of a Triton backward run with ``create_graph=True``, tied in the graph to
+    q, k, v and the incoming gradients: differentiating them again (``backward()`` or
+    ``torch.autograd.grad(..., inputs=q)``) raises a clear error. Without it, a second-order
+    term through them (a gradient penalty) was a constant and dropped silently.
+    (``once_differentiable`` guards the incoming gradients only.)"""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *inputs):
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "compilemask.attention (backend='triton') has no double backward: its gradients "
+            "cannot be differentiated again (create_graph=True); use backend='reference' for "
+            "higher-order gradients"
+        )
 
 
 # Forward schedules (FULL tiles first) per TileSchedule object, kept while it lives. Eager only:

@@ -77,9 +77,14 @@ def check_tensors(q: object, k: object, v: object) -> None:
 def check_plan(q: torch.Tensor, k: torch.Tensor, plan: object) -> None:
     """The plan was built for these lengths, this batch / head count, and q's device."""
     if not isinstance(plan, MaskPlan):
+        from ..language.ast import Mask
+
+        hint = ""
+        if isinstance(plan, Mask):  # a mask, not yet compiled
+            hint = f"; compile the mask first: plan = compilemask.compile(mask, {q.shape[2]})"
         raise InputError(
             f"plan must be a compilemask.MaskPlan (from compilemask.compile or from_dense), "
-            f"got {type(plan).__name__}"
+            f"got {type(plan).__name__}{hint}"
         )
     B, Hq, Nq, _ = q.shape
     Nk = k.shape[2]

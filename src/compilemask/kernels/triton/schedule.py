@@ -117,12 +117,19 @@ _DUMMY_BITS: dict[torch.device, torch.Tensor] = {}
 
 def _bits_or_dummy(sched) -> torch.Tensor:
     """The schedule's bitmasks, or a 1x1x1 dummy when it has none (kernels need a pointer;
-    never read). One dummy per device in eager calls: no operation per schedule."""
-    if sched.bits.shape[0] and sched.bits.shape[-1]:
-        return sched.bits
+    never read). One dummy per device in eager calls: no operation per schedule.
+
+    Under ``torch.compile`` the number of bitmask tiles of a schedule built while tracing is
+    data-dependent (nothing may branch on it): the bitmasks then get one zero tile appended
+    (never indexed), so the tensor is never empty."""
     dev = sched.kind.device
     if torch.compiler.is_compiling():
-        return torch.zeros((1, 1, 1), dtype=torch.int32, device=dev)
+        if sched.bits.shape[-1] == 0:  # a static width: no bitmask words at this tiling
+            return torch.zeros((1, 1, 1), dtype=torch.int32, device=dev)
+        pad = sched.bits.new_zeros((1, *sched.bits.shape[1:]))
+        return torch.cat([sched.bits, pad])
+    if sched.bits.shape[0] and sched.bits.shape[-1]:
+        return sched.bits
     dummy = _DUMMY_BITS.get(dev)
     if dummy is None:
         with torch.inference_mode(False):
@@ -213,7 +220,7 @@ def dkdv_schedule(
         sched.kind, sched.kv_list, sched.kv_count, sched.kv_order, True
     )
     words = _bits_or_dummy(sched)  # the bitmask tensor (``bits`` is the keyword)
-    if words is sched.bits:
+    if words is sched.bits or (torch.compiler.is_compiling() and sched.bits.shape[-1] != 0):
         words = transposed_bits(words, block_m, block_n)
     return {
         "kind": sched.kind,
