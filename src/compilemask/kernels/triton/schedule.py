@@ -115,26 +115,32 @@ def _full_first(kind, lists, counts, order, transposed: bool):
 _DUMMY_BITS: dict[torch.device, torch.Tensor] = {}
 
 
-def _bits_or_dummy(sched) -> torch.Tensor:
-    """The schedule's bitmasks, or a 1x1x1 dummy when it has none (kernels need a pointer;
-    never read). One dummy per device in eager calls: no operation per schedule.
+def _bits_or_dummy(sched, plan) -> tuple[torch.Tensor, bool]:
+    """``(words, is_bits)``: the schedule's bitmasks, or a 1x1x1 dummy when it has none
+    (kernels need a pointer; never read). One dummy per device in eager calls: no operation
+    per schedule.
 
     Under ``torch.compile`` the number of bitmask tiles of a schedule built while tracing is
-    data-dependent (nothing may branch on it): the bitmasks then get one zero tile appended
-    (never indexed), so the tensor is never empty."""
+    data-dependent (nothing may branch on it): a plan that can have bitmask tiles (a
+    ``from_dense`` plan, or more than ``BITS_MIN_SLOTS`` interval slots per row: static) gets
+    its bitmasks with one zero tile appended (never indexed), so the tensor is never empty;
+    any other plan has none and gets the dummy."""
     dev = sched.kind.device
     if torch.compiler.is_compiling():
-        if sched.bits.shape[-1] == 0:  # a static width: no bitmask words at this tiling
-            return torch.zeros((1, 1, 1), dtype=torch.int32, device=dev)
-        pad = sched.bits.new_zeros((1, *sched.bits.shape[1:]))
-        return torch.cat([sched.bits, pad])
+        from ...compiler.tiles import BITS_MIN_SLOTS
+
+        may_have_bits = plan.encoding == "bits" or plan.row_lo.shape[-1] > BITS_MIN_SLOTS
+        if may_have_bits and sched.bits.shape[-1] != 0:
+            pad = sched.bits.new_zeros((1, *sched.bits.shape[1:]))
+            return torch.cat([sched.bits, pad]), True
+        return torch.zeros((1, 1, 1), dtype=torch.int32, device=dev), False
     if sched.bits.shape[0] and sched.bits.shape[-1]:
-        return sched.bits
+        return sched.bits, True
     dummy = _DUMMY_BITS.get(dev)
     if dummy is None:
         with torch.inference_mode(False):
             dummy = _DUMMY_BITS[dev] = torch.zeros((1, 1, 1), dtype=torch.int32, device=dev)
-    return dummy
+    return dummy, False
 
 
 _BITS_T: dict[int, tuple[object, torch.Tensor]] = {}
@@ -179,7 +185,7 @@ def forward_schedule(
     q_list, q_full_count, q_work = _full_first(
         sched.kind, sched.q_list, sched.q_count, sched.q_order, False
     )
-    words = _bits_or_dummy(sched)  # the bitmask tensor (``bits`` is the keyword)
+    words, _ = _bits_or_dummy(sched, plan)  # the bitmask tensor (``bits`` is the keyword)
     return {
         "kind": sched.kind,
         "jlo": sched.jlo,
@@ -219,8 +225,8 @@ def dkdv_schedule(
     kv_list, kv_full_count, kv_work = _full_first(
         sched.kind, sched.kv_list, sched.kv_count, sched.kv_order, True
     )
-    words = _bits_or_dummy(sched)  # the bitmask tensor (``bits`` is the keyword)
-    if words is sched.bits or (torch.compiler.is_compiling() and sched.bits.shape[-1] != 0):
+    words, is_bits = _bits_or_dummy(sched, plan)  # the bitmask tensor (``bits`` is the keyword)
+    if is_bits:
         words = transposed_bits(words, block_m, block_n)
     return {
         "kind": sched.kind,
