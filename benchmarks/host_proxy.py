@@ -21,8 +21,8 @@ import time
 import torch
 
 import compilemask as cm
-import compilemask.api.functional as functional
-from compilemask.api.autograd import _attention_bwd_impl, setup_context
+import compilemask.kernels.triton.backend as triton_backend
+from compilemask.kernels.triton.backend import _attention_bwd_impl, setup_context
 from compilemask.kernels.triton import backward as bwd_mod
 from compilemask.kernels.triton import forward as fwd_mod
 from compilemask.workloads import workload
@@ -42,7 +42,7 @@ class _SetupContextForm(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, msb, msh, cfg, bwd_cfg):
-        return functional._attention_fwd_impl(
+        return triton_backend._attention_fwd_impl(
             q, k, v, row_lo, row_hi, schedule, scale, msb, msh, cfg
         )
 
@@ -93,13 +93,13 @@ def main() -> None:
         with torch.no_grad():
             cm.attention(q, k, v, plan, backend="triton")
 
-    forms = {"classic (in use)": functional._EagerAttention}
+    forms = {"classic (in use)": triton_backend._EagerAttention}
     if a.compare_setup_context:
         forms["setup_context"] = _SetupContextForm
     times: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(a.rounds):  # interleaved: the machine's drift hits both alike
         for name, cls in forms.items():
-            functional._EagerAttention = cls
+            triton_backend._EagerAttention = cls
             _rounds(step, 1, 20)  # warm
             times[name] += _rounds(step, 1)
     for name, t in times.items():

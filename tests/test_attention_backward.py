@@ -537,7 +537,7 @@ def test_ds_dq_replaces_the_dq_kernel(monkeypatch, tiles):
 def test_ds_dq_through_autograd(monkeypatch, limit, tiles):
     """The public path: the buffer is sized from the plan (GQA, a batch of 2 sharing one mask,
     dlse); a limit of 0 bytes falls back to the dQ kernel, with the same gradients."""
-    from compilemask.api.autograd import backward_inputs
+    from compilemask.kernels.triton.backend import backward_inputs
     from compilemask.kernels.triton import configs
 
     monkeypatch.setattr(configs, "DS_BUFFER_MAX_BYTES", limit)
@@ -682,7 +682,7 @@ def test_torch_compile_plan_as_argument_head_dim_128():
 
 
 def test_backward_without_grad_at_forward_time_builds_nothing():
-    from compilemask.api.autograd import backward_inputs
+    from compilemask.kernels.triton.backend import backward_inputs
     from compilemask.kernels.triton.schedule import DKDV_SCHEDULE_FIELDS, FWD_SCHEDULE_FIELDS
 
     plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
@@ -696,7 +696,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
 
 
 def test_backward_custom_op_fake_impl():
-    from compilemask.api.autograd import attention_bwd, backward_inputs
+    from compilemask.kernels.triton.backend import attention_bwd, backward_inputs
 
     plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
     q, k, v, do = _inputs(1, 2, 1, 40, 40, 32, torch.float16)

@@ -291,7 +291,7 @@ def test_torch_compile_fullgraph_triton_op():
 
 
 def test_custom_op_fake_impl():
-    from compilemask.api.functional import attention_fwd
+    from compilemask.kernels.triton.backend import attention_fwd
 
     plan = cm.compile(cm.masks.causal(), 40, device=DEVICE)
     q, k, v = _inputs(1, 2, 1, 40, 40, 32, torch.float16)

@@ -150,3 +150,20 @@ def test_importing_the_package_does_not_load_triton():
     )
     assert done.returncode != 2, "import compilemask loads triton"
     assert done.returncode == 0, done.stderr
+
+
+BACKEND_FOLDERS = ("reference", "triton", "cudnn", "fa4", "cute")
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.relative_to(ROOT).parts[0] == "api"], ids=lambda p: p.name
+)
+def test_api_imports_no_backend(path: Path):
+    """api/ reaches backends through kernels/registry.py and kernels/interface.py only: no
+    import from kernels/<backend>/ (backend-specific code lives in its folder)."""
+    bad = [
+        f"line {line}: imports {'.'.join(target)}"
+        for target, line, _lazy in _imports(path)
+        if target[:2] == [PKG, "kernels"] and len(target) > 2 and target[2] in BACKEND_FOLDERS
+    ]
+    assert not bad, f"api/{path.name} imports a backend:\n" + "\n".join(bad)

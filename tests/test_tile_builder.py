@@ -134,7 +134,7 @@ def test_enable_routes_compile_and_attention_through_the_kernels():
 def test_cuda_plans_take_the_triton_builder_by_default():
     """``import compilemask`` registers a builder that serves CUDA tensors only and declines
     CPU ones (CPU plans keep the tensor builder) without loading Triton for them."""
-    from compilemask.api import device_builder
+    from compilemask.kernels.triton import device_builder
 
     assert tiles_mod.device_tile_builder() is device_builder.triton_tile_builder
     lo = torch.zeros((1, 8, 1), dtype=torch.int32)
@@ -145,7 +145,7 @@ def test_cuda_plans_take_the_triton_builder_by_default():
 
 
 def test_tile_builder_environment_variable(monkeypatch):
-    from compilemask.api import device_builder
+    from compilemask.kernels.triton import device_builder
 
     try:
         monkeypatch.setenv(device_builder.ENV, "tensor")
@@ -167,7 +167,7 @@ def test_tile_builder_environment_variable(monkeypatch):
 def test_cuda_plans_keep_the_tensor_builder_without_triton(monkeypatch):
     """Where Triton is not installed, CUDA plans fall back to the tensor builder (as
     ``backend="auto"`` falls back to the reference) instead of failing to import it."""
-    from compilemask.api import device_builder, validate
+    from compilemask.kernels.triton import device_builder, validate
 
     assert device_builder.serves_device(torch.device("cuda"))
     assert not device_builder.serves_device(torch.device("cpu"))

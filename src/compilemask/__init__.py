@@ -11,7 +11,7 @@ Example::
 """
 
 from . import masks
-from .api.functional import attention
+from .api.functional import attention, explain
 from .compiler.migrate import from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
 from .compiler.plan import MaskPlan
@@ -28,6 +28,7 @@ __all__ = [
     "clear_cache",
     "compile",
     "dense",
+    "explain",
     "from_dense",
     "from_mask_mod",
     "masks",

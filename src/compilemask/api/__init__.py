@@ -1,8 +1,8 @@
 """The public entry points that run attention over a compiled plan."""
 
-from .device_builder import install_default as _install_default_tile_builder
-from .functional import attention
+from ..kernels import registry as _registry
+from .functional import attention, explain
 
-_install_default_tile_builder()
+_registry.install_defaults()
 
-__all__ = ["attention"]
+__all__ = ["attention", "explain"]

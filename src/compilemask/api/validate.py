@@ -8,23 +8,13 @@ Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import torch
-from torch.autograd import forward_ad
 
 from ..compiler.plan import MaskPlan
 from ..errors import InputError
-from ..kernels.triton.configs import SUPPORTED_HEAD_DIMS
-
-BACKENDS = ("auto", "reference", "triton")
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Looked up once at import (not imported: importing compilemask never loads Triton; and
-# torch.compile cannot trace importlib).
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+from ..kernels.interface import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -67,6 +57,11 @@ def check_tensors(q: object, k: object, v: object) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise InputError(
             f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise InputError(
+            f"attention supports float16, bfloat16, float32 (and float64 on the reference), "
+            f"got {q.dtype}"
         )
     if not (q.device == k.device == v.device):
         raise InputError(
@@ -120,69 +115,3 @@ def check_scale(scale: object, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise InputError(f"scale must be a positive finite float, got {scale}")
     return scale
-
-
-def check_no_tangents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """No forward-mode AD tangent on q, k or v: the Triton backend has no jvp.
-
-    ``attention`` calls it in eager mode while a dual level is active only (outside one no
-    tensor carries a tangent, so its hot path pays one attribute read). Without it, dual
-    inputs that do not require grad gave an output without a tangent (silently wrong), and
-    inputs that do failed with torch's generic "implement the jvp function" error.
-    """
-    names = [n for n, t in zip("qkv", (q, k, v)) if forward_ad.unpack_dual(t).tangent is not None]
-    if names:
-        raise InputError(
-            f'backend="triton" does not support forward-mode AD (jvp, dual tensors of '
-            f"torch.autograd.forward_ad): {', '.join(names)} "
-            f"{'carries' if len(names) == 1 else 'carry'} a tangent; use "
-            f'backend="reference" (plain torch ops: it propagates tangents), or pass the '
-            f"primals (forward_ad.unpack_dual(x).primal) to drop the tangents"
-        )
-
-
-def triton_usable(device: torch.device) -> tuple[bool, str]:
-    """Whether the Triton kernels can run on ``device``, and why not."""
-    if not _TRITON_INSTALLED:
-        return False, "triton is not installed"
-    if device.type == "cuda":
-        return True, ""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return True, ""
-    return False, (
-        f"the Triton kernels run on CUDA tensors (or on the CPU with TRITON_INTERPRET=1), "
-        f"got tensors on {device}"
-    )
-
-
-def resolve_backend(backend: object, q: torch.Tensor) -> str:
-    """Map ``backend`` ("auto", "reference", "triton") to the one that runs."""
-    if backend not in BACKENDS:
-        choices = ", ".join(map(repr, BACKENDS))
-        raise InputError(f"backend must be one of {choices}, got {backend!r}")
-    # Triton's interpreter (CPU) computes bfloat16 dots wrongly: no Triton for bf16 on the CPU
-    interp_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
-    if backend == "auto":
-        usable, _ = triton_usable(q.device)
-        ok = usable and q.dtype in TRITON_DTYPES and not interp_bf16
-        backend = "triton" if ok else "reference"
-    if backend == "triton":
-        usable, why = triton_usable(q.device)
-        if not usable:
-            raise InputError(f'backend="triton" is unavailable: {why}')
-        if q.dtype not in TRITON_DTYPES:
-            raise InputError(
-                f'backend="triton" supports float16, bfloat16 and float32 inputs, got {q.dtype}'
-            )
-        if interp_bf16:
-            raise InputError(
-                'backend="triton" on the CPU (Triton\'s interpreter) supports float16 and '
-                "float32 inputs only (its bfloat16 dots are wrong), got torch.bfloat16; use "
-                'backend="reference" or a GPU'
-            )
-    elif q.dtype not in REFERENCE_DTYPES:
-        raise InputError(
-            f"attention supports float16, bfloat16, float32 (and float64 on the reference), "
-            f"got {q.dtype}"
-        )
-    return backend

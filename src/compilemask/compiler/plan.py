@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -41,19 +39,6 @@ def outside_inference_mode(fn):
 #: ``MaskPlan._cache`` key of the largest number of intervals of a row (an int, set by the
 #: kernels' first host read of the plan, ``kernels/triton/configs.tile_efficiency_128``).
 MAX_ROW_SLOTS = "max_row_slots"
-
-# Live plans by ``MaskPlan._uid``: under ``torch.compile`` the kernels' constant-result helpers
-# (``configs.tile_efficiency_128``) are handed the plan's uid instead of the plan (some torch
-# versions cannot rebuild a frozen dataclass for that call). A string, not an int: Dynamo
-# makes an int that changes between calls symbolic, and a constant-result helper cannot take
-# a symbolic argument; a string is guarded on and recompiles.
-_LIVE_PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_PLAN_UIDS = itertools.count()
-
-
-def live_plan(uid: str) -> MaskPlan:
-    """The live plan with ``_uid == uid`` (KeyError once it is gone)."""
-    return _LIVE_PLANS[uid]
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,28 +90,40 @@ class MaskPlan:
     row_runs: torch.Tensor | None = None
     permutation: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
-    #: a process-unique id (see :func:`live_plan`); "" for a plan made while Dynamo traces
-    _uid: str = field(init=False, default="", repr=False, compare=False)
+    #: the plan's shape class: ``(key, value)`` pairs of constants that backends derive from
+    #: the plan's data and that select kernel configurations (buckets, not raw numbers; see
+    #: :meth:`set_class_value`). Under ``torch.compile`` it is the one thing read from the
+    #: plan besides its tensors and sizes, so a compiled graph serves every plan of the same
+    #: shapes and class.
+    shape_class: tuple = field(default=(), repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        self._register()
+    # ------------------------------------------------------------------ backend state
+    def cached(self, key, fn):
+        """``self._cache[key]``, made by ``fn()`` on first use (outside inference mode, so a
+        later training step can save it). While ``torch.compile`` traces, ``fn()`` is traced
+        and not kept: a compiled graph reads the plan's tensors, never its cache."""
+        if torch.compiler.is_compiling():
+            return fn()
+        hit = self._cache.get(key, _MISSING)
+        if hit is _MISSING:
+            with torch.inference_mode(False):
+                hit = self._cache[key] = fn()
+        return hit
 
-    def _register(self) -> None:
-        if not torch.compiler.is_compiling():
-            uid = f"plan-{next(_PLAN_UIDS)}"
-            object.__setattr__(self, "_uid", uid)
-            _LIVE_PLANS[uid] = self
+    def class_value(self, key, default=None):
+        """The value of ``key`` in :attr:`shape_class` (``default`` when unset)."""
+        for k, v in self.shape_class:
+            if k == key:
+                return v
+        return default
 
-    # copies and unpickled plans get a uid of their own (a stored one would name the original,
-    # or another process's plan)
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_uid", None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._register()
+    def set_class_value(self, key, value) -> None:
+        """Set ``key`` of :attr:`shape_class` (eager calls only: a backend's host read of the
+        plan, bucketed to a few values so that plans of one class share compiled graphs)."""
+        if torch.compiler.is_compiling() or self.class_value(key, _MISSING) == value:
+            return
+        rest = tuple((k, v) for k, v in self.shape_class if k != key)
+        object.__setattr__(self, "shape_class", (*rest, (key, value)))
 
     # ------------------------------------------------------------------ basic facts
     @property
@@ -168,9 +165,9 @@ class MaskPlan:
                 return own
             if key in self._cache:  # rebuilt with bitmasks by an earlier eager call
                 return self._cache[key]
-            if not (self._bits_plan() and own.bits.shape[0] == 0):
-                return own
             if torch.compiler.is_compiling():  # bitmasks need a host read: keep intervals
+                return own
+            if not (self._bits_plan() and own.bits.shape[0] == 0):
                 return own
         for name, v in (("block_m", block_m), ("block_n", block_n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -352,6 +349,7 @@ class MaskPlan:
             self.encoding,
             None if self.row_runs is None else self.row_runs.to(device),
             None if self.permutation is None else self.permutation.to(device),
+            shape_class=self.shape_class,
         )
 
     def in_permuted_order(self) -> MaskPlan:
@@ -424,6 +422,9 @@ class MaskPlan:
             torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
             "tile lists",
         )
+
+
+_MISSING = object()
 
 
 def _require(ok: bool, what: str) -> None:

@@ -212,7 +212,7 @@ def _triton_installed() -> tuple[bool, str]:
 
 
 def _triton_ok() -> tuple[bool, str]:
-    from ..api.validate import triton_usable
+    from ..kernels.triton.backend import triton_usable
 
     ok, why = triton_usable(torch.device("cuda"))
     return ok, why

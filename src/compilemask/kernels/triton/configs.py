@@ -478,14 +478,12 @@ def ds_buffer_limit(device: torch.device | None) -> int:
 def touched_tiles_max(plan, block_m: int, block_n: int) -> int:
     """The largest number of touched (non-EMPTY) tiles of one mask of ``plan`` at
     (block_m, block_n): the dS buffer's tiles per (batch row, head). Read back once per plan
-    and tiling (one small copy), then cached; a constant under ``torch.compile``."""
+    and tiling (one small copy), then cached. Eager only (under ``torch.compile`` the Triton
+    backend reads the plan's shape class instead)."""
     key = ("touched_tiles_max", block_m, block_n)
     cache = plan._cache
     if key not in cache:
-        if torch.compiler.is_compiling():  # the plan's uid, as in tile_efficiency_128
-            cache[key] = _touched_while_tracing(plan._uid or plan, block_m, block_n)
-        else:
-            cache[key] = _touched(plan, block_m, block_n)
+        cache[key] = _touched(plan, block_m, block_n)
     return cache[key]
 
 
@@ -494,16 +492,6 @@ def _touched(plan, block_m: int, block_n: int) -> int:
     if kind.numel() == 0:
         return 0
     return int((kind != 0).flatten(1).sum(1).max())
-
-
-def _touched_while_tracing(plan_or_uid, block_m: int, block_n: int) -> int:
-    from ...compiler.plan import live_plan
-
-    plan = live_plan(plan_or_uid) if isinstance(plan_or_uid, str) else plan_or_uid
-    return _touched(plan, block_m, block_n)
-
-
-_touched_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def ds_tilings_match(cfg: BwdConfig) -> bool:
@@ -538,16 +526,11 @@ def tile_efficiency_128(plan) -> float:
     the lengths; all masks together).
 
     Read back from the device once per plan (one small copy), then kept in the plan's cache.
-    Under ``torch.compile`` the value is computed while tracing and enters the graph as a
-    constant, so compiled and eager calls choose the same launch configurations.
+    Eager only: under ``torch.compile`` the Triton backend reads the plan's shape class.
     """
     cache = plan._cache
     if _EFFICIENCY_KEY in cache:
         return cache[_EFFICIENCY_KEY]
-    if torch.compiler.is_compiling():
-        # the plan's uid (a string) when it has one; a plan made while tracing is passed itself
-        # (torch 2.13's Dynamo takes it; torch 2.11's cannot rebuild the frozen dataclass)
-        return _efficiency_while_tracing(plan._uid or plan)
     return _efficiency(plan)
 
 
@@ -571,15 +554,3 @@ def _efficiency(plan) -> float:
     plan._cache[_EFFICIENCY_KEY] = value
     plan._cache[MAX_ROW_SLOTS] = slots
     return value
-
-
-def _efficiency_while_tracing(plan_or_uid) -> float:
-    from ...compiler.plan import live_plan
-
-    return _efficiency(live_plan(plan_or_uid) if isinstance(plan_or_uid, str) else plan_or_uid)
-
-
-# What ``torch.compiler.assume_constant_result`` does (Dynamo calls the function while tracing
-# and puts its result in the graph as a constant), set without importing torch._dynamo here:
-# that import would load Triton with ``import compilemask``.
-_efficiency_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]

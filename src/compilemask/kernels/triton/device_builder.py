@@ -15,8 +15,8 @@ import warnings
 
 import torch
 
-from ..compiler.tiles import register_device_tile_builder
-from .validate import triton_usable
+from ...compiler.tiles import register_device_tile_builder
+from .backend import triton_usable
 
 ENV = "COMPILEMASK_TILE_BUILDER"
 
@@ -36,7 +36,7 @@ def triton_tile_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     the Triton builder for CUDA tensors, None (decline) elsewhere or without Triton."""
     if not _on_cuda(lo):
         return None
-    from ..kernels.triton.tile_builder import _device_builder
+    from .tile_builder import _device_builder
 
     return _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n)
 

@@ -1,0 +1,159 @@
+"""Attention backends by name, and the table ``backend="auto"`` reads.
+
+``get(name)`` returns a registered backend (``reference`` and ``triton`` are registered on
+first use; ``register`` adds others: ``cudnn``, ``fa4``, ``cute``). ``resolve(name, plan,
+call)`` returns the backend that runs a call: an explicit name that is unavailable or does not
+support the call raises :class:`InputError` with the backend's reason (never a silent
+fallback); ``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that matches the call
+and whose backend is available and supports it. :func:`explain` says which one and why.
+
+The table is ordered and keyed by device kind, compute capability, head_dim and dtype. Today it
+holds the defaults (Triton wherever it runs, else the reference); it is to be filled from
+measurements (``benchmarks/``) as faster backends land, one row per measured win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from .interface import AttentionCall, Backend
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    """One row of :data:`AUTO_TABLE`: ``backend`` for calls it matches (None matches any).
+
+    Attributes:
+        backend: a registered backend name.
+        device: ``torch.device.type`` ("cuda", "cpu"), or None.
+        min_capability: least CUDA compute capability, e.g. (9, 0), or None.
+        head_dims: head_dim values, or None.
+        dtypes: input dtypes, or None.
+        why: the measurement or reason behind the row (shown by :func:`explain`).
+    """
+
+    backend: str
+    device: str | None = None
+    min_capability: tuple[int, int] | None = None
+    head_dims: tuple[int, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    why: str = ""
+
+    def matches(self, call: AttentionCall) -> bool:
+        if self.device is not None and call.device.type != self.device:
+            return False
+        if self.head_dims is not None and call.head_dim not in self.head_dims:
+            return False
+        if self.dtypes is not None and call.dtype not in self.dtypes:
+            return False
+        if self.min_capability is not None:
+            if call.device.type != "cuda" or _capability(call.device) < self.min_capability:
+                return False
+        return True
+
+
+#: What ``backend="auto"`` tries, in order (first match that is available and supports the
+#: call). Rows from measurements go above the defaults.
+AUTO_TABLE: list[AutoRule] = [
+    AutoRule("triton", why="the fused kernels (default wherever Triton runs)"),
+    AutoRule("reference", why="plain PyTorch: runs everywhere"),
+]
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Register ``backend`` under ``backend.name`` (replacing one of the same name)."""
+    for attr in ("name", "available", "supports", "prepare", "forward", "backward"):
+        if not hasattr(backend, attr):
+            raise TypeError(f"a backend needs {attr!r} (kernels/interface.py): {backend!r}")
+    _BACKENDS[backend.name] = backend
+
+
+def _builtin() -> None:
+    from .reference.backend import BACKEND as reference
+    from .triton.backend import BACKEND as triton
+
+    _BACKENDS.setdefault(reference.name, reference)
+    _BACKENDS.setdefault(triton.name, triton)
+
+
+def install_defaults() -> None:
+    """Process-wide defaults of the builtin backends, run at ``import compilemask``: the
+    Triton tile builder for plans built on CUDA (``triton/device_builder.py``; it loads
+    Triton on first use only)."""
+    from .triton.device_builder import install_default
+
+    install_default()
+
+
+def names() -> tuple[str, ...]:
+    """The registered backend names."""
+    if not _BACKENDS:
+        _builtin()
+    return tuple(_BACKENDS)
+
+
+def get(name: str) -> Backend:
+    """The backend registered as ``name`` (InputError naming the choices otherwise)."""
+    if not _BACKENDS:
+        _builtin()
+    backend = _BACKENDS.get(name)
+    if backend is None:
+        choices = ", ".join(repr(n) for n in ("auto", *_BACKENDS))
+        raise InputError(f"backend must be one of {choices}, got {name!r}")
+    return backend
+
+
+def resolve(name: object, plan, call: AttentionCall) -> Backend:
+    """The backend that runs ``call``: ``name`` itself (InputError with its reason when it is
+    unavailable or does not support the call), or the pick of :data:`AUTO_TABLE` for
+    ``"auto"``."""
+    if name == "auto":
+        for rule in AUTO_TABLE:
+            if rule.matches(call):
+                backend = get(rule.backend)
+                if backend.available()[0] and backend.supports(plan, call)[0]:
+                    return backend
+        raise InputError(f"no attention backend supports this call: {explain_call(plan, call)}")
+    if not isinstance(name, str):
+        raise InputError(f"backend must be a str, got {type(name).__name__}")
+    backend = get(name)
+    ok, why = backend.available()
+    if not ok:
+        raise InputError(f"backend={name!r} is unavailable: {why}")
+    ok, why = backend.supports(plan, call)
+    if not ok:
+        raise InputError(f"backend={name!r} does not support this call: {why}")
+    return backend
+
+
+def explain_call(plan, call: AttentionCall) -> dict:
+    """Which backend ``"auto"`` picks for ``call`` and why: ``{"backend": name or None,
+    "reason": str, "skipped": [(name, why), ...]}``."""
+    skipped = []
+    for rule in AUTO_TABLE:
+        if not rule.matches(call):
+            continue
+        backend = get(rule.backend)
+        ok, why = backend.available()
+        if ok:
+            ok, why = backend.supports(plan, call)
+        if ok:
+            return {"backend": backend.name, "reason": rule.why, "skipped": skipped}
+        skipped.append((rule.backend, why))
+    return {"backend": None, "reason": "no row of the table runs this call", "skipped": skipped}
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap
