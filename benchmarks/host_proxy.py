@@ -22,9 +22,9 @@ import torch
 
 import compilemask as cm
 import compilemask.kernels.triton.backend as triton_backend
-from compilemask.kernels.triton.backend import _attention_bwd_impl, setup_context
 from compilemask.kernels.triton import backward as bwd_mod
 from compilemask.kernels.triton import forward as fwd_mod
+from compilemask.kernels.triton.backend import _attention_bwd_impl, setup_context
 from compilemask.workloads import workload
 
 

@@ -537,8 +537,8 @@ def test_ds_dq_replaces_the_dq_kernel(monkeypatch, tiles):
 def test_ds_dq_through_autograd(monkeypatch, limit, tiles):
     """The public path: the buffer is sized from the plan (GQA, a batch of 2 sharing one mask,
     dlse); a limit of 0 bytes falls back to the dQ kernel, with the same gradients."""
-    from compilemask.kernels.triton.backend import backward_inputs
     from compilemask.kernels.triton import configs
+    from compilemask.kernels.triton.backend import backward_inputs
 
     monkeypatch.setattr(configs, "DS_BUFFER_MAX_BYTES", limit)
     cfg = BWD_TILES[tiles]

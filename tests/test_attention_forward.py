@@ -597,17 +597,20 @@ def test_plan_dependent_configs():
         assert backward_config(128, torch.bfloat16, None, eff) == want
 
 
-def test_compiled_before_eager_chooses_the_eager_configs():
-    """The plan-dependent tiling is decided while tracing (a constant of the graph): a compiled
-    call made before any eager call runs exactly what eager runs."""
+def test_compiled_before_eager_reads_nothing_back():
+    """A compiled call on a fresh plan reads nothing back while tracing (no plan-dependent
+    constant enters the graph: it runs the class-free configuration); after an eager call
+    has recorded the plan's shape class, compiled calls run what eager runs."""
     torch._dynamo.reset()
     plan = cm.compile(cm.masks.prefix_lm(256), 256, device=DEVICE, cache=False)  # all visible
     q, k, v = _inputs(1, 1, 1, 256, 256, 128, torch.float16)
     f = torch.compile(lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
                       fullgraph=True, backend="aot_eager")  # fmt: skip
-    compiled = f(q, k, v)
+    _assert_matches(f(q, k, v), q, k, v, plan)
+    assert "tile_efficiency_128" not in plan._cache and plan.shape_class == ()
+    eager = cm.attention(q, k, v, plan, backend="triton")
     assert plan._cache["tile_efficiency_128"] == 1.0
-    assert torch.equal(compiled, cm.attention(q, k, v, plan, backend="triton"))
+    assert torch.equal(f(q, k, v), eager)
 
 
 @pytest.mark.parametrize("mask_name", ["causal", "document", "shared_prompt", "dilated_bits"])

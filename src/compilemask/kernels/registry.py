@@ -73,14 +73,6 @@ def register(backend: Backend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def _builtin() -> None:
-    from .reference.backend import BACKEND as reference
-    from .triton.backend import BACKEND as triton
-
-    _BACKENDS.setdefault(reference.name, reference)
-    _BACKENDS.setdefault(triton.name, triton)
-
-
 def install_defaults() -> None:
     """Process-wide defaults of the builtin backends, run at ``import compilemask``: the
     Triton tile builder for plans built on CUDA (``triton/device_builder.py``; it loads
@@ -92,15 +84,11 @@ def install_defaults() -> None:
 
 def names() -> tuple[str, ...]:
     """The registered backend names."""
-    if not _BACKENDS:
-        _builtin()
     return tuple(_BACKENDS)
 
 
 def get(name: str) -> Backend:
     """The backend registered as ``name`` (InputError naming the choices otherwise)."""
-    if not _BACKENDS:
-        _builtin()
     backend = _BACKENDS.get(name)
     if backend is None:
         choices = ", ".join(repr(n) for n in ("auto", *_BACKENDS))
@@ -157,3 +145,16 @@ def _capability(device: torch.device) -> tuple[int, int]:
     if cap is None:
         cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
     return cap
+
+
+def _register_builtin() -> None:
+    # at import, not on first use: a registry filled while torch.compile traces would change
+    # a guarded global and recompile the next call
+    from .reference.backend import BACKEND as reference
+    from .triton.backend import BACKEND as triton
+
+    register(reference)
+    register(triton)
+
+
+_register_builtin()
