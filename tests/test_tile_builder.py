@@ -167,7 +167,8 @@ def test_tile_builder_environment_variable(monkeypatch):
 def test_cuda_plans_keep_the_tensor_builder_without_triton(monkeypatch):
     """Where Triton is not installed, CUDA plans fall back to the tensor builder (as
     ``backend="auto"`` falls back to the reference) instead of failing to import it."""
-    from compilemask.kernels.triton import device_builder, validate
+    from compilemask.kernels.triton import backend as validate
+    from compilemask.kernels.triton import device_builder
 
     assert device_builder.serves_device(torch.device("cuda"))
     assert not device_builder.serves_device(torch.device("cpu"))
