@@ -2,7 +2,9 @@
 reuses the compiled graph (no guard on the plan's identity), and the reference backend traces
 one graph for every sequence length with ``dynamic=True``.
 
-Graphs are counted with ``torch._dynamo.testing.CompileCounter``. In the many-plan tests the
+Graphs are counted with ``torch._dynamo.testing.CompileCounter``, imported inside the tests:
+imported while pytest collects, Triton-interpreter tests of later modules failed ("Cannot
+call @triton.jit'd outside of the scope of a kernel"). In the many-plan tests the
 Triton kernels are replaced by stubs of the right shapes (what is counted is tracing, not
 kernel work); ``test_attention_forward.py`` runs the real kernels of a compiled fresh plan.
 """
@@ -14,7 +16,6 @@ import random
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -41,6 +42,15 @@ def _documents(rng: random.Random, n: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, n])]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Compiled graphs of these tests (stub kernels, counting backends) are dropped after
+    each one, so no later test runs them."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def stub_kernels(monkeypatch):
     """Kernels replaced by stubs of the right shapes and dtypes; records the configs used."""
@@ -65,6 +75,8 @@ def test_fifty_fresh_document_plans_compile_once(stub_kernels):
     tilings) with fullgraph=True: one graph for all 50 plans, forward and backward (before,
     each plan recompiled and the 9th hit the recompile limit)."""
     torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+
     counter = CompileCounter()
 
     def step(q, k, v, plan):
@@ -84,6 +96,8 @@ def test_classified_plans_compile_once_per_class(stub_kernels):
     """Plans an eager call has classified (their shape class recorded): one graph per class,
     whatever the number of plans, and the compiled call runs the eager call's configs."""
     torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+
     counter = CompileCounter()
     f = torch.compile(
         lambda q, k, v, plan: cm.attention(q, k, v, plan, backend="triton"),
@@ -113,6 +127,8 @@ def test_classified_plans_compile_once_per_class(stub_kernels):
 def test_reference_traces_one_graph_for_every_length():
     """12 lengths with dynamic=True on the reference backend: no graph per length."""
     torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+
     counter = CompileCounter()
 
     def f(q, k, v, plan):
