@@ -5,6 +5,6 @@
 """
 
 from .backend import CudnnBackend
-from .lower import endpoints, min_nfunc
+from .lower import endpoints
 
-__all__ = ["CudnnBackend", "endpoints", "min_nfunc"]
+__all__ = ["CudnnBackend", "endpoints"]

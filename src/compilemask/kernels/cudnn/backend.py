@@ -43,7 +43,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from .lower import endpoints, min_nfunc
+from .lower import endpoints
 
 #: the oldest nvidia-cudnn-frontend with ``cudnn.flex_attention`` as read here
 MIN_VERSION = (1, 32)
@@ -170,7 +170,7 @@ class CudnnBackend:
 
         if plan.device != call.device:
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
-        mask_func = endpoints(plan, call.batch, call.heads_q, nfunc=min_nfunc(plan))
+        mask_func = endpoints(plan, call.batch, call.heads_q, trim=True)
         # cuDNN's builder reads shapes, dtype and device only: stride-0 views, no allocation
         row_q = torch.empty(call.head_dim, dtype=call.dtype, device=call.device)
         q = row_q.expand(call.batch, call.q_len, call.heads_q, call.head_dim)

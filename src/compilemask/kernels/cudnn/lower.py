@@ -21,7 +21,7 @@ Example::
     >>> plan = cm.compile(cm.masks.causal(), 4, block_m=2, block_n=2)
     >>> endpoints(plan, batch=1, heads_q=2)[0].T.tolist()  # row q: [0, q + 1), then empty
     [[1, 1, 1], [2, 2, 2], [3, 3, 3], [4, 4, 4]]
-    >>> endpoints(plan, batch=1, heads_q=2, nfunc=min_nfunc(plan)).shape
+    >>> endpoints(plan, batch=1, heads_q=2, trim=True).shape  # the smallest nfunc: 1
     torch.Size([1, 1, 4])
 """
 
@@ -79,21 +79,7 @@ def _row_endpoints(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, to
     return f, needed
 
 
-def min_nfunc(plan: MaskPlan) -> int:
-    """The smallest odd ``nfunc`` that holds every row of ``plan`` (one host read).
-
-    Example::
-
-        >>> import compilemask as cm
-        >>> min_nfunc(cm.compile(cm.masks.sliding_window(2), 8))  # rows q >= 2: [0, 0) U [lo, hi)
-        3
-    """
-    lo, hi = row_intervals(plan)
-    _, needed = _row_endpoints(lo, hi)
-    return int(needed.max()) if needed.numel() else 1
-
-
-def endpoints(plan: MaskPlan, batch: int, heads_q: int, nfunc: int | None = None) -> torch.Tensor:
+def endpoints(plan: MaskPlan, batch: int, heads_q: int, *, trim: bool = False) -> torch.Tensor:
     """cuDNN ``mask_func`` of ``plan`` for ``batch`` rows and ``heads_q`` query heads.
 
     Args:
@@ -101,19 +87,19 @@ def endpoints(plan: MaskPlan, batch: int, heads_q: int, nfunc: int | None = None
             ``tile_grid`` plan is applied to q, k, v by the caller).
         batch: ``B``; must equal ``plan.batch`` for a per-batch plan.
         heads_q: ``Hq``; must equal ``plan.heads`` for a per-head plan.
-        nfunc: endpoints per row, odd; None: ``2 * K + 1`` with ``K`` the plan's slot count
-            (no host read). A smaller value (:func:`min_nfunc`) must still hold every row.
+        trim: False: ``nfunc = 2 * K + 1`` with ``K`` the plan's slot count (no host read);
+            True: the smallest odd ``nfunc`` that holds every row (one host read; a plan built
+            on a GPU keeps ``K`` at its static bound, often above the largest row's count, and
+            every row starting at key 0 saves two more).
 
     Returns:
         int32 ``[Hmask, nfunc, B * Nq]``, contiguous, on the plan's device: ``Hmask = Hq`` for a
         per-head plan, else 1; per-batch plans vary along ``B * Nq``, the others repeat their
-        rows over ``B``. Built with vectorised torch ops, no host synchronisation (a bitmask
-        plan reads one number back, see :func:`row_intervals`).
+        rows over ``B``. Built with vectorised torch ops (a bitmask plan reads one number back,
+        see :func:`row_intervals`).
 
     Raises:
-        CompileMaskError: ``batch`` / ``heads_q`` not positive ints or contradicting the plan,
-            ``nfunc`` not a positive odd int or too small for the plan's rows (checked only
-            when the check needs no host read: against ``2 * K + 1``).
+        CompileMaskError: ``batch`` / ``heads_q`` not positive ints or contradicting the plan.
     """
     for name, value in (("batch", batch), ("heads_q", heads_q)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -123,17 +109,13 @@ def endpoints(plan: MaskPlan, batch: int, heads_q: int, nfunc: int | None = None
     if plan.heads is not None and plan.heads != heads_q:
         raise CompileMaskError(f"heads_q={heads_q} but the plan is per-head for {plan.heads}")
     lo, hi = row_intervals(plan)
-    k_slots = lo.shape[-1]
-    if nfunc is None:
-        nfunc = 2 * k_slots + 1
-    if isinstance(nfunc, bool) or not isinstance(nfunc, int) or nfunc < 1 or nfunc % 2 == 0:
-        raise CompileMaskError(f"nfunc must be a positive odd int, got {nfunc!r}")
-    f, _ = _row_endpoints(lo, hi)  # [M, Nq, 2K + 1]
-    if nfunc > f.shape[-1]:
-        f = torch.cat((f, f[..., -1:].expand(*f.shape[:-1], nfunc - f.shape[-1])), -1)
-    f = f[..., :nfunc]
+    f, needed = _row_endpoints(lo, hi)  # [M, Nq, 2K + 1], [M, Nq]
+    nfunc = f.shape[-1]
+    if trim and needed.numel():
+        nfunc = int(needed.max())
+        f = f[..., :nfunc]
     b_mask, h_mask = plan.batch or 1, plan.heads or 1
-    f = f.view(b_mask, h_mask, plan.q_len, nfunc).expand(batch, h_mask, plan.q_len, nfunc)
+    f = f.reshape(b_mask, h_mask, plan.q_len, nfunc).expand(batch, h_mask, plan.q_len, nfunc)
     # [B, Hmask, Nq, nfunc] -> [Hmask, nfunc, B, Nq] -> [Hmask, nfunc, B * Nq]
     return f.permute(1, 3, 0, 2).reshape(h_mask, nfunc, batch * plan.q_len).contiguous()
 
