@@ -3,6 +3,7 @@ the reference (GPU, ``-m gpu``; skipped without cuDNN-frontend or CUDA)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -268,3 +269,116 @@ def test_cudnn_forward_backward_match_the_reference(name, head_dim):
         ok, err, bound = check_close(got, a, c, DT)
         assert ok, f"{nm}: {err:.3g} > {bound:.3g}"
     assert bool((dq[~seen] == 0).all())
+
+
+# ------------------------------------------------ the backend's plumbing, on a stand-in cuDNN
+class _FakePlan:
+    def __init__(self, mask_func, q, k, build_backward):
+        self.mask_func, self.build_backward = mask_func, build_backward
+        self.shape = (q.shape, k.shape)
+
+
+def _fake_attention(q, k, v, plan, scale):
+    """cuDNN's documented semantics on BSHD tensors: the mask from the endpoints, GQA by head
+    groups, lse natural log [B, Hq, Sq] (-inf and out 0 where a row sees nothing)."""
+    b, sq, hq, _ = q.shape
+    hkv = k.shape[2]
+    visible = expand_endpoints(plan.mask_func, b, k.shape[1])  # [B, Hmask, Sq, Sk]
+    qh = q.transpose(1, 2).double()
+    kh, vh = (t.transpose(1, 2).double().repeat_interleave(hq // hkv, 1) for t in (k, v))
+    s = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return (p @ vh).to(q.dtype).transpose(1, 2), lse.float()
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    import sys
+    import types
+
+    calls = {"create": 0}
+
+    def create_mask_plan(mask_func, q, k, v, *, build_backward=None):
+        assert mask_func.dtype == torch.int32 and mask_func.is_contiguous()
+        assert q.stride(-1) == 1 and k.shape[:3] == v.shape[:3]
+        calls["create"] += 1
+        return _FakePlan(mask_func, q, k, build_backward)
+
+    def flex_attn_func(q, k, v, *, mask_plan, softmax_scale=None, return_lse=False):
+        assert q.shape[:2] == mask_plan.shape[0][:2] and k.shape == mask_plan.shape[1]
+        out, lse = _fake_attention(q, k, v, mask_plan, softmax_scale)
+        return (out, lse) if return_lse else out
+
+    def _flex_attention_backward(q, k, v, o, do, lse, *, mask_plan, softmax_scale=None):
+        assert mask_plan.build_backward
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            out, _ = _fake_attention(*leaves, mask_plan, softmax_scale)
+            grads = torch.autograd.grad(out.double(), leaves, do.double())
+        return tuple(g.to(q.dtype) for g in grads)
+
+    root = types.ModuleType("cudnn")
+    flex = types.ModuleType("cudnn.flex_attention")
+    execution = types.ModuleType("cudnn.flex_attention.execution")
+    flex.create_mask_plan, flex.flex_attn_func = create_mask_plan, flex_attn_func
+    execution._flex_attention_backward = _flex_attention_backward
+    root.flex_attention, flex.execution = flex, execution
+    for name, mod in (
+        ("cudnn", root),
+        ("cudnn.flex_attention", flex),
+        ("cudnn.flex_attention.execution", execution),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["tree", "per_head", "per_batch", "empty_rows", "from_dense"])
+def test_backend_plumbing_matches_the_reference(fake_cudnn, name):
+    """Layouts (BHSD <-> BSHD views), GQA, caching and the backward's inputs, with a stand-in
+    that computes cuDNN's documented semantics from the endpoints."""
+    from compilemask.kernels.reference import reference_attention, reference_attention_backward
+
+    plan, b, hq = next((p, b, h) for n, p, b, h in CATALOGUE if n == name)
+    plan = dataclasses.replace(plan.in_permuted_order(), _cache={})  # a cache of its own
+    hkv = 1 if hq % 2 else hq // 2  # grouped heads
+    d = 8
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(b, hq, plan.q_len, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, plan.kv_len, d, generator=g, dtype=torch.float64) for _ in "kv")
+    do = torch.randn_like(q)
+    call = SimpleNamespace(
+        batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len, head_dim=d,
+        dtype=q.dtype, device=q.device, requires_grad=True, return_lse=True,
+    )  # fmt: skip
+    be = CudnnBackend()
+    prepared = be.prepare(plan, call)
+    assert be.prepare(plan, call) is prepared
+    assert be.prepare(plan, SimpleNamespace(**{**vars(call), "requires_grad": False})) is prepared
+    assert fake_cudnn["create"] == 1
+    out, lse = be.forward(q, k, v, plan, prepared, 0.3)
+    ref, ref_lse = reference_attention(q, k, v, plan, 0.3, compute_dtype=torch.float64)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse.float())
+    grads = be.backward(q, k, v, out, lse, do, plan, prepared, 0.3)
+    refs = reference_attention_backward(q, k, v, plan, do, 0.3, compute_dtype=torch.float64)
+    for got, want in zip(grads, refs):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_of_a_forward_only_preparation_is_refused(fake_cudnn):
+    plan = cm.compile(M.causal(), 16, cache=False)
+    call = SimpleNamespace(
+        batch=1, heads_q=2, heads_kv=2, q_len=16, kv_len=16, head_dim=8,
+        dtype=torch.float32, device=torch.device("cpu"), requires_grad=False, return_lse=False,
+    )  # fmt: skip
+    be = CudnnBackend()
+    prepared = be.prepare(plan, call)
+    q = torch.randn(1, 2, 16, 8)
+    out, lse = be.forward(q, q, q, plan, prepared, 0.5)
+    with pytest.raises(CompileMaskError, match="without a backward"):
+        be.backward(q, q, q, out, lse, q, plan, prepared, 0.5)
+    # a call that needs a backward builds the plan again, with the backward's payloads
+    prepared_bwd = be.prepare(plan, SimpleNamespace(**{**vars(call), "requires_grad": True}))
+    assert prepared_bwd.has_backward and fake_cudnn["create"] == 2

@@ -70,6 +70,16 @@ def _arch(device: torch.device) -> int:
     return major * 10 + minor
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:<current>`` are the same device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return a.index == b.index or a.type == "cpu"
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 @dataclass(frozen=True)
 class CudnnPrepared:
     """What :meth:`CudnnBackend.prepare` builds once per (plan, call shape).
@@ -168,7 +178,7 @@ class CudnnBackend:
     def _build(plan: MaskPlan, call, build_backward: bool) -> CudnnPrepared:
         from cudnn.flex_attention import create_mask_plan
 
-        if plan.device != call.device:
+        if not _same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         mask_func = endpoints(plan, call.batch, call.heads_q, trim=True)
         # cuDNN's builder reads shapes, dtype and device only: stride-0 views, no allocation
