@@ -312,6 +312,7 @@ def fake_cudnn(monkeypatch):
 
     def _flex_attention_backward(q, k, v, o, do, lse, *, mask_plan, softmax_scale=None):
         assert mask_plan.build_backward
+        assert all(t.stride(-1) == 1 for t in (q, k, v, o, do, lse))  # layouts cuDNN takes
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad():
             out, _ = _fake_attention(*leaves, mask_plan, softmax_scale)
@@ -346,7 +347,7 @@ def test_backend_plumbing_matches_the_reference(fake_cudnn, name):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(b, hq, plan.q_len, d, generator=g, dtype=torch.float64)
     k, v = (torch.randn(b, hkv, plan.kv_len, d, generator=g, dtype=torch.float64) for _ in "kv")
-    do = torch.randn_like(q)
+    do = torch.full((1,), 0.7, dtype=q.dtype).expand_as(q)  # as from out.sum(): stride 0
     call = SimpleNamespace(
         batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len, head_dim=d,
         dtype=q.dtype, device=q.device, requires_grad=True, return_lse=True,
@@ -382,3 +383,16 @@ def test_backward_of_a_forward_only_preparation_is_refused(fake_cudnn):
     # a call that needs a backward builds the plan again, with the backward's payloads
     prepared_bwd = be.prepare(plan, SimpleNamespace(**{**vars(call), "requires_grad": True}))
     assert prepared_bwd.has_backward and fake_cudnn["create"] == 2
+
+
+def test_native_layouts_pass_as_they_are_and_others_are_copied():
+    from compilemask.kernels.cudnn.backend import _native
+
+    x = torch.randn(2, 4, 32, 64, dtype=torch.bfloat16)
+    view = x.transpose(1, 2)  # BSHD view of BHSD memory: cuDNN takes it
+    assert _native(view) is view
+    grad = torch.ones((), dtype=torch.bfloat16).expand(2, 32, 4, 64)
+    copied = _native(grad)
+    assert copied.is_contiguous() and torch.equal(copied, grad)
+    odd = torch.randn(2, 32, 4, 66, dtype=torch.bfloat16)[..., 1:65]  # pointer off by 2 bytes
+    assert _native(odd).is_contiguous() and torch.equal(_native(odd), odd)

@@ -12,8 +12,10 @@ and returns (from the 1.32.0 sources, ``cudnn/flex_attention/``):
   The plan is tied to ``(B, Nq, Nk, Hq, Hkv, D, dtype, device)`` and, with
   ``build_backward=True``, carries the backward's schedule as well.
 - Layout: BSHD ``q [B, Nq, Hq, D]``, ``k, v [B, Nk, Hkv, D]``, last dim contiguous, other
-  strides 16-byte aligned (a transpose view of our ``[B, H, N, D]`` tensors is taken as it is,
-  no copy). GQA: ``Hq % Hkv == 0`` (heads packed when ``Hmask == 1`` and the ratio is a power
+  strides 16-byte aligned (128 for the head_dim 256 backward). cuDNN's compiled-plan path
+  validates layouts and copies nothing: a transpose view of our ``[B, H, N, D]`` tensors is
+  passed as it is, any other layout is made contiguous first (:func:`_native`).
+  GQA: ``Hq % Hkv == 0`` (heads packed when ``Hmask == 1`` and the ratio is a power
   of two). ``Nq != Nk``: supported (fixed-length mode).
 - dtype fp16 / bf16; head dims: ``Dqk, Dv`` each in ``[8, 128]`` and divisible by 8, or
   ``(192, 128)``, or ``(256, 256)``; here ``Dqk == Dv`` so ``D % 8 == 0, 8 <= D <= 128`` or
@@ -32,6 +34,10 @@ and returns (from the 1.32.0 sources, ``cudnn/flex_attention/``):
   without re-running the forward and without keeping an autograd graph alive between the
   calls. It is not part of cuDNN's ``__all__``: :meth:`available` checks that it exists.
   ``deterministic=False`` (dQ accumulated with atomics), as in ``flex_attn_func``'s default.
+  The contract's backward has no lse gradient, so none is passed (``dlse_tensor=None``).
+- Costs paid once: per (plan, call shape) the endpoints and ``create_mask_plan`` (cached on
+  the plan, :meth:`CudnnBackend.prepare`); per tensor shape and layout cuDNN JIT-compiles its
+  CuTe kernels on the first call (seconds; cached by cuDNN in the process).
 """
 
 from __future__ import annotations
@@ -72,12 +78,24 @@ def _arch(device: torch.device) -> int:
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     """``cuda`` and ``cuda:<current>`` are the same device."""
-    if a.type != b.type:
+    if a.type != b.type or (a.index != b.index and a.type != "cuda"):
         return False
-    if a.type != "cuda" or a.index == b.index:
-        return a.index == b.index or a.type == "cpu"
+    if a.index == b.index:
+        return True
     current = torch.cuda.current_device()
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def _native(t: torch.Tensor, align_bytes: int = 16) -> torch.Tensor:
+    """``t`` when cuDNN takes its layout as it is (last dim contiguous, pointer and other
+    strides ``align_bytes``-aligned), else a contiguous copy: cuDNN's compiled-plan path
+    validates layouts and makes no copies itself (an upstream gradient expanded from a sum
+    has stride 0 everywhere, for one)."""
+    step = max(1, align_bytes // t.element_size())
+    aligned = t.stride(-1) == 1 and t.data_ptr() % align_bytes == 0
+    if aligned and all(s == 0 or s % step == 0 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous()
 
 
 @dataclass(frozen=True)
@@ -163,8 +181,9 @@ class CudnnBackend:
         backward)`` and cached on ``plan`` (a plan with backward payloads also serves calls
         without a backward). Two host reads on the first call: the smallest ``nfunc`` and
         the header ``create_mask_plan`` reads back; none afterwards."""
+        if not _same_device(plan.device, call.device):
+            raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         base = ("cudnn", call.batch, call.heads_q, call.heads_kv, call.head_dim, call.dtype)
-        base = (*base, call.device)
         cache = plan._cache
         for has_backward in (True, bool(call.requires_grad)):
             hit = cache.get((*base, has_backward))
@@ -178,8 +197,6 @@ class CudnnBackend:
     def _build(plan: MaskPlan, call, build_backward: bool) -> CudnnPrepared:
         from cudnn.flex_attention import create_mask_plan
 
-        if not _same_device(plan.device, call.device):
-            raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         mask_func = endpoints(plan, call.batch, call.heads_q, trim=True)
         # cuDNN's builder reads shapes, dtype and device only: stride-0 views, no allocation
         row_q = torch.empty(call.head_dim, dtype=call.dtype, device=call.device)
@@ -196,7 +213,7 @@ class CudnnBackend:
         BSHD output."""
         from cudnn.flex_attention import flex_attn_func
 
-        qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+        qb, kb, vb = (_native(t.transpose(1, 2)) for t in (q, k, v))
         with torch.no_grad():
             out, lse = flex_attn_func(
                 qb, kb, vb, mask_plan=prepared.mask_plan, softmax_scale=scale, return_lse=True
@@ -213,9 +230,11 @@ class CudnnBackend:
             raise CompileMaskError(
                 "the cudnn plan was prepared without a backward (call.requires_grad was False)"
             )
-        qb, kb, vb, ob, dob = (t.transpose(1, 2) for t in (q, k, v, out, dout))
+        align = 128 if q.shape[-1] == 256 else 16  # cuDNN's head_dim 256 backward wants 128
+        qb, kb, vb, ob, dob = (_native(t.transpose(1, 2), align) for t in (q, k, v, out, dout))
         with torch.no_grad():
             dq, dk, dv = _flex_attention_backward(
-                qb, kb, vb, ob, dob, lse, mask_plan=prepared.mask_plan, softmax_scale=scale
-            )
+                qb, kb, vb, ob, dob, _native(lse, 4), mask_plan=prepared.mask_plan,
+                softmax_scale=scale,
+            )  # fmt: skip
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
