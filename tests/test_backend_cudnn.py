@@ -151,7 +151,7 @@ def _call(**over):
     [
         (dict(device=torch.device("cpu")), "CUDA tensors"),
         (dict(dtype=torch.float32), "float16 / bfloat16"),
-        (dict(head_dim=96 + 4), "head_dim 100"),
+        (dict(head_dim=100), "head_dim 100"),
         (dict(head_dim=192), "head_dim 192"),
         (dict(heads_kv=3), "not a multiple"),
         (dict(q_len=65), "q_len 64"),
@@ -166,7 +166,8 @@ def test_supports_names_the_reason(over, reason):
 def test_supports_checks_per_head_and_per_batch_plans():
     be = CudnnBackend()
     per_head = cm.compile(M.per_head([M.causal()] * 4), 64, heads=4)
-    assert be.supports(per_head, _call(heads_q=8))[0] is False
+    ok, why = be.supports(per_head, _call(heads_q=8))
+    assert not ok and "per-head for 4" in why
     per_batch = cm.compile(M.per_batch([M.causal()] * 3), 64, batch=3)
     ok, why = be.supports(per_batch, _call())
     assert not ok and "per-batch for 3" in why
@@ -197,6 +198,9 @@ _READY, _WHY = CudnnBackend().available()
 DT = torch.bfloat16
 
 
+PER_HEAD_4 = M.per_head([M.causal(), M.sliding_window(100), M.chunked(256), M.prefix_lm(300)])
+
+
 def _gpu_cases():
     return {
         "causal": (M.causal(), 1024, 1024, None, 4, 4),
@@ -204,14 +208,7 @@ def _gpu_cases():
         "shared_prompt": (M.shared_prompt(256, [256, 256, 256]), None, None, None, 4, 4),
         "clear": (M.clear((24, 40), 8, 64), None, None, None, 4, 4),
         "clear_tile_grid": (M.tile_grid(M.clear((24, 40), 8, 64)), None, None, None, 4, 4),
-        "per_head": (
-            M.per_head([M.causal(), M.sliding_window(100), M.chunked(256), M.prefix_lm(300)]),
-            1024,
-            1024,
-            4,
-            4,
-            4,
-        ),  # fmt: skip
+        "per_head": (PER_HEAD_4, 1024, 1024, 4, 4, 4),
         "gqa": (M.causal(), 1024, 1024, None, 4, 1),
         "empty_rows": (M.sliding_window(64), 1100, 900, None, 4, 2),
     }

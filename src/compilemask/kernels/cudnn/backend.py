@@ -137,8 +137,8 @@ class CudnnBackend:
             from cudnn.flex_attention.execution import _flex_attention_backward  # noqa: F401
         except ImportError as exc:
             return False, f"cudnn.flex_attention does not import ({exc}): {INSTALL_HINT}"
-        except (OSError, RuntimeError) as exc:  # CUDA libraries missing or broken
-            return False, f"cudnn.flex_attention does not load: {exc}"
+        except Exception as exc:  # CUDA / cuDNN libraries missing or broken: not available
+            return False, f"cudnn.flex_attention does not load ({type(exc).__name__}: {exc})"
         if not torch.cuda.is_available():
             return False, "cudnn.flex_attention needs a CUDA GPU"
         arch = _arch(torch.device("cuda"))
