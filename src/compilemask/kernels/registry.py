@@ -1,7 +1,7 @@
 """Attention backends by name, and the table ``backend="auto"`` reads.
 
-``get(name)`` returns a registered backend (``reference`` and ``triton`` are registered on
-first use; ``register`` adds others: ``cudnn``, ``fa4``, ``cute``). ``resolve(name, plan,
+``get(name)`` returns a registered backend (``reference``, ``triton`` and ``cudnn`` are
+registered at import, each loading its library on first use; ``register`` adds others). ``resolve(name, plan,
 call)`` returns the backend that runs a call: an explicit name that is unavailable or does not
 support the call raises :class:`InputError` with the backend's reason (never a silent
 fallback); ``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that matches the call
@@ -150,11 +150,13 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def _register_builtin() -> None:
     # at import, not on first use: a registry filled while torch.compile traces would change
     # a guarded global and recompile the next call
+    from .cudnn.backend import CudnnBackend
     from .reference.backend import BACKEND as reference
     from .triton.backend import BACKEND as triton
 
     register(reference)
     register(triton)
+    register(CudnnBackend())  # imports cuDNN-frontend on first use only
 
 
 _register_builtin()

@@ -184,14 +184,12 @@ class CudnnBackend:
         if not _same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         base = ("cudnn", call.batch, call.heads_q, call.heads_kv, call.head_dim, call.dtype)
-        cache = plan._cache
-        for has_backward in (True, bool(call.requires_grad)):
-            hit = cache.get((*base, has_backward))
+        if not call.requires_grad:  # a plan prepared with its backward serves forwards too
+            hit = plan._cache.get((*base, True))
             if hit is not None:
                 return hit
-        prepared = self._build(plan, call, bool(call.requires_grad))
-        cache[(*base, prepared.has_backward)] = prepared
-        return prepared
+        need_bwd = bool(call.requires_grad)
+        return plan.cached((*base, need_bwd), lambda: self._build(plan, call, need_bwd))
 
     @staticmethod
     def _build(plan: MaskPlan, call, build_backward: bool) -> CudnnPrepared:
