@@ -233,20 +233,35 @@ def _compilemask(backend: str) -> Callable[[Case, bool], Runner]:
 GRID_TILE = (8, 16)
 
 
-def _compilemask_tiled(case: Case, grad: bool) -> Runner:
-    """Triton on ``tile_grid(mask, GRID_TILE)``: the compiler pass reorders the grid's tokens;
-    q, k, v and the output stay in the original order (attention permutes them)."""
-    from ..api.functional import attention
-    from ..masks import tile_grid
+def _compilemask_tiled(backend: str) -> Callable[[Case, bool], Runner]:
+    """``backend`` on ``tile_grid(mask, GRID_TILE)``: the compiler pass reorders the grid's
+    tokens; q, k, v and the output stay in the original order (attention permutes them)."""
 
-    if "tiled_plan" not in case.cache:
-        w = case.workload
-        case.cache["tiled_plan"] = compile_mask(
-            tile_grid(w.mask, GRID_TILE), w.N, device=case.device
-        )
-    plan = case.cache["tiled_plan"]
-    q, k, v = _bhsd_leaves(case, grad)
-    return Runner(lambda: attention(q, k, v, plan, backend="triton"), (q, k, v), case.dout)
+    def prepare(case: Case, grad: bool) -> Runner:
+        from ..api.functional import attention
+        from ..masks import tile_grid
+
+        if "tiled_plan" not in case.cache:
+            w = case.workload
+            case.cache["tiled_plan"] = compile_mask(
+                tile_grid(w.mask, GRID_TILE), w.N, device=case.device
+            )
+        plan = case.cache["tiled_plan"]
+        q, k, v = _bhsd_leaves(case, grad)
+        return Runner(lambda: attention(q, k, v, plan, backend=backend), (q, k, v), case.dout)
+
+    return prepare
+
+
+def _backend_ok(name: str) -> Callable[[], tuple[bool, str]]:
+    """Whether the registered backend ``name`` runs here (its own reason when not)."""
+
+    def check() -> tuple[bool, str]:
+        from ..kernels import registry
+
+        return registry.get(name).available()
+
+    return check
 
 
 _FLEX: dict = {}
@@ -384,9 +399,18 @@ SYSTEMS: tuple[System, ...] = (
     System(
         "compilemask-triton-tiled",
         _all(_triton_installed, _cuda, _triton_ok),
-        _compilemask_tiled,
+        _compilemask_tiled("triton"),
         applies=_grid_only,
     ),
+    System("compilemask-cudnn", _all(_cuda, _backend_ok("cudnn")), _compilemask("cudnn")),
+    System(
+        "compilemask-cudnn-tiled",
+        _all(_cuda, _backend_ok("cudnn")),
+        _compilemask_tiled("cudnn"),
+        applies=_grid_only,
+    ),
+    System("compilemask-auto", _cuda, _compilemask("auto")),
+    System("compilemask-auto-tiled", _cuda, _compilemask_tiled("auto"), applies=_grid_only),
     System("flex-triton", _FLEX_OK, _flex(None)),
     System("flex-fa4", _all(_FA4_OK, _FLEX_OK), _flex({"BACKEND": "FLASH"})),
     System("cudnn-fe", _all(_cudnn_available, _cuda, _hopper), _cudnn),
