@@ -180,14 +180,6 @@ BWD_CANDIDATES = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, 1, 2),
 ]
-# --bwd-set fused: the one-launch backward against the best two-launch configs
-BWD_FUSED = [
-    BwdConfig(64, 64, 4, 3, 128, 64, 8, 2, 1, 2),
-    BwdConfig(64, 128, 8, 3, 128, 128, 8, 2, 1, 2),
-    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2, fused=1),
-    BwdConfig(64, 128, 8, 2, 128, 128, 8, 2, 1, 2, fused=1),
-    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 1, fused=1),
-]
 # --bwd-set spill: dK/dV 64x64 with 4 warps spills 42-62 registers (kernel_stats.py): 8 warps
 BWD_SPILL = [
     BwdConfig(64, 64, 8, 3, 128, 64, 8, 2, 1, 2),
@@ -344,7 +336,7 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
-    bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
+    bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "atomic", "order"]
     bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "prefetch"]
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
@@ -394,7 +386,6 @@ def main() -> None:
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
                 "wide": BWD_WIDE,
-                "fused": BWD_FUSED,
                 "spill": BWD_SPILL,
                 "pipelined": BWD_PIPELINED,
                 "tma": BWD_TMA,

@@ -56,8 +56,6 @@ BWD_TILES = {
     "16x32/32x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1),
     # the plan's heaviest-first orders: heads fastest (dK/dV), tiles fastest (dQ)
     "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3),
-    # dK/dV and dQ in one launch (_attn_bwd_fused)
-    "fused-32x32/32x16": BwdConfig(32, 32, 4, 1, 32, 16, 4, 1, fused=1),
     # dQ by atomic adds in the dK/dV kernel (16-bit; fp32 runs the two-kernel backward)
     "atomic-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1),
     # dQ from the dS tiles stored by the dK/dV kernel (16-bit; fp32 runs the dQ kernel)
@@ -178,7 +176,6 @@ def test_bitmask_tiles_are_exercised():
     [
         (False, SMALL, 1),
         (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1), 2),
-        (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1, fused=1), 2),
         (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1, atomic_dq=1), 2),
     ],
 )
@@ -229,16 +226,14 @@ def test_head_dims(head_dim):
     _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
 
 
-@pytest.mark.parametrize("mode", ["two-launches", "fused", "atomic"])
+@pytest.mark.parametrize("mode", ["two-launches", "atomic"])
 @pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("lengths", [(50, 90), (90, 50)], ids=["q<kv", "q>kv"])
 def test_gqa_and_unequal_lengths(hkv, lengths, mode):
     Nq, Nk = lengths
     plan = cm.compile(cm.masks.prefix_lm(9) | cm.masks.sliding_window(33), Nq, Nk, device=DEVICE)
     q, k, v, do = _inputs(2, 4, hkv, Nq, Nk, 64, torch.float16, seed=hkv)
-    cfg = BwdConfig(
-        16, 32, 4, 1, 32, 32, 4, 1, fused=int(mode == "fused"), atomic_dq=int(mode == "atomic")
-    )
+    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=int(mode == "atomic"))
     grads = _triton_grads(q, k, v, do, plan, cfg, scale=0.3)
     _assert_grads(grads, q, k, v, do, plan, scale=0.3)
 
@@ -411,7 +406,7 @@ def test_backward_config_table():
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             cfg = backward_config(d, dtype)
             assert min(cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n) >= 16
-            assert len(cfg.as_list()) == 18
+            assert len(cfg.as_list()) == 17
             assert cfg.dkdv_order in GRID_ORDERS and cfg.dq_order in GRID_ORDERS
 
 
@@ -584,8 +579,8 @@ def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask, tiles):
 
 
 def test_ds_dq_is_off_where_it_cannot_run():
-    """fp32, dQ tilings other than the dK/dV tiling or its pairs of q-tiles, atomic dQ and the
-    fused launch turn it off."""
+    """fp32, dQ tilings other than the dK/dV tiling or its pairs of q-tiles and atomic dQ turn
+    it off."""
     base = BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, ds_dq=1)
     assert backward_config(128, torch.float16).ds_dq in (0, 1)
     cases = [
@@ -594,7 +589,6 @@ def test_ds_dq_is_off_where_it_cannot_run():
         (torch.float16, replace(base, dq_block_n=128)),
         (torch.float16, replace(base, dq_block_m=128, dq_block_n=32)),
         (torch.float16, replace(base, atomic_dq=1)),
-        (torch.float16, replace(base, fused=1)),
     ]
     from compilemask.kernels.triton import configs
 
@@ -690,7 +684,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
     n_tensors = len(DKDV_SCHEDULE_FIELDS) + len(FWD_SCHEDULE_FIELDS)  # no dS slots here
-    assert len(ints) == len(BwdConfig(*ints).as_list()) == 18 and len(tensors) == n_tensors
+    assert len(ints) == len(BwdConfig(*ints).as_list()) == 17 and len(tensors) == n_tensors
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])
 

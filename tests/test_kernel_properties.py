@@ -56,7 +56,7 @@ def test_kernels_on_random_masks(case):
     do = torch.randn(shape_q, generator=g, dtype=DTYPE).to(DEVICE)
     with (
         override_forward_config(FwdConfig(16, 32, 4, 1)),
-        override_backward_config(BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, fused=n % 2)),
+        override_backward_config(BwdConfig(16, 32, 4, 1, 16, 32, 4, 1)),
     ):
         out = cm.attention(q, k, v, plan, backend="triton")
         out.backward(do)

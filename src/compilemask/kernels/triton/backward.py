@@ -402,7 +402,6 @@ def _attn_bwd_dkdv(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
-    FUSED: tl.constexpr = False,
     Q_desc=None,
     DO_desc=None,
     USE_TMA: tl.constexpr = False,
@@ -421,18 +420,14 @@ def _attn_bwd_dkdv(
     KvWork=None,
     PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    """dK, dV of one kv-tile (see the module docstring). PREFETCH (launch orders 0 and 3, not
-    FUSED): the kv-tile, and for the GQA group's first head the counts and the first q-tile of
+    """dK, dV of one kv-tile (see the module docstring). PREFETCH (launch orders 0 and 3): the
+    kv-tile, and for the GQA group's first head the counts and the first q-tile of
     the first loop (the PARTIAL one, or the one loop), come from the work entry
     ``KvWork[first_mask, rank]`` (``schedule.work_list``, one 32-byte sector) instead of the
     chain order -> counts -> list; every next head of the group (its mask may differ:
     per-head plans) gets its own counts and first q-tiles loaded at the end of the previous
     head's iteration, so that they live only across the loop's back edge."""
-    if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
-        rank = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-    else:
-        pid_bh, rank = grid_position(GRID_ORDER)
+    pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hkv
     off_hkv = pid_bh % Hkv
     h_first = off_hkv * gqa_group
@@ -780,22 +775,12 @@ def _attn_bwd_dq(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
-    Hkv=1,
-    fused_offset=0,
-    FUSED: tl.constexpr = False,
     K_desc=None,
     V_desc=None,
     USE_TMA: tl.constexpr = False,
     OVERLAP: tl.constexpr = False,
 ):  # fmt: skip
-    if FUSED:  # called by _attn_bwd_fused: programs fused_offset + g * Tq + rank of kv head
-        r = tl.program_id(0) - fused_offset
-        g = r // Tq
-        rank = r % Tq
-        pid_kv = tl.program_id(1)
-        pid_bh = (pid_kv // Hkv) * Hq + (pid_kv % Hkv) * gqa_group + g
-    else:
-        pid_bh, rank = grid_position(GRID_ORDER)
+    pid_bh, rank = grid_position(GRID_ORDER)
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
         pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
     )
@@ -870,182 +855,6 @@ def _attn_bwd_dq(
         + offs_m_local[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
         dq.to(DQ.dtype.element_ty), mask=md_ok,
     )  # fmt: skip
-
-
-@triton.jit
-def _attn_bwd_fused(
-    Q, K, V, DO, Lse2, Delta, DK, DV, DQ, RowLo, RowHi,
-    Kind1, Jlo1, Jhi1, BitsIndex1, Bits1, KvCount, KvFullCount, KvList, KvOrder,
-    Kind2, Jlo2, Jhi2, BitsIndex2, Bits2, QCount, QFullCount, QList, QOrder,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_bits1_p, stride_bits1_r, stride_bits2_p, stride_bits2_r,
-    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq1, Tk1, Tq2, Tk2, mask_stride_b, mask_stride_h,
-    scale, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M1: tl.constexpr,
-    BLOCK_N1: tl.constexpr,
-    BLOCK_M2: tl.constexpr,
-    BLOCK_N2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    LOAD_T: tl.constexpr,
-    MAX_SPAN1: tl.constexpr,
-    HAS_BITS1: tl.constexpr,
-    SLOTS1: tl.constexpr,
-    MAX_SPAN2: tl.constexpr,
-    HAS_BITS2: tl.constexpr,
-    SLOTS2: tl.constexpr,
-    ORDER1: tl.constexpr,
-    ORDER2: tl.constexpr,
-):  # fmt: skip
-    """dK/dV and dQ in one launch (the layout of FlexAttention's backward): grid
-    (Tk1 + G * Tq2, B * Hkv); programs [0, Tk1) of a kv head compute dK/dV of its kv-tiles,
-    the next G * Tq2 the dQ of its G query heads. The dK/dV and dQ programs of one head run
-    side by side and share Q, dO, K, V in L2; one launch has no tail between the two passes."""
-    if tl.program_id(0) < Tk1:
-        _attn_bwd_dkdv(
-            Q,
-            K,
-            V,
-            DO,
-            Lse2,
-            Delta,
-            DK,
-            DV,
-            RowLo,
-            RowHi,
-            Kind1,
-            Jlo1,
-            Jhi1,
-            BitsIndex1,
-            Bits1,
-            KvCount,
-            KvFullCount,
-            KvList,
-            KvOrder,
-            stride_qb,
-            stride_qh,
-            stride_qm,
-            stride_qd,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_kd,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            stride_vd,
-            stride_dob,
-            stride_doh,
-            stride_dom,
-            stride_dod,
-            stride_dkb,
-            stride_dkh,
-            stride_dkn,
-            stride_dkd,
-            stride_dvb,
-            stride_dvh,
-            stride_dvn,
-            stride_dvd,
-            stride_bits1_p,
-            stride_bits1_r,
-            Hq,
-            Hkv,
-            gqa_group,
-            Nq,
-            Nk,
-            n_slots,
-            Tq1,
-            Tk1,
-            mask_stride_b,
-            mask_stride_h,
-            scale,
-            qk_scale,
-            HEAD_DIM,
-            HEAD_DIM_PAD,
-            BLOCK_M1,
-            BLOCK_N1,
-            DOT_PRECISION,
-            LOAD_T,
-            MAX_SPAN1,
-            HAS_BITS1,
-            SLOTS1,
-            ORDER1,
-            True,
-        )
-    else:
-        _attn_bwd_dq(
-            Q,
-            K,
-            V,
-            DO,
-            Lse2,
-            Delta,
-            DQ,
-            RowLo,
-            RowHi,
-            Kind2,
-            Jlo2,
-            Jhi2,
-            BitsIndex2,
-            Bits2,
-            QCount,
-            QFullCount,
-            QList,
-            QOrder,
-            stride_qb,
-            stride_qh,
-            stride_qm,
-            stride_qd,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_kd,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            stride_vd,
-            stride_dob,
-            stride_doh,
-            stride_dom,
-            stride_dod,
-            stride_dqb,
-            stride_dqh,
-            stride_dqm,
-            stride_dqd,
-            stride_bits2_p,
-            stride_bits2_r,
-            Hq,
-            gqa_group,
-            Nq,
-            Nk,
-            n_slots,
-            Tq2,
-            Tk2,
-            mask_stride_b,
-            mask_stride_h,
-            scale,
-            qk_scale,
-            HEAD_DIM,
-            HEAD_DIM_PAD,
-            BLOCK_M2,
-            BLOCK_N2,
-            DOT_PRECISION,
-            LOAD_T,
-            MAX_SPAN2,
-            HAS_BITS2,
-            SLOTS2,
-            ORDER2,
-            Hkv,
-            Tk1,
-            True,
-        )
 
 
 @triton.jit
@@ -1218,13 +1027,6 @@ def attention_backward(
         DQacc=dq_acc, ZERO_DQ=atomic,
     )  # fmt: skip
 
-    if cfg.fused and not atomic and B * Hkv <= 65535:
-        _launch_fused(
-            q, k, v, do, lse2, delta, dq, dk, dv, row_lo, row_hi, dkdv_schedule, dq_schedule,
-            n_slots, scale, mask_stride_b, mask_stride_h, cfg, d_pad, dot_precision, load_t,
-        )  # fmt: skip
-        return dq, dk, dv
-
     # TMA (cfg.tma, 16-bit, aligned strides): Q / dO tiles of dK/dV, K / V tiles of dQ
     tma = bool(cfg.tma) and not load_t
     qdo_descs = tma_descriptors(q, do, cfg.dkdv_block_m, d_pad) if tma else None
@@ -1280,7 +1082,7 @@ def attention_backward(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
-        GRID_ORDER=order, FUSED=False, Q_desc=qdo_descs[0] if qdo_descs else None,
+        GRID_ORDER=order, Q_desc=qdo_descs[0] if qdo_descs else None,
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
         DQacc=dq_acc, DQ_desc=dq_desc, ATOMIC_DQ=atomic,
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
@@ -1328,46 +1130,10 @@ def attention_backward(
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
-        GRID_ORDER=order, Hkv=1, fused_offset=0, FUSED=False,
+        GRID_ORDER=order,
         K_desc=kv_descs[0] if kv_descs else None, V_desc=kv_descs[1] if kv_descs else None,
         USE_TMA=kv_descs is not None, OVERLAP=bool(cfg.overlap),
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv
 
-
-def _launch_fused(
-    q, k, v, do, lse2, delta, dq, dk, dv, row_lo, row_hi, s1, s2,
-    n_slots, scale, mask_stride_b, mask_stride_h, cfg, d_pad, dot_precision, load_t,
-):  # fmt: skip
-    """One launch of ``_attn_bwd_fused`` (``BwdConfig.fused``): the dK/dV kernel's warps and
-    stages for both halves."""
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    Tq1, Tk1 = s1["kind"].shape[1], s1["kind"].shape[2]
-    Tq2, Tk2 = s2["kind"].shape[1], s2["kind"].shape[2]
-    span1, slots1, bits1 = mask_constants(s1["kind"], s1["jlo"], s1["jhi"], n_slots)
-    span2, slots2, bits2 = mask_constants(s2["kind"], s2["jlo"], s2["jhi"], n_slots)
-    order1 = cfg.dkdv_order if cfg.dkdv_order != 0 else 3
-    order2 = cfg.dq_order if cfg.dq_order != 0 else 3
-    _attn_bwd_fused[(Tk1 + G * Tq2, B * Hkv)](
-        q, k, v, do, lse2, delta, dk, dv, dq, row_lo, row_hi,
-        s1["kind"], s1["jlo"], s1["jhi"], s1["bits_index"], s1["bits"],
-        s1["kv_count"], s1["kv_full_count"], s1["kv_list"], s1["kv_order"],
-        s2["kind"], s2["jlo"], s2["jhi"], s2["bits_index"], s2["bits"],
-        s2["q_count"], s2["q_full_count"], s2["q_list"], s2["q_order"],
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *dq.stride(),
-        s1["bits"].stride(0), s1["bits"].stride(1), s2["bits"].stride(0), s2["bits"].stride(1),
-        Hq, Hkv, G, Nq, Nk, n_slots, Tq1, Tk1, Tq2, Tk2, mask_stride_b, mask_stride_h,
-        scale, scale * _LOG2E,
-        HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
-        BLOCK_M1=cfg.dkdv_block_m, BLOCK_N1=cfg.dkdv_block_n,
-        BLOCK_M2=cfg.dq_block_m, BLOCK_N2=cfg.dq_block_n,
-        DOT_PRECISION=dot_precision, LOAD_T=load_t,
-        MAX_SPAN1=span1, HAS_BITS1=bits1, SLOTS1=slots1,
-        MAX_SPAN2=span2, HAS_BITS2=bits2, SLOTS2=slots2,
-        ORDER1=order1, ORDER2=order2,
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-    )  # fmt: skip

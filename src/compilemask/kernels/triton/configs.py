@@ -284,10 +284,8 @@ class BwdConfig:
         dq_block_m, dq_block_n: query rows per program, keys per inner step (dQ).
         dq_warps, dq_stages: warps and pipelining depth of the dQ kernel.
         dkdv_order, dq_order: launch orders of the two kernels, see :data:`GRID_ORDERS`.
-        fused: 1 runs dK/dV and dQ as one launch (grid (Tk + G * Tq, B * Hkv), the dK/dV
-            kernel's warps and stages for both; order 0 is read as 3), 0 as two launches.
         tma: 1 loads the streamed tiles (Q, dO in dK/dV; K, V in dQ) through Hopper TMA
-            tensor descriptors in the two-launch backward (16-bit, head_dim <= 128, 16-byte
+            tensor descriptors (16-bit, head_dim <= 128, 16-byte
             aligned strides; else pointers). On by default for D=128 (sm_90 and newer).
         overlap: 1 issues S = Q K^T of the next FULL tile before dS of the current one in dQ
             (16-bit; as ``FwdConfig.overlap``). Off: it lost on every seed.
@@ -330,7 +328,6 @@ class BwdConfig:
     dq_stages: int
     dkdv_order: int = 1
     dq_order: int = 2
-    fused: int = 0
     tma: int = 0
     overlap: int = 0
     atomic_dq: int = 0
@@ -340,11 +337,11 @@ class BwdConfig:
     prefetch: int = 0
 
     def as_list(self) -> list[int]:
-        """The eighteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The seventeen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
-            self.dkdv_order, self.dq_order, self.fused, self.tma, self.overlap, self.atomic_dq,
+            self.dkdv_order, self.dq_order, self.tma, self.overlap, self.atomic_dq,
             self.ds_dq, self.ds_tma, self.one_loop, self.prefetch,
         ]  # fmt: skip
 
@@ -439,7 +436,7 @@ def backward_config(
     if cfg.atomic_dq and (dtype == torch.float32 or torch.are_deterministic_algorithms_enabled()):
         cfg = replace(cfg, atomic_dq=0)
     if cfg.ds_dq and (
-        dtype == torch.float32 or cfg.atomic_dq or cfg.fused or not ds_tilings_match(cfg)
+        dtype == torch.float32 or cfg.atomic_dq or not ds_tilings_match(cfg)
     ):
         cfg = replace(cfg, ds_dq=0)
     elem_bytes = 4 if dtype == torch.float32 else 2
