@@ -211,17 +211,6 @@ BWD_TMA = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
 ]
-# --bwd-set atomic (session 5): dQ in the dK/dV kernel by TMA reductions (or atomic adds,
-# tma=0) into an fp32 accumulator, no dQ kernel: 5 MMAs per tile pair instead of 7. SASS: 8
-# warps at 64x64 hold the extra [64, 128] fp32 dQ tile without spilling (240-252 registers);
-# 4 warps spill 104 bytes (64x128 with 8 warps 184: not timed)
-BWD_ATOMIC = [
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
-    BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
-    BwdConfig(64, 64, 8, 3, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
-    BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=0, atomic_dq=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
-]
 # --bwd-set order (prepared in session 5, untimed): heaviest-first launch orders (3) for dK/dV
 # and dQ (order 3 gave the hstu forward 5%), and dQ at 64x64 with 2 stages (SASS: 180
 # registers, 97 KiB of shared memory: two programs per SM; 128x64 takes 161 KiB: one)
@@ -336,7 +325,7 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
-    bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "atomic", "order"]
+    bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "order"]
     bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "prefetch"]
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
@@ -389,7 +378,6 @@ def main() -> None:
                 "spill": BWD_SPILL,
                 "pipelined": BWD_PIPELINED,
                 "tma": BWD_TMA,
-                "atomic": BWD_ATOMIC,
                 "order": BWD_ORDER,
                 "occupancy": BWD_OCCUPANCY,
                 "ds": BWD_DS,

@@ -56,8 +56,6 @@ BWD_TILES = {
     "16x32/32x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1),
     # the plan's heaviest-first orders: heads fastest (dK/dV), tiles fastest (dQ)
     "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3),
-    # dQ by atomic adds in the dK/dV kernel (16-bit; fp32 runs the two-kernel backward)
-    "atomic-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1),
     # dQ from the dS tiles stored by the dK/dV kernel (16-bit; fp32 runs the dQ kernel)
     "ds-16x32": BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, dq_order=3, ds_dq=1),
     # the same with dQ tiles of two dK/dV q-tiles (schedule.ds_pair_slots)
@@ -176,7 +174,6 @@ def test_bitmask_tiles_are_exercised():
     [
         (False, SMALL, 1),
         (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1), 2),
-        (True, BwdConfig(32, 64, 4, 1, 32, 64, 4, 1, atomic_dq=1), 2),
     ],
 )
 def test_bitmask_modes(tiled, cfg, mode):
@@ -226,15 +223,13 @@ def test_head_dims(head_dim):
     _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
 
 
-@pytest.mark.parametrize("mode", ["two-launches", "atomic"])
 @pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("lengths", [(50, 90), (90, 50)], ids=["q<kv", "q>kv"])
-def test_gqa_and_unequal_lengths(hkv, lengths, mode):
+def test_gqa_and_unequal_lengths(hkv, lengths):
     Nq, Nk = lengths
     plan = cm.compile(cm.masks.prefix_lm(9) | cm.masks.sliding_window(33), Nq, Nk, device=DEVICE)
     q, k, v, do = _inputs(2, 4, hkv, Nq, Nk, 64, torch.float16, seed=hkv)
-    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=int(mode == "atomic"))
-    grads = _triton_grads(q, k, v, do, plan, cfg, scale=0.3)
+    grads = _triton_grads(q, k, v, do, plan, SMALL, scale=0.3)
     _assert_grads(grads, q, k, v, do, plan, scale=0.3)
 
 
@@ -284,67 +279,11 @@ def test_empty_rows_and_unseen_keys_get_exact_zeros(dtype):
     _assert_grads((dq, dk, dv), q, k, v, do, plan)
 
 
-@pytest.mark.parametrize("cfg", [SMALL, BWD_TILES["atomic-16x32"]], ids=["two-kernels", "atomic"])
-def test_mask_that_sees_nothing(cfg):
+def test_mask_that_sees_nothing():
     plan = cm.from_dense(torch.zeros(33, 45, dtype=torch.bool, device=DEVICE))
     q, k, v, do = _inputs(1, 2, 1, 33, 45, 32, torch.float16)
-    for grad in _triton_grads(q, k, v, do, plan, cfg):
+    for grad in _triton_grads(q, k, v, do, plan):
         assert bool((grad == 0).all())
-
-
-def test_atomic_dq_is_off_under_deterministic_algorithms(monkeypatch):
-    """``torch.use_deterministic_algorithms(True)`` at backward time turns atomic dQ off, also
-    for a configuration that asks for it (override): no convert kernel runs, and the gradients
-    are right."""
-    from compilemask.kernels.triton import backward as bw
-
-    launches = []
-    real = bw._attn_bwd_dq_convert
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(bw, "_attn_bwd_dq_convert", Spy())
-    plan = cm.compile(cm.masks.causal(), 64, device=DEVICE)
-    q, k, v, do = _inputs(1, 2, 1, 64, 64, 32, torch.float16, seed=8)
-    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1)
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        grads = _triton_grads(q, k, v, do, plan, cfg)
-    finally:
-        torch.use_deterministic_algorithms(prev)
-    assert not launches
-    _assert_grads(grads, q, k, v, do, plan)
-    _triton_grads(q, k, v, do, plan, cfg)  # deterministic mode off: the atomic path runs
-    assert launches
-
-
-def test_atomic_lse_gradient_and_rows_that_see_nothing():
-    """Atomic dQ with an LSE gradient, a strided dQ buffer and rows that see no key."""
-    dense = cm.compile(cm.masks.document([30, 17, 43]), 90, 90).to_dense().clone()
-    dense[40:47] = False  # rows that see nothing
-    plan = cm.from_dense(dense.to(DEVICE))
-    q, k, v, do = _inputs(1, 2, 1, 90, 90, 32, torch.float16, seed=7)
-    dlse = torch.randn(1, 2, 90, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    cfg = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, atomic_dq=1)
-    scale = 0.2
-    msb, msh = _mask_strides(plan)
-    out, lse = attention_forward(
-        q, k, v, plan.row_lo, plan.row_hi, forward_schedule(plan, FWD_CFG.block_m, FWD_CFG.block_n),
-        scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=FWD_CFG,
-    )  # fmt: skip
-    dq = torch.full((1, 90, 2, 32), math.nan, dtype=q.dtype, device=DEVICE).transpose(1, 2)
-    dq, dk, dv = attention_backward(
-        q, k, v, out, lse, do, plan.row_lo, plan.row_hi,
-        dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n),
-        forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n),
-        scale=scale, mask_stride_b=msb, mask_stride_h=msh, cfg=cfg, dlse=dlse, dq=dq,
-    )  # fmt: skip
-    assert bool((dq[:, :, 40:47] == 0).all())
-    _assert_grads((dq, dk, dv), q, k, v, do, plan, scale=scale, dlse=dlse)
 
 
 def test_lse_gradient():
@@ -579,8 +518,7 @@ def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask, tiles):
 
 
 def test_ds_dq_is_off_where_it_cannot_run():
-    """fp32, dQ tilings other than the dK/dV tiling or its pairs of q-tiles and atomic dQ turn
-    it off."""
+    """fp32 and dQ tilings other than the dK/dV tiling or its pairs of q-tiles turn it off."""
     base = BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, ds_dq=1)
     assert backward_config(128, torch.float16).ds_dq in (0, 1)
     cases = [
@@ -588,7 +526,6 @@ def test_ds_dq_is_off_where_it_cannot_run():
         (torch.float16, replace(base, dq_block_m=32)),
         (torch.float16, replace(base, dq_block_n=128)),
         (torch.float16, replace(base, dq_block_m=128, dq_block_n=32)),
-        (torch.float16, replace(base, atomic_dq=1)),
     ]
     from compilemask.kernels.triton import configs
 

@@ -266,12 +266,10 @@ def attention(
             reference), "triton" or "reference".
 
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
-    backward kernels, also under ``torch.compile``; the opt-in atomic dQ of
-    ``BwdConfig.atomic_dq`` is not, and is off under ``torch.use_deterministic_algorithms``;
-    reference: torch autograd with per-chunk recomputation). Forward-mode AD (dual tensors of
-    ``torch.autograd.forward_ad``, ``torch.func.jvp``) and higher-order gradients on the
-    reference backend only (Triton: gradients taken with ``create_graph=True`` raise when
-    differentiated again).
+    backward kernels, also under ``torch.compile``; reference: torch autograd with per-chunk
+    recomputation). Forward-mode AD (dual tensors of ``torch.autograd.forward_ad``,
+    ``torch.func.jvp``) and higher-order gradients on the reference backend only (Triton:
+    gradients taken with ``create_graph=True`` raise when differentiated again).
 
     Returns:
         out [B, Hq, Nq, D] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32

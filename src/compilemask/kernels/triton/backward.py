@@ -71,11 +71,8 @@ def _attn_bwd_preprocess(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DLSE: tl.constexpr,
-    DQacc=None,
-    ZERO_DQ: tl.constexpr = False,
 ):  # fmt: skip
-    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf);
-    ZERO_DQ: also zero the rows of the fp32 dQ accumulator [B, Hq, Nq, HEAD_DIM_PAD]."""
+    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
@@ -103,39 +100,6 @@ def _attn_bwd_preprocess(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(Delta + row_ptr, delta, mask=m_ok)
     tl.store(Lse2 + row_ptr, lse2, mask=m_ok)
-    if ZERO_DQ:
-        tl.store(
-            DQacc + row_ptr[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            tl.zeros([BLOCK, HEAD_DIM_PAD], dtype=tl.float32),
-            mask=m_ok[:, None],
-        )
-
-
-@triton.jit
-def _attn_bwd_dq_convert(
-    DQacc, DQ,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    Hq, Nq, scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    """dQ = scale * dQacc in dQ's dtype and strides (the atomic backward's last step)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = pid_bh // Hq
-    off_h = pid_bh % Hq
-    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m_ok = offs_m < Nq
-    row_ptr = pid_bh.to(tl.int64) * Nq + offs_m
-    acc = tl.load(DQacc + row_ptr[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=m_ok[:, None])
-    tl.store(
-        DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-        + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-        (acc * scale).to(DQ.dtype.element_ty),
-        mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )  # fmt: skip
 
 
 @triton.jit
@@ -214,9 +178,6 @@ def _attn_bwd_dkdv_inner(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
-    DQacc_head=None,
-    DQ_desc=None,
-    ATOMIC_DQ: tl.constexpr = False,
     DS_head=None,
     SlotCol=None,
     STORE_DS: tl.constexpr = False,
@@ -235,9 +196,7 @@ def _attn_bwd_dkdv_inner(
     MASKED=2: FULL and PARTIAL tiles in one loop, masked from list position ``mask_from`` on
     (``BwdConfig.one_loop``).
     USE_TMA: Q and dO tiles through the descriptors ``Q_desc, DO_desc`` (rows past Nq read as
-    zeros), not per-thread pointers. ATOMIC_DQ: also add this kv-tile's share of dQ / scale,
-    ``dS K``, to the fp32 rows ``DQacc_head`` ([Nq, HEAD_DIM_PAD]; through the descriptor
-    ``DQ_desc`` as a TMA reduction when USE_TMA, else with relaxed atomic adds). STORE_DS:
+    zeros), not per-thread pointers. STORE_DS:
     also store ``dS^T`` (keys x queries, the inputs' dtype) of every tile into the dS buffer
     ``DS_head`` at the tile's slot ``SlotCol[qt * tile_stride]`` (``BwdConfig.ds_dq``);
     DS_TMA: through the 2-D descriptor ``DS_desc`` (rows ``(ds_row0 + slot) * BLOCK_N``), an
@@ -364,18 +323,6 @@ def _attn_bwd_dkdv_inner(
                     + (col + offs_m_local)[None, :]
                 )
                 tl.store(ds_ptrs, dsT)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
-            if USE_TMA:
-                DQ_desc.atomic_add(
-                    [off_b, off_h, start_m, 0], dq.reshape(1, 1, BLOCK_M, HEAD_DIM_PAD)
-                )
-            else:
-                dq_ptrs = DQacc_head + offs_m.to(tl.int64)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
-                if MASKED:
-                    tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
-                else:
-                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -405,9 +352,6 @@ def _attn_bwd_dkdv(
     Q_desc=None,
     DO_desc=None,
     USE_TMA: tl.constexpr = False,
-    DQacc=None,
-    DQ_desc=None,
-    ATOMIC_DQ: tl.constexpr = False,
     DS=None,
     Slot=None,
     ds_tiles=0,
@@ -483,9 +427,6 @@ def _attn_bwd_dkdv(
         row_base = mask_id * Nq * n_slots
         Q_head = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         DO_head = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        DQacc_head = DQacc
-        if ATOMIC_DQ:
-            DQacc_head = DQacc + bh * Nq * HEAD_DIM_PAD
         DS_head = DS
         SlotCol = Slot
         ds_row0 = 0
@@ -506,7 +447,7 @@ def _attn_bwd_dkdv(
                 Bits, stride_bits_p, stride_bits_r, Tk,
                 RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, count, qk_scale,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
+                HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
                 STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, full_count, qt_full, PREFETCH,
             )  # fmt: skip
         else:
@@ -519,7 +460,7 @@ def _attn_bwd_dkdv(
                 Bits, stride_bits_p, stride_bits_r, Tk,
                 RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
+                HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
                 STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, 0, qt_partial, PREFETCH,
             )  # fmt: skip
             # FULL q-tiles: no mask, no bounds checks. (Its first q-tile is loaded from the
@@ -533,7 +474,7 @@ def _attn_bwd_dkdv(
                 Bits, stride_bits_p, stride_bits_r, Tk,
                 RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
+                HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
                 STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
             )  # fmt: skip
         if PREFETCH:
@@ -1015,27 +956,16 @@ def attention_backward(
 
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    # atomic dQ (16-bit): the dK/dV kernel adds dS K into an fp32 accumulator, no dQ kernel
-    atomic = bool(cfg.atomic_dq) and not load_t and not torch.are_deterministic_algorithms_enabled()
-    dq_acc = (
-        torch.empty((B, Hq, Nq, d_pad), dtype=torch.float32, device=q.device) if atomic else None
-    )
     _attn_bwd_preprocess[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
         out, do, lse, dlse if dlse is not None else lse, delta, lse2,
         *out.stride(), *do.stride(), Hq, Nq,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK, HAS_DLSE=dlse is not None,
-        DQacc=dq_acc, ZERO_DQ=atomic,
     )  # fmt: skip
 
     # TMA (cfg.tma, 16-bit, aligned strides): Q / dO tiles of dK/dV, K / V tiles of dQ
     tma = bool(cfg.tma) and not load_t
     qdo_descs = tma_descriptors(q, do, cfg.dkdv_block_m, d_pad) if tma else None
-    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma and not atomic else None
-    dq_desc = None
-    if atomic and qdo_descs is not None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        dq_desc = TensorDescriptor.from_tensor(dq_acc, [1, 1, cfg.dkdv_block_m, d_pad])
+    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma else None
 
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
@@ -1047,7 +977,6 @@ def attention_backward(
         cfg.ds_dq > 0
         and ds_slots is not None
         and not load_t
-        and not atomic
         and ((cfg.dq_block_m, cfg.dq_block_n) == (bm, bn) or pair)
         and tuple(ds_slots.shape) == tuple(dq_schedule["kind"].shape)
     )
@@ -1069,8 +998,8 @@ def attention_backward(
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     order = launch_order(cfg.dkdv_order, B * Hkv)
-    # work-list entries (launch orders 0 and 3; the atomic backward as without them)
-    prefetch = bool(cfg.prefetch) and order in (0, 3) and not atomic
+    # work-list entries (launch orders 0 and 3)
+    prefetch = bool(cfg.prefetch) and order in (0, 3)
     _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
@@ -1084,19 +1013,12 @@ def attention_backward(
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
         GRID_ORDER=order, Q_desc=qdo_descs[0] if qdo_descs else None,
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
-        DQacc=dq_acc, DQ_desc=dq_desc, ATOMIC_DQ=atomic,
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
         STORE_DS=use_ds, DS_desc=ds_store_desc if ds_tma else None, DS_TMA=ds_tma,
         DS_PAIR=use_ds and pair, Tq2=Tq2, ONE_LOOP=bool(cfg.one_loop),
         KvWork=s["kv_work"] if prefetch else None, PREFETCH=prefetch,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
-    if atomic:
-        _attn_bwd_dq_convert[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
-            dq_acc, dq, *dq.stride(), Hq, Nq, scale,
-            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK,
-        )  # fmt: skip
-        return dq, dk, dv
 
     s = dq_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
@@ -1136,4 +1058,3 @@ def attention_backward(
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv
-

@@ -289,11 +289,6 @@ class BwdConfig:
             aligned strides; else pointers). On by default for D=128 (sm_90 and newer).
         overlap: 1 issues S = Q K^T of the next FULL tile before dS of the current one in dQ
             (16-bit; as ``FwdConfig.overlap``). Off: it lost on every seed.
-        atomic_dq: 1 (16-bit only) computes dQ in the dK/dV kernel, FlashAttention-2/3 style:
-            each kv-tile adds its ``dS K`` to an fp32 accumulator (TMA reductions with
-            ``tma``, else atomic adds) and no dQ kernel runs (5 MMAs per tile pair instead of
-            7); not bit-reproducible (the order of the fp32 additions varies), so it is off
-            under ``torch.use_deterministic_algorithms(True)``. The dQ tiling is then unused.
         ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling, or with twice its
             rows: :func:`ds_tilings_match`) stores dS, in the inputs' dtype, tile by tile
             from the dK/dV kernel into a buffer of ``ds_dq`` slots per (batch row, query
@@ -330,18 +325,17 @@ class BwdConfig:
     dq_order: int = 2
     tma: int = 0
     overlap: int = 0
-    atomic_dq: int = 0
     ds_dq: int = 0
     ds_tma: int = 0
     one_loop: int = 0
     prefetch: int = 0
 
     def as_list(self) -> list[int]:
-        """The seventeen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The sixteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
-            self.dkdv_order, self.dq_order, self.tma, self.overlap, self.atomic_dq,
+            self.dkdv_order, self.dq_order, self.tma, self.overlap,
             self.ds_dq, self.ds_tma, self.one_loop, self.prefetch,
         ]  # fmt: skip
 
@@ -402,12 +396,9 @@ def override_backward_config(cfg: BwdConfig) -> Iterator[None]:
 
 
 def _bwd_shared_memory_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int) -> int:
-    """The larger of the two kernels: resident tile (2 x D) plus streamed tiles per stage
-    (and the fp32 dQ tile of the atomic dK/dV kernel)."""
+    """The larger of the two kernels: resident tile (2 x D) plus streamed tiles per stage."""
     d_pad = padded_head_dim(head_dim)
     dkdv = (2 * cfg.dkdv_block_n + 2 * max(cfg.dkdv_stages, 1) * cfg.dkdv_block_m) * d_pad
-    if cfg.atomic_dq:  # the fp32 dQ tile staged for its reduction
-        dkdv += cfg.dkdv_block_m * d_pad * 4 // elem_bytes
     dq = (2 * cfg.dq_block_m + 2 * max(cfg.dq_stages, 1) * cfg.dq_block_n) * d_pad
     return max(dkdv, dq) * elem_bytes
 
@@ -433,11 +424,7 @@ def backward_config(
     cfg = table[head_dim]
     if cfg.tma and not _has_tma(device):
         cfg = replace(cfg, tma=0)
-    if cfg.atomic_dq and (dtype == torch.float32 or torch.are_deterministic_algorithms_enabled()):
-        cfg = replace(cfg, atomic_dq=0)
-    if cfg.ds_dq and (
-        dtype == torch.float32 or cfg.atomic_dq or not ds_tilings_match(cfg)
-    ):
+    if cfg.ds_dq and (dtype == torch.float32 or not ds_tilings_match(cfg)):
         cfg = replace(cfg, ds_dq=0)
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
