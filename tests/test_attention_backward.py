@@ -736,19 +736,6 @@ def test_tma_descriptors_refuse_what_tma_cannot_address():
     assert tma_descriptors(k, k, 32, 256) is None  # head_dim > 128
 
 
-@pytest.mark.parametrize("tma", [0, 1])
-@pytest.mark.parametrize("mask_name", ["causal", "document"])
-def test_overlapped_dq_loop(mask_name, tma):
-    """``BwdConfig.overlap`` (dQ: S of the next FULL tile issued before dS of the current one,
-    the last tile peeled) gives gradients that pass the float64 check."""
-    import dataclasses
-
-    plan = cm.compile(MASKS[mask_name](), 100, 100, device=DEVICE)
-    q, k, v, do = (torch.randn(1, 2, 100, 32, device=DEVICE, dtype=torch.float16) for _ in range(4))
-    cfg = dataclasses.replace(SMALL, overlap=1, tma=tma)
-    _assert_grads(_triton_grads(q, k, v, do, plan, cfg), q, k, v, do, plan)
-
-
 @pytest.mark.parametrize("tiled", [False, True], ids=["causal", "tile_grid-clear"])
 def test_compile_under_inference_mode_then_train(tiled):
     """A compiled call under inference_mode on a fresh plan leaves no inference tensor in the

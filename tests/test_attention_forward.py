@@ -610,21 +610,6 @@ def test_compiled_before_eager_chooses_the_eager_configs():
     assert torch.equal(compiled, cm.attention(q, k, v, plan, backend="triton"))
 
 
-@pytest.mark.parametrize("mask_name", ["causal", "document", "shared_prompt", "dilated_bits"])
-@pytest.mark.parametrize("tma", [0, 1])
-def test_overlapped_full_tile_loop(mask_name, tma):
-    """``FwdConfig.overlap`` (Q K^T of the next FULL tile issued before the softmax of the
-    current one, the last tile peeled): same results as the reference, LSE included; lists
-    of one FULL tile and of none (dilated_bits) take the peeled path only."""
-    Nq, Nk = 150, 150
-    plan = cm.compile(MASKS[mask_name](), Nq, Nk, device=DEVICE)
-    q, k, v = _inputs(1, 2, 1, Nq, Nk, 32, torch.float16, seed=4)
-    with override_forward_config(FwdConfig(16, 32, 4, 1, 2, tma=tma, overlap=1)):
-        out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
-    _assert_matches(out, q, k, v, plan)
-    _assert_lse(lse, q, k, v, plan)
-
-
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("tma", [0, 1])
 def test_one_loop_over_full_and_partial_tiles(mask_name, tma):

@@ -63,8 +63,7 @@ def attention_fwd(
             grad (then backward raises).
         scale: softmax scale.
         mask_stride_b, mask_stride_h: mask index ``m = b * mask_stride_b + h * mask_stride_h``.
-        config: ``[BLOCK_M, BLOCK_N, num_warps, num_stages, grid_order, tma, overlap,
-            one_loop, prefetch, one_slot]`` (``FwdConfig``'s fields).
+        config: :meth:`FwdConfig.as_list` (``FwdConfig``'s fields in order).
     """
     return _attention_fwd_impl(
         q, k, v, row_lo, row_hi, schedule, scale, mask_stride_b, mask_stride_h, config
@@ -347,10 +346,7 @@ def _attention_tiled_order(q, k, v, plan: MaskPlan, scale: float, backend: str):
         out, lse = op(
             q, k, v, plan.row_lo, plan.row_hi, _forward_schedule(plan, cfg), bwd_schedule,
             scale, mask_stride_b, mask_stride_h,
-            [
-                cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.grid_order,
-                cfg.tma, cfg.overlap, cfg.one_loop, cfg.prefetch, cfg.one_slot,
-            ],  # fmt: skip
+            cfg.as_list(),
             bwd_config,
         )  # fmt: skip
     return out, lse

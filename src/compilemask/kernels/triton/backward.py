@@ -55,7 +55,7 @@ from .common import (
     work_entry,
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
-from .forward import _load_kv_tile, tma_descriptors
+from .forward import tma_descriptors
 
 _LOG2E = 1.4426950408889634
 _PRE_BLOCK = 64
@@ -630,71 +630,6 @@ def _attn_bwd_dq_inner(
 
 
 @triton.jit
-def _dq_step(
-    dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """``dq += dS K`` for one FULL tile from its unscaled scores ``qk`` and its K tile ``k``."""
-    vT = _load_kv_tile(
-        V_head, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
-    )  # fmt: skip
-    dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
-    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _attn_bwd_dq_full_overlap(
-    dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
-    stride_kn, stride_kd, stride_vn, stride_vd, TileList, list_start, list_end, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """The FULL-tile loop of :func:`_attn_bwd_dq_inner` with S = Q K^T of the next tile issued
-    before P and dS of the current one are computed (the forward's
-    ``_attn_fwd_full_overlap``, FlashAttention-3's intra-warpgroup overlap); the last tile
-    is peeled. Opt-in (``BwdConfig.overlap``); 16-bit only (the fp32 path loads K twice)."""
-    if list_start < list_end:
-        kt = tl.load(TileList + list_start)
-        k = _load_kv_tile(
-            K_head, K_desc, off_b, off_hkv, kt * BLOCK_N, stride_kn, stride_kd,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
-        )  # fmt: skip
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        for i in range(list_start, list_end - 1):
-            kt_next = tl.load(TileList + i + 1)
-            k_next = _load_kv_tile(
-                K_head, K_desc, off_b, off_hkv, kt_next * BLOCK_N, stride_kn, stride_kd,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
-            )  # fmt: skip
-            qk_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
-            dq = _dq_step(
-                dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, kt * BLOCK_N,
-                stride_vn, stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION,
-                USE_TMA,
-            )  # fmt: skip
-            qk = qk_next
-            k = k_next
-            kt = kt_next
-        dq = _dq_step(
-            dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, kt * BLOCK_N,
-            stride_vn, stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION,
-            USE_TMA,
-        )  # fmt: skip
-    return dq
-
-
-@triton.jit
 def _attn_bwd_dq(
     Q, K, V, DO, Lse2, Delta, DQ,
     RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
@@ -719,7 +654,6 @@ def _attn_bwd_dq(
     K_desc=None,
     V_desc=None,
     USE_TMA: tl.constexpr = False,
-    OVERLAP: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
@@ -772,23 +706,16 @@ def _attn_bwd_dq(
         HAS_BITS, SLOTS, USE_TMA,
     )  # fmt: skip
     # FULL kv-tiles: no mask, no bounds checks.
-    if OVERLAP and not LOAD_T:
-        dq = _attn_bwd_dq_full_overlap(
-            dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, tile_list, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-        )  # fmt: skip
-    else:
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
-            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
-            0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA,
-        )  # fmt: skip
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
+        Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
+        0, full_count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
+        HAS_BITS, SLOTS, USE_TMA,
+    )  # fmt: skip
     dq = dq * scale
     tl.store(
         DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
@@ -1054,7 +981,7 @@ def attention_backward(
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
         GRID_ORDER=order,
         K_desc=kv_descs[0] if kv_descs else None, V_desc=kv_descs[1] if kv_descs else None,
-        USE_TMA=kv_descs is not None, OVERLAP=bool(cfg.overlap),
+        USE_TMA=kv_descs is not None,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv

@@ -49,12 +49,10 @@ class FwdConfig:
         tma: 1 loads K and V through Hopper TMA tensor descriptors (16-bit, head_dim <= 128,
             16-byte aligned strides; else pointers as with 0). On by default for D=128 where
             the H200 sweep measured it faster (sm_90 and newer only).
-        overlap: 1 issues Q K^T of the next FULL tile before the softmax of the current one
-            (FlashAttention-3's intra-warpgroup overlap). Off: it lost on 3 of the 4 seeds.
         one_loop: 1 runs a q-tile's FULL and PARTIAL tiles in one software-pipelined loop (a
             branch per tile applies the mask from the first PARTIAL tile on) instead of two
             loops, each filling and draining its own pipeline; for short rows (hstu: about 27
-            tiles of 64 keys per q-tile at 32K). Not used with ``overlap``.
+            tiles of 64 keys per q-tile at 32K).
         prefetch: 1 (launch orders 0 and 3) reads the program's q-tile, tile counts and the
             first tile of each loop from one 32-byte entry of the schedule's work list
             (``schedule.work_list``) instead of a chain of dependent loads (order, counts,
@@ -73,10 +71,16 @@ class FwdConfig:
     num_stages: int
     grid_order: int = 1
     tma: int = 0
-    overlap: int = 0
     one_loop: int = 0
     prefetch: int = 0
     one_slot: int = 0
+
+    def as_list(self) -> list[int]:
+        """The ints in field order (the ``config`` argument of the forward custom op)."""
+        return [
+            self.block_m, self.block_n, self.num_warps, self.num_stages, self.grid_order,
+            self.tma, self.one_loop, self.prefetch, self.one_slot,
+        ]  # fmt: skip
 
 
 # fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
@@ -287,8 +291,6 @@ class BwdConfig:
         tma: 1 loads the streamed tiles (Q, dO in dK/dV; K, V in dQ) through Hopper TMA
             tensor descriptors (16-bit, head_dim <= 128, 16-byte
             aligned strides; else pointers). On by default for D=128 (sm_90 and newer).
-        overlap: 1 issues S = Q K^T of the next FULL tile before dS of the current one in dQ
-            (16-bit; as ``FwdConfig.overlap``). Off: it lost on every seed.
         ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling, or with twice its
             rows: :func:`ds_tilings_match`) stores dS, in the inputs' dtype, tile by tile
             from the dK/dV kernel into a buffer of ``ds_dq`` slots per (batch row, query
@@ -324,18 +326,17 @@ class BwdConfig:
     dkdv_order: int = 1
     dq_order: int = 2
     tma: int = 0
-    overlap: int = 0
     ds_dq: int = 0
     ds_tma: int = 0
     one_loop: int = 0
     prefetch: int = 0
 
     def as_list(self) -> list[int]:
-        """The sixteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The fifteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
-            self.dkdv_order, self.dq_order, self.tma, self.overlap,
+            self.dkdv_order, self.dq_order, self.tma,
             self.ds_dq, self.ds_tma, self.one_loop, self.prefetch,
         ]  # fmt: skip
 

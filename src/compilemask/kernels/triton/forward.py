@@ -225,104 +225,6 @@ def _attn_fwd_inner(
 
 
 @triton.jit
-def _load_kv_tile(
-    Tile, Desc, off_b, off_hkv, start_n, stride_n, stride_d,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """A FULL tile's K (TRANSPOSED: [HEAD_DIM_PAD, BLOCK_N]) or V ([BLOCK_N, HEAD_DIM_PAD])."""
-    if USE_TMA:
-        tile = Desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
-        if TRANSPOSED:
-            tile = tl.trans(tile)
-    else:
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        base = Tile + start_n.to(tl.int64) * stride_n
-        if TRANSPOSED:
-            ptrs = base + offs_n[None, :] * stride_n + offs_d[:, None] * stride_d
-            d_ok = (offs_d < HEAD_DIM)[:, None]
-        else:
-            ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
-            d_ok = (offs_d < HEAD_DIM)[None, :]
-        if HEAD_DIM == HEAD_DIM_PAD:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=d_ok, other=0.0)
-    return tile
-
-
-@triton.jit
-def _softmax_pv_step(
-    acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step of a FULL tile from its unscaled scores ``qk`` (the scale is
-    folded into the exponent), then ``acc += P V``: ``(acc, l_i, m_i)``."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    v = _load_kv_tile(
-        V_tile, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
-    )  # fmt: skip
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _attn_fwd_full_overlap(
-    acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-    stride_kn, stride_kd, stride_vn, stride_vd,
-    TileList, list_start, list_end, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """The FULL-tile loop of :func:`_attn_fwd_inner` with Q K^T of the next tile issued before
-    the softmax of the current one (FlashAttention-3's intra-warpgroup overlap: the tensor
-    cores compute S_{j+1} while the exponentials of S_j run), the scale folded into the
-    exponent so that nothing reads S_{j+1} until the next iteration. Opt-in
-    (``FwdConfig.overlap``); the last tile is peeled off the loop."""
-    if list_start < list_end:
-        kt = tl.load(TileList + list_start)
-        k = _load_kv_tile(
-            K_tile, K_desc, off_b, off_hkv, kt * BLOCK_N, stride_kn, stride_kd,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
-        )  # fmt: skip
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        for i in range(list_start, list_end - 1):
-            kt_next = tl.load(TileList + i + 1)
-            k = _load_kv_tile(
-                K_tile, K_desc, off_b, off_hkv, kt_next * BLOCK_N, stride_kn, stride_kd,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
-            )  # fmt: skip
-            qk_next = tl.dot(q, k, input_precision=DOT_PRECISION)
-            acc, l_i, m_i = _softmax_pv_step(
-                acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn,
-                stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-            )  # fmt: skip
-            qk = qk_next
-            kt = kt_next
-        acc, l_i, m_i = _softmax_pv_step(
-            acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn,
-            stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-        )  # fmt: skip
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _attn_fwd_two_loops(
     acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
     stride_kn, stride_kd, stride_vn, stride_vd,
@@ -338,12 +240,11 @@ def _attn_fwd_two_loops(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
-    OVERLAP: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     ONE_PER_TILE: tl.constexpr,
 ):  # fmt: skip
     """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
-    ``TileList[0:full_count]`` in an unmasked one (or the overlapped loop, ``OVERLAP``).
+    ``TileList[0:full_count]`` in an unmasked one.
     HAS_FIRST: ``kt_partial`` / ``kt_full`` are the first entries of the two ranges."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
@@ -354,22 +255,15 @@ def _attn_fwd_two_loops(
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
         SLOTS, USE_TMA, 0, kt_partial, HAS_FIRST, ONE_PER_TILE,
     )  # fmt: skip
-    if OVERLAP:
-        acc, l_i, m_i = _attn_fwd_full_overlap(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd, TileList, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
-            RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-            Nq, Nk, n_slots, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA, 0, kt_full, HAS_FIRST,
-        )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
+        RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
+        Nq, Nk, n_slots, 0, full_count, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+        SLOTS, USE_TMA, 0, kt_full, HAS_FIRST,
+    )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -394,7 +288,6 @@ def _attn_fwd(
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
     USE_TMA: tl.constexpr,
-    OVERLAP: tl.constexpr = False,
     ONE_LOOP: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     ONE_PER_TILE: tl.constexpr = False,
@@ -460,7 +353,7 @@ def _attn_fwd(
             lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
             kt_full, kt_partial,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
-            USE_TMA, OVERLAP, PREFETCH, ONE_PER_TILE,
+            USE_TMA, PREFETCH, ONE_PER_TILE,
         )  # fmt: skip
 
     empty = l_i == 0.0
@@ -552,7 +445,6 @@ def attention_forward(
         SLOTS=slots,
         GRID_ORDER=order,
         USE_TMA=descs is not None,
-        OVERLAP=bool(cfg.overlap),
         ONE_LOOP=bool(cfg.one_loop),
         PREFETCH=bool(cfg.prefetch) and order in (0, 3),
         ONE_PER_TILE=one_per_tile,
