@@ -119,16 +119,6 @@ FWD_BITS16 = [
     FwdConfig(128, 128, 8, 3, 3, 0),
     FwdConfig(128, 64, 8, 3, 3, 1),
 ]
-# --fwd-set oneloop (session 7, not yet timed): FULL and PARTIAL tiles in one pipelined loop
-# (FwdConfig.one_loop: one pipeline fill and drain per program instead of two; hstu rows hold
-# about 27 tiles of 64 keys at 32K). SASS (hstu 4K, 64x64): 168 registers, 114744 bytes (two
-# programs per SM), against 160 and 115712 with two loops
-FWD_ONELOOP = [
-    FwdConfig(64, 64, 4, 3, 3, 1),
-    FwdConfig(64, 64, 4, 3, 3, 1, one_loop=1),
-    FwdConfig(128, 128, 8, 3, 3, 0),
-    FwdConfig(128, 128, 8, 3, 3, 0, one_loop=1),
-]
 # --fwd-set prefetch (session 9): the program's q-tile, counts and first tiles from one work
 # entry (FwdConfig.prefetch) against the chain of dependent loads, at both library tilings,
 # alternated twice (the same process measures both within the spread)
@@ -264,14 +254,6 @@ BWD_DSPAIR = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
 ]
-# --bwd-set oneloop (session 7, not yet timed): each kv-tile's FULL and PARTIAL q-tiles in one
-# dK/dV loop (BwdConfig.one_loop); SASS (hstu 4K): 255 registers, 16 bytes of stack (56 with
-# two loops), 107040 bytes; the PARTIAL tiles' interval loads stay unpipelined in the branch
-BWD_ONELOOP = [
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
-]
 # --bwd-set prefetch (session 9, not yet timed): the dK/dV kernel's kv-tile, counts and first
 # q-tiles and the dS GEMM's q-tile, count and first kv-tile from one work entry each
 # (BwdConfig.prefetch) against the chains of dependent loads, at the library D=128 config,
@@ -317,11 +299,11 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "prefetch"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "prefetch"]
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
-    fwd_sets += ["bits16", "oneloop", "prefetch", "oneslot", "stages", "dense"]
+    fwd_sets += ["bits16", "prefetch", "oneslot", "stages", "dense"]
     fwd_sets += ["library"]  # library: the library's own choice, no override
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
@@ -356,7 +338,6 @@ def main() -> None:
                 "masked": FWD_MASKED,
                 "bits1k": FWD_BITS1K,
                 "bits16": FWD_BITS16,
-                "oneloop": FWD_ONELOOP,
                 "prefetch": FWD_PREFETCH,
                 "oneslot": FWD_ONESLOT,
                 "stages": FWD_STAGES,
@@ -375,7 +356,6 @@ def main() -> None:
                 "dstma": BWD_DSTMA,
                 "dkdv": BWD_DKDV,
                 "dspair": BWD_DSPAIR,
-                "oneloop": BWD_ONELOOP,
                 "prefetch": BWD_PREFETCH,
                 "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)

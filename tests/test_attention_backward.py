@@ -60,22 +60,13 @@ BWD_TILES = {
     "ds-16x32": BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, dq_order=3, ds_dq=1),
     # the same with dQ tiles of two dK/dV q-tiles (schedule.ds_pair_slots)
     "ds-pair-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, dq_order=3, ds_dq=1),
-    # FULL and PARTIAL q-tiles of a kv-tile in one dK/dV loop, alone and with stored dS
-    "oneloop-16x32": BwdConfig(16, 32, 4, 2, 32, 32, 4, 1, one_loop=1),
-    "ds-oneloop-16x32": BwdConfig(16, 32, 4, 2, 16, 32, 4, 1, ds_dq=1, one_loop=1),
     # the tile, counts and first tiles from the work lists (schedule.work_list) in the
     # heaviest-first orders 0 and 3: dK/dV two loops / one loop, the dS GEMM (paired or not)
     "prefetch-32x64/16x32": BwdConfig(
         32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3, prefetch=1
     ),
-    "prefetch-oneloop-16x32": BwdConfig(
-        16, 32, 4, 2, 32, 32, 4, 1, dkdv_order=3, dq_order=0, one_loop=1, prefetch=1
-    ),
     "prefetch-ds-16x32": BwdConfig(
         16, 32, 4, 2, 16, 32, 4, 1, dkdv_order=3, dq_order=0, ds_dq=1, prefetch=1
-    ),
-    "prefetch-ds-pair-oneloop-16x32": BwdConfig(
-        16, 32, 4, 2, 32, 32, 4, 1, dkdv_order=0, dq_order=3, ds_dq=1, one_loop=1, prefetch=1
     ),
 }
 SMALL = BWD_TILES["16x32/32x32"]
@@ -315,7 +306,7 @@ def test_strided_inputs_and_grad_output():
 
 
 @pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "gqa"])
-@pytest.mark.parametrize("tiles", ["prefetch-ds-16x32", "prefetch-ds-pair-oneloop-16x32"])
+@pytest.mark.parametrize("tiles", ["prefetch-ds-16x32"])
 def test_prefetch_reads_the_work_entries(tiles, hkv):
     """``BwdConfig.prefetch``: the dK/dV kernel and the dS GEMM take their tile, counts and
     first tiles from ``kv_work`` / ``q_work`` (orders and counts zeroed: the same gradients;
@@ -488,7 +479,7 @@ def test_ds_dq_through_autograd(monkeypatch, limit, tiles):
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
 
 
-@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32", "ds-oneloop-16x32"])
+@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
 @pytest.mark.parametrize("mask", ["document", "dilated_bits"])
 def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask, tiles):
     """``ds_tma`` (with ``tma``): the dK/dV kernel stores dS^T through the buffer's TMA

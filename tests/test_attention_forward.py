@@ -611,30 +611,15 @@ def test_compiled_before_eager_chooses_the_eager_configs():
 
 
 @pytest.mark.parametrize("mask_name", list(MASKS))
-@pytest.mark.parametrize("tma", [0, 1])
-def test_one_loop_over_full_and_partial_tiles(mask_name, tma):
-    """``FwdConfig.one_loop`` (FULL and PARTIAL tiles in one pipelined loop, the mask applied
-    from the first PARTIAL tile on): same results as the reference, LSE included, for
-    interval, preloaded-slot and bitmask plans and rows past the key length."""
-    Nq, Nk = 150, 150 if mask_name in ("document", "shared_prompt") else 130  # fixed lengths
-    plan = cm.compile(MASKS[mask_name](), Nq, Nk, device=DEVICE)
-    q, k, v = _inputs(1, 2, 1, Nq, Nk, 32, torch.float16, seed=5)
-    with override_forward_config(FwdConfig(16, 32, 4, 2, 3, tma=tma, one_loop=1)):
-        out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
-    _assert_matches(out, q, k, v, plan)
-    _assert_lse(lse, q, k, v, plan)
-
-
-@pytest.mark.parametrize("mask_name", list(MASKS))
-@pytest.mark.parametrize("order,one_loop,tma", [(3, 0, 1), (0, 0, 0), (3, 1, 0), (1, 0, 1)])
-def test_prefetched_work_entries(mask_name, order, one_loop, tma):
+@pytest.mark.parametrize("order,tma", [(3, 1), (0, 0), (1, 1)])
+def test_prefetched_work_entries(mask_name, order, tma):
     """``FwdConfig.prefetch`` (the q-tile, counts and first tile of each loop read from the
     schedule's work list): same results as the reference, LSE included, in both launch orders
-    that read it, with one loop, and ignored in natural order (1)."""
+    that read it, and ignored in natural order (1)."""
     Nq, Nk = 150, 150 if mask_name in ("document", "shared_prompt") else 130  # fixed lengths
     plan = cm.compile(MASKS[mask_name](), Nq, Nk, device=DEVICE)
     q, k, v = _inputs(1, 2, 1, Nq, Nk, 32, torch.float16, seed=6)
-    cfg = FwdConfig(16, 32, 4, 2, order, tma=tma, one_loop=one_loop, prefetch=1)
+    cfg = FwdConfig(16, 32, 4, 2, order, tma=tma, prefetch=1)
     with override_forward_config(cfg):
         out, lse = cm.attention(q, k, v, plan, backend="triton", return_lse=True)
     _assert_matches(out, q, k, v, plan)

@@ -185,16 +185,13 @@ def _attn_bwd_dkdv_inner(
     ds_row0=0,
     DS_TMA: tl.constexpr = False,
     DS_PAIR: tl.constexpr = False,
-    mask_from=0,
     qt_first=0,
     HAS_FIRST: tl.constexpr = False,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
     ``Kind`` etc. point at this kv-tile's column of the [Tq, Tk] tile arrays (entry of q-tile qt
-    at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks);
-    MASKED=2: FULL and PARTIAL tiles in one loop, masked from list position ``mask_from`` on
-    (``BwdConfig.one_loop``).
+    at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks).
     USE_TMA: Q and dO tiles through the descriptors ``Q_desc, DO_desc`` (rows past Nq read as
     zeros), not per-thread pointers. STORE_DS:
     also store ``dS^T`` (keys x queries, the inputs' dtype) of every tile into the dS buffer
@@ -250,19 +247,12 @@ def _attn_bwd_dkdv_inner(
             lse2 = tl.load(Lse2_head + offs_m)
         qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED == 1:
+        if MASKED:
             pT = _mask_p_t(
                 pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
                 stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
                 BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
-        elif MASKED == 2:
-            if i >= mask_from:
-                pT = _mask_p_t(
-                    pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
-                    stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                    BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
-                )  # fmt: skip
         if USE_TMA:
             do = DO_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
             if MASKED:
@@ -360,7 +350,6 @@ def _attn_bwd_dkdv(
     DS_TMA: tl.constexpr = False,
     DS_PAIR: tl.constexpr = False,
     Tq2=0,
-    ONE_LOOP: tl.constexpr = False,
     KvWork=None,
     PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
@@ -410,14 +399,12 @@ def _attn_bwd_dkdv(
         bh = off_b.to(tl.int64) * Hq + off_h
         mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
         col = mask_id * Tk + kt  # row of the [M, Tk, ...] per-kv-tile arrays
-        qt_full = 0
         qt_partial = 0
         # PREFETCH: count, full_count and the first q-tiles of the loops come from the work entry
         # (g = 0) or were loaded at the end of the previous head's iteration
         if PREFETCH:
             count = next_count
             full_count = next_full_count
-            qt_full = next_qt_full
             qt_partial = next_qt_partial
         else:
             count = tl.load(KvCount + col)
@@ -438,45 +425,32 @@ def _attn_bwd_dkdv(
                 DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
                 SlotCol = Slot + tile_col
             ds_row0 = (bh * ds_tiles).to(tl.int32)
-        if ONE_LOOP:  # FULL then PARTIAL q-tiles in one loop, masked from full_count on
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-                Lse2 + bh * Nq, Delta + bh * Nq,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-                Bits, stride_bits_p, stride_bits_r, Tk,
-                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, count, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, full_count, qt_full, PREFETCH,
-            )  # fmt: skip
-        else:
-            # PARTIAL q-tiles: interval or bitmask masking, transposed.
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-                Lse2 + bh * Nq, Delta + bh * Nq,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-                Bits, stride_bits_p, stride_bits_r, Tk,
-                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, 0, qt_partial, PREFETCH,
-            )  # fmt: skip
-            # FULL q-tiles: no mask, no bounds checks. (Its first q-tile is loaded from the
-            # list as without PREFETCH: the prefetched one, live across the PARTIAL loop,
-            # spilled there; SASS of the library D=128 config.)
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-                Lse2 + bh * Nq, Delta + bh * Nq,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-                Bits, stride_bits_p, stride_bits_r, Tk,
-                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
-            )  # fmt: skip
+        # PARTIAL q-tiles: interval or bitmask masking, transposed.
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+            Lse2 + bh * Nq, Delta + bh * Nq,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+            Bits, stride_bits_p, stride_bits_r, Tk,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
+            HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, qt_partial, PREFETCH,
+        )  # fmt: skip
+        # FULL q-tiles: no mask, no bounds checks. (Its first q-tile is loaded from the
+        # list as without PREFETCH: the prefetched one, live across the PARTIAL loop,
+        # spilled there; SASS of the library D=128 config.)
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+            Lse2 + bh * Nq, Delta + bh * Nq,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+            Bits, stride_bits_p, stride_bits_r, Tk,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
+            HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
+        )  # fmt: skip
         if PREFETCH:
             # the next head's counts and first q-tiles (as schedule.work_list), loaded here
             # so that they live only across the loop's back edge, not across the tile loops
@@ -942,7 +916,7 @@ def attention_backward(
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
         STORE_DS=use_ds, DS_desc=ds_store_desc if ds_tma else None, DS_TMA=ds_tma,
-        DS_PAIR=use_ds and pair, Tq2=Tq2, ONE_LOOP=bool(cfg.one_loop),
+        DS_PAIR=use_ds and pair, Tq2=Tq2,
         KvWork=s["kv_work"] if prefetch else None, PREFETCH=prefetch,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip

@@ -49,10 +49,6 @@ class FwdConfig:
         tma: 1 loads K and V through Hopper TMA tensor descriptors (16-bit, head_dim <= 128,
             16-byte aligned strides; else pointers as with 0). On by default for D=128 where
             the H200 sweep measured it faster (sm_90 and newer only).
-        one_loop: 1 runs a q-tile's FULL and PARTIAL tiles in one software-pipelined loop (a
-            branch per tile applies the mask from the first PARTIAL tile on) instead of two
-            loops, each filling and draining its own pipeline; for short rows (hstu: about 27
-            tiles of 64 keys per q-tile at 32K).
         prefetch: 1 (launch orders 0 and 3) reads the program's q-tile, tile counts and the
             first tile of each loop from one 32-byte entry of the schedule's work list
             (``schedule.work_list``) instead of a chain of dependent loads (order, counts,
@@ -71,7 +67,6 @@ class FwdConfig:
     num_stages: int
     grid_order: int = 1
     tma: int = 0
-    one_loop: int = 0
     prefetch: int = 0
     one_slot: int = 0
 
@@ -79,7 +74,7 @@ class FwdConfig:
         """The ints in field order (the ``config`` argument of the forward custom op)."""
         return [
             self.block_m, self.block_n, self.num_warps, self.num_stages, self.grid_order,
-            self.tma, self.one_loop, self.prefetch, self.one_slot,
+            self.tma, self.prefetch, self.one_slot,
         ]  # fmt: skip
 
 
@@ -305,8 +300,6 @@ class BwdConfig:
             the tile goes to shared memory and a bulk asynchronous copy writes it while the
             loop goes on (the pipeliner waits for it before the buffer is reused), instead of
             per-thread stores.
-        one_loop: 1 runs each kv-tile's FULL and PARTIAL q-tiles in one pipelined loop in
-            the dK/dV kernel (as ``FwdConfig.one_loop``), instead of two.
         prefetch: 1 (as ``FwdConfig.prefetch``; launch orders 0 and 3, two-launch backward,
             not with ``atomic_dq``) reads a program's tile, tile counts and the first tile of
             its first loop from one 32-byte work-list entry (``schedule.work_list``) instead
@@ -328,16 +321,15 @@ class BwdConfig:
     tma: int = 0
     ds_dq: int = 0
     ds_tma: int = 0
-    one_loop: int = 0
     prefetch: int = 0
 
     def as_list(self) -> list[int]:
-        """The fifteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The fourteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
             self.dkdv_order, self.dq_order, self.tma,
-            self.ds_dq, self.ds_tma, self.one_loop, self.prefetch,
+            self.ds_dq, self.ds_tma, self.prefetch,
         ]  # fmt: skip
 
 

@@ -121,18 +121,15 @@ def _attn_fwd_inner(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
-    mask_from=0,
     kt_first=0,
     HAS_FIRST: tl.constexpr = False,
     ONE_PER_TILE: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
-    MASKED=False (0): the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no
-    bounds checks, no mask. MASKED=True (1): PARTIAL tiles; loads are bounds-checked and scores
+    MASKED=False: the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no
+    bounds checks, no mask. MASKED=True: PARTIAL tiles; loads are bounds-checked and scores
     masked, from the preloaded slots ``lo*/hi*`` when SLOTS > 0, else from the tile's data.
-    MASKED=2: one loop over FULL and PARTIAL tiles (``FwdConfig.one_loop``): loads as for 1,
-    the mask applied from list position ``mask_from`` on (a branch per tile).
     USE_TMA: K and V tiles come through the tensor descriptors ``K_desc, V_desc`` (Hopper TMA;
     rows past Nk and columns past HEAD_DIM read as zeros), not per-thread pointers.
     HAS_FIRST: ``kt_first`` is ``TileList[list_start]``, loaded by the caller before (from the
@@ -187,19 +184,12 @@ def _attn_fwd_inner(
         # unscaled scores: the scale (> 0, so it commutes with max) is folded into the FFMA of
         # the exponent below, one multiply per score fewer
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if MASKED == 1:
+        if MASKED:
             qk = _mask_scores(
                 qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
                 row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk,
                 n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE,
             )  # fmt: skip
-        elif MASKED == 2:
-            if i >= mask_from:
-                qk = _mask_scores(
-                    qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo,
-                    RowHi, row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-                    Nq, Nk, n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE,
-                )  # fmt: skip
         if MASKED:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             # A row that has seen nothing yet keeps m = -inf: subtract 0 instead (p = 0).
@@ -253,7 +243,7 @@ def _attn_fwd_two_loops(
         RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
         Nq, Nk, n_slots, full_count, count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS, USE_TMA, 0, kt_partial, HAS_FIRST, ONE_PER_TILE,
+        SLOTS, USE_TMA, kt_partial, HAS_FIRST, ONE_PER_TILE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
@@ -262,7 +252,7 @@ def _attn_fwd_two_loops(
         RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
         Nq, Nk, n_slots, 0, full_count, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS, USE_TMA, 0, kt_full, HAS_FIRST,
+        SLOTS, USE_TMA, kt_full, HAS_FIRST,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -288,7 +278,6 @@ def _attn_fwd(
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
     USE_TMA: tl.constexpr,
-    ONE_LOOP: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     ONE_PER_TILE: tl.constexpr = False,
 ):  # fmt: skip
@@ -334,27 +323,16 @@ def _attn_fwd(
     lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
     lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
 
-    if ONE_LOOP:  # FULL then PARTIAL tiles in one pipelined loop, masked from full_count on
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
-            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA, full_count, kt_full, PREFETCH, ONE_PER_TILE,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _attn_fwd_two_loops(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
-            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
-            kt_full, kt_partial,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
-            USE_TMA, PREFETCH, ONE_PER_TILE,
-        )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_two_loops(
+        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
+        Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
+        kt_full, kt_partial,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
+        USE_TMA, PREFETCH, ONE_PER_TILE,
+    )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -445,7 +423,6 @@ def attention_forward(
         SLOTS=slots,
         GRID_ORDER=order,
         USE_TMA=descs is not None,
-        ONE_LOOP=bool(cfg.one_loop),
         PREFETCH=bool(cfg.prefetch) and order in (0, 3),
         ONE_PER_TILE=one_per_tile,
         num_warps=cfg.num_warps,
