@@ -254,14 +254,6 @@ BWD_DSPAIR = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
 ]
-# --bwd-set prefetch (session 9, not yet timed): the dK/dV kernel's kv-tile, counts and first
-# q-tiles and the dS GEMM's q-tile, count and first kv-tile from one work entry each
-# (BwdConfig.prefetch) against the chains of dependent loads, at the library D=128 config,
-# alternated twice (the same process measures both within the spread)
-BWD_PREFETCH = [
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, prefetch=1),
-] * 2
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -299,7 +291,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "prefetch"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair"]
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
@@ -356,7 +348,6 @@ def main() -> None:
                 "dstma": BWD_DSTMA,
                 "dkdv": BWD_DKDV,
                 "dspair": BWD_DSPAIR,
-                "prefetch": BWD_PREFETCH,
                 "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []

@@ -60,14 +60,6 @@ BWD_TILES = {
     "ds-16x32": BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, dq_order=3, ds_dq=1),
     # the same with dQ tiles of two dK/dV q-tiles (schedule.ds_pair_slots)
     "ds-pair-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, dq_order=3, ds_dq=1),
-    # the tile, counts and first tiles from the work lists (schedule.work_list) in the
-    # heaviest-first orders 0 and 3: dK/dV two loops / one loop, the dS GEMM (paired or not)
-    "prefetch-32x64/16x32": BwdConfig(
-        32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3, prefetch=1
-    ),
-    "prefetch-ds-16x32": BwdConfig(
-        16, 32, 4, 2, 16, 32, 4, 1, dkdv_order=3, dq_order=0, ds_dq=1, prefetch=1
-    ),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -231,9 +223,8 @@ def test_per_batch_plan():
     _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
 
 
-@pytest.mark.parametrize("cfg", [SMALL, BWD_TILES["prefetch-ds-16x32"]], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_per_head_plan_within_gqa_groups(dtype, cfg):
+def test_per_head_plan_within_gqa_groups(dtype):
     # The heads of one GQA group have different masks: one dK/dV program walks all of them.
     masks = [
         cm.masks.causal(),
@@ -241,10 +232,9 @@ def test_per_head_plan_within_gqa_groups(dtype, cfg):
         cm.masks.document([20, 40]),
         cm.masks.dilated(12, 2),
     ]
-    # (prefetch: the work entry is the group's first head's; the second head loads its own)
     plan = cm.compile(cm.masks.per_head(masks), 60, 60, heads=4, device=DEVICE)
     q, k, v, do = _inputs(2, 4, 2, 60, 60, 32, dtype)
-    _assert_grads(_triton_grads(q, k, v, do, plan, cfg), q, k, v, do, plan)
+    _assert_grads(_triton_grads(q, k, v, do, plan), q, k, v, do, plan)
 
 
 def _dense_with_empty_rows_and_cols(Nq, Nk, seed=0):
@@ -302,32 +292,6 @@ def test_strided_inputs_and_grad_output():
     do = torch.randn(1, Nq, 2, 64, device=DEVICE, dtype=torch.float16).transpose(1, 2)
     grads = _triton_grads(q, k, v, do, plan)
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
-    _assert_grads(grads, q, k, v, do, plan)
-
-
-@pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "gqa"])
-@pytest.mark.parametrize("tiles", ["prefetch-ds-16x32"])
-def test_prefetch_reads_the_work_entries(tiles, hkv):
-    """``BwdConfig.prefetch``: the dK/dV kernel and the dS GEMM take their tile, counts and
-    first tiles from ``kv_work`` / ``q_work`` (orders and counts zeroed: the same gradients;
-    with GQA the dK/dV kernel reads the counts of a group's second head from ``kv_count``, so
-    only the orders are zeroed there); the entries are ``schedule.work_list``'s."""
-    from compilemask.kernels.triton.schedule import work_list
-
-    plan = cm.compile(cm.masks.sliding_window(20) | cm.masks.prefix_lm(5), 100, device=DEVICE)
-    q, k, v, do = _inputs(1, 2, hkv, 100, 100, 32, torch.float16, seed=3)
-    s1 = dkdv_schedule(plan, 16, 32)
-    want = work_list(s1["kv_order"], s1["kv_count"], s1["kv_full_count"], s1["kv_list"])
-    assert torch.equal(s1["kv_work"], want) and s1["kv_work"].shape[-1] == 8
-
-    def zero_orders_and_counts(s1, s2):
-        zeroed = ("kv_order",) if hkv == 1 else ("kv_order", "kv_count", "kv_full_count")
-        for name in zeroed:
-            s1[name] = torch.zeros_like(s1[name])
-        for name in ("q_order", "q_count"):
-            s2[name] = torch.zeros_like(s2[name])
-
-    grads = _triton_grads(q, k, v, do, plan, BWD_TILES[tiles], edit=zero_orders_and_counts)
     _assert_grads(grads, q, k, v, do, plan)
 
 

@@ -49,10 +49,8 @@ from .common import (
     partial_tile_mask_t,
     preload_row_slot,
     q_tile_program,
-    q_tile_work,
     slots_mask,
     tile_of_rank,
-    work_entry,
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 from .forward import tma_descriptors
@@ -185,8 +183,6 @@ def _attn_bwd_dkdv_inner(
     ds_row0=0,
     DS_TMA: tl.constexpr = False,
     DS_PAIR: tl.constexpr = False,
-    qt_first=0,
-    HAS_FIRST: tl.constexpr = False,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -200,17 +196,13 @@ def _attn_bwd_dkdv_inner(
     asynchronous bulk store from shared memory (``BwdConfig.ds_tma``). DS_PAIR: the slots
     pair q-tiles (``schedule.ds_pair_slots``: ``SlotCol[(qt // 2) * tile_stride]`` holds
     ``4 * slot + present``) and a slot is ``[BLOCK_N, 2 * BLOCK_M]``, q-tile ``qt`` in the
-    columns of half ``qt % 2``. HAS_FIRST: ``qt_first`` is ``TileList[list_start]``, loaded
-    by the caller before (``BwdConfig.prefetch``), so the first Q/dO copies need no list load.
+    columns of half ``qt % 2``.
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
-    if HAS_FIRST:
-        qt_next = qt_first
-    else:
-        qt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+    qt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
     for i in range(list_start, list_end):
         qt = qt_next
         qt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
@@ -350,28 +342,15 @@ def _attn_bwd_dkdv(
     DS_TMA: tl.constexpr = False,
     DS_PAIR: tl.constexpr = False,
     Tq2=0,
-    KvWork=None,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    """dK, dV of one kv-tile (see the module docstring). PREFETCH (launch orders 0 and 3): the
-    kv-tile, and for the GQA group's first head the counts and the first q-tile of
-    the first loop (the PARTIAL one, or the one loop), come from the work entry
-    ``KvWork[first_mask, rank]`` (``schedule.work_list``, one 32-byte sector) instead of the
-    chain order -> counts -> list; every next head of the group (its mask may differ:
-    per-head plans) gets its own counts and first q-tiles loaded at the end of the previous
-    head's iteration, so that they live only across the loop's back edge."""
+    """dK, dV of one kv-tile (see the module docstring)."""
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hkv
     off_hkv = pid_bh % Hkv
     h_first = off_hkv * gqa_group
     first_mask = (off_b * mask_stride_b + h_first * mask_stride_h).to(tl.int64)
     # the group's first head orders the tiles
-    if PREFETCH:
-        kt, next_count, next_full_count, next_qt_full, next_qt_partial = work_entry(
-            KvWork, first_mask * Tk + rank
-        )
-    else:
-        kt = tile_of_rank(KvOrder + first_mask * Tk, rank, Tk, GRID_ORDER)
+    kt = tile_of_rank(KvOrder + first_mask * Tk, rank, Tk, GRID_ORDER)
 
     start_n = kt * BLOCK_N
     offs_n_local = tl.arange(0, BLOCK_N)
@@ -399,16 +378,8 @@ def _attn_bwd_dkdv(
         bh = off_b.to(tl.int64) * Hq + off_h
         mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
         col = mask_id * Tk + kt  # row of the [M, Tk, ...] per-kv-tile arrays
-        qt_partial = 0
-        # PREFETCH: count, full_count and the first q-tiles of the loops come from the work entry
-        # (g = 0) or were loaded at the end of the previous head's iteration
-        if PREFETCH:
-            count = next_count
-            full_count = next_full_count
-            qt_partial = next_qt_partial
-        else:
-            count = tl.load(KvCount + col)
-            full_count = tl.load(KvFullCount + col)
+        count = tl.load(KvCount + col)
+        full_count = tl.load(KvFullCount + col)
         tile_list = KvList + col * Tq
         tile_col = mask_id * Tq * Tk + kt  # (qt=0, kt) in the [M, Tq, Tk] tile arrays
         row_base = mask_id * Nq * n_slots
@@ -435,11 +406,9 @@ def _attn_bwd_dkdv(
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-            STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, qt_partial, PREFETCH,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
         )  # fmt: skip
-        # FULL q-tiles: no mask, no bounds checks. (Its first q-tile is loaded from the
-        # list as without PREFETCH: the prefetched one, live across the PARTIAL loop,
-        # spilled there; SASS of the library D=128 config.)
+        # FULL q-tiles: no mask, no bounds checks.
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
             Lse2 + bh * Nq, Delta + bh * Nq,
@@ -451,18 +420,6 @@ def _attn_bwd_dkdv(
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
             STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
         )  # fmt: skip
-        if PREFETCH:
-            # the next head's counts and first q-tiles (as schedule.work_list), loaded here
-            # so that they live only across the loop's back edge, not across the tile loops
-            more = g + 1 < gqa_group
-            next_col = (mask_id + mask_stride_h) * Tk + kt
-            next_count = tl.load(KvCount + next_col, mask=more, other=0)
-            next_full_count = tl.load(KvFullCount + next_col, mask=more, other=0)
-            next_list = KvList + next_col * Tq
-            next_qt_full = tl.load(next_list, mask=next_count > 0, other=0)
-            next_qt_partial = tl.load(
-                next_list + next_full_count, mask=next_full_count < next_count, other=0
-            )
 
     dk = dk * scale
     tl.store(
@@ -701,7 +658,7 @@ def _attn_bwd_dq(
 
 @triton.jit
 def _attn_bwd_dq_ds(
-    DS, K, DQ, Slot, QCount, QList, QOrder, QWork,
+    DS, K, DQ, Slot, QCount, QList, QOrder,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     Hq, gqa_group, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, ds_tiles, scale,
@@ -714,7 +671,6 @@ def _attn_bwd_dq_ds(
     DS_desc=None,
     USE_TMA: tl.constexpr = False,
     DS_PAIR: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """dQ of one q-tile from the stored dS tiles (``BwdConfig.ds_dq``): ``dQ = scale *
     sum over its touched kv-tiles of dS K``, one MMA per tile pair, no mask (dS is zero where
@@ -724,14 +680,12 @@ def _attn_bwd_dq_ds(
     tiling has twice the dK/dV tiling's rows; ``Slot`` holds ``4 * slot + present``
     (``schedule.ds_pair_slots``) and the half of a slot whose q-tile did not touch the
     kv-tile (never written) is read as zeros: each K tile then serves 2 * BLOCK_N x BLOCK_M
-    of dS instead of BLOCK_N x BLOCK_M / 2. PREFETCH (launch orders 0 and 3): the q-tile, its
-    count and its first kv-tile from the work entry ``QWork[mask, rank]``
-    (``schedule.work_list``, ``BwdConfig.prefetch``)."""
+    of dS instead of BLOCK_N x BLOCK_M / 2."""
     pid_bh, rank = grid_position(GRID_ORDER)
-    off_b, off_h, off_hkv, mask_id, qt, tile_row, count, _, kt_first, _ = q_tile_work(
-        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, QWork, QCount,
-        QCount, Tq, GRID_ORDER, PREFETCH,
-    )  # fmt: skip
+    off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
+        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+    )
+    count = tl.load(QCount + tile_row)
     tile_list = QList + tile_row * Tk
     slot_row = Slot + tile_row * Tk
     ds_row0 = pid_bh.to(tl.int64) * ds_tiles
@@ -744,10 +698,7 @@ def _attn_bwd_dq_ds(
     d_ok = offs_d < HEAD_DIM
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # next tile and its slot one iteration ahead (see forward._attn_fwd_inner)
-    if PREFETCH:
-        kt_next = kt_first
-    else:
-        kt_next = tl.load(tile_list, mask=count > 0, other=0)
+    kt_next = tl.load(tile_list, mask=count > 0, other=0)
     for i in range(0, count):
         kt = kt_next
         kt_next = tl.load(tile_list + i + 1, mask=i + 1 < count, other=0)
@@ -899,8 +850,6 @@ def attention_backward(
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     order = launch_order(cfg.dkdv_order, B * Hkv)
-    # work-list entries (launch orders 0 and 3)
-    prefetch = bool(cfg.prefetch) and order in (0, 3)
     _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
@@ -917,7 +866,6 @@ def attention_backward(
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
         STORE_DS=use_ds, DS_desc=ds_store_desc if ds_tma else None, DS_TMA=ds_tma,
         DS_PAIR=use_ds and pair, Tq2=Tq2,
-        KvWork=s["kv_work"] if prefetch else None, PREFETCH=prefetch,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
@@ -927,15 +875,13 @@ def attention_backward(
         if kv_descs is None:  # K through pointers: dS too
             ds_desc = None
         order = launch_order(cfg.dq_order, B * Hq)
-        prefetch = bool(cfg.prefetch) and order in (0, 3)
         _attn_bwd_dq_ds[launch_grid(order, B * Hq, Tq)](
             ds_buf, k, dq, ds_slots, s["q_count"], s["q_list"], s["q_order"],
-            s["q_work"] if prefetch else None,
             *k.stride(), *dq.stride(),
             Hq, Hq // Hkv, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, cfg.ds_dq, scale,
             HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=width, BLOCK_N=bn, GRID_ORDER=order,
             K_desc=kv_descs[0] if kv_descs else None, DS_desc=ds_desc,
-            USE_TMA=ds_desc is not None, DS_PAIR=pair, PREFETCH=prefetch,
+            USE_TMA=ds_desc is not None, DS_PAIR=pair,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
         return dq, dk, dv

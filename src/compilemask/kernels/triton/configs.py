@@ -300,12 +300,6 @@ class BwdConfig:
             the tile goes to shared memory and a bulk asynchronous copy writes it while the
             loop goes on (the pipeliner waits for it before the buffer is reused), instead of
             per-thread stores.
-        prefetch: 1 (as ``FwdConfig.prefetch``; launch orders 0 and 3, two-launch backward,
-            not with ``atomic_dq``) reads a program's tile, tile counts and the first tile of
-            its first loop from one 32-byte work-list entry (``schedule.work_list``) instead
-            of the chain order -> counts -> list: in the dK/dV kernel (``kv_work``, the GQA
-            group's first head's entry; the next heads' counts are loaded at the end of the
-            previous head) and in the dS GEMM of ``ds_dq`` (the dQ schedule's ``q_work``).
     """
 
     dkdv_block_m: int
@@ -321,15 +315,14 @@ class BwdConfig:
     tma: int = 0
     ds_dq: int = 0
     ds_tma: int = 0
-    prefetch: int = 0
 
     def as_list(self) -> list[int]:
-        """The fourteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The thirteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
             self.dkdv_order, self.dq_order, self.tma,
-            self.ds_dq, self.ds_tma, self.prefetch,
+            self.ds_dq, self.ds_tma,
         ]  # fmt: skip
 
 
