@@ -40,7 +40,6 @@ from compilemask.kernels.triton.sass import (
 )
 from compilemask.kernels.triton.schedule import (
     dkdv_schedule,
-    ds_pair_slots,
     ds_slots,
     forward_schedule,
 )
@@ -62,10 +61,7 @@ def launch_all(w, fwd: cfgs.FwdConfig, bwd: cfgs.BwdConfig, heads: int = 2) -> N
     slots = None
     if bwd.ds_dq:  # dQ from stored dS: a buffer of the most touched dQ tiles of one mask
         s2 = forward_schedule(plan, bwd.dq_block_m, bwd.dq_block_n)
-        if bwd.dq_block_m == bwd.dkdv_block_m:
-            slots = ds_slots(s1["kind"])
-        else:  # dQ tiles of two dK/dV q-tiles
-            slots = ds_pair_slots(s1["kind"], s2["kind"])
+        slots = ds_slots(s1["kind"])
         bwd = cfgs.replace(bwd, ds_dq=int((s2["kind"] != 0).sum()))
     attention_backward(
         q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1,

@@ -243,17 +243,6 @@ BWD_DKDV = [
     BwdConfig(64, 64, 8, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     BwdConfig(32, 64, 4, 2, 32, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
 ]
-# --bwd-set dspair (session 7, not yet timed): dQ tiles of two dK/dV q-tiles from the stored
-# dS (schedule.ds_pair_slots: a slot holds both q-tiles side by side, each K tile read once
-# per 128 query rows instead of 64; hstu 32K's dS GEMM took 0.670 ms for about 1.6 GB of dS).
-# SASS (hstu 4K): 8 warps 106 registers and 57 KiB with 2 stages (112 and 88 KiB with 3), 4
-# warps 219 registers
-BWD_DSPAIR = [
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-]
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -291,7 +280,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv"]
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
@@ -347,7 +336,6 @@ def main() -> None:
                 "ds": BWD_DS,
                 "dstma": BWD_DSTMA,
                 "dkdv": BWD_DKDV,
-                "dspair": BWD_DSPAIR,
                 "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []

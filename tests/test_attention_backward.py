@@ -42,7 +42,6 @@ from compilemask.kernels.triton.configs import (  # noqa: E402
 from compilemask.kernels.triton.forward import attention_forward  # noqa: E402
 from compilemask.kernels.triton.schedule import (  # noqa: E402
     dkdv_schedule,
-    ds_pair_slots,
     ds_slots,
     forward_schedule,
 )
@@ -58,8 +57,6 @@ BWD_TILES = {
     "32x64/16x32": BwdConfig(32, 64, 4, 1, 16, 32, 4, 1, dkdv_order=0, dq_order=3),
     # dQ from the dS tiles stored by the dK/dV kernel (16-bit; fp32 runs the dQ kernel)
     "ds-16x32": BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, dq_order=3, ds_dq=1),
-    # the same with dQ tiles of two dK/dV q-tiles (schedule.ds_pair_slots)
-    "ds-pair-16x32": BwdConfig(16, 32, 4, 1, 32, 32, 4, 1, dq_order=3, ds_dq=1),
 }
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
@@ -101,10 +98,7 @@ def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None, edit=N
     s2 = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n)
     slots = None
     if cfg.ds_dq:  # the buffer's slots per head: the most touched dQ tiles of one mask
-        if cfg.dq_block_m == cfg.dkdv_block_m:
-            slots = ds_slots(s1["kind"])
-        else:  # dQ tiles of two dK/dV q-tiles
-            slots = ds_pair_slots(s1["kind"], s2["kind"])
+        slots = ds_slots(s1["kind"])
         cfg = replace(cfg, ds_dq=int((s2["kind"] != 0).flatten(1).sum(1).max()))
     if edit is not None:
         edit(s1, s2)
@@ -394,19 +388,7 @@ def test_autograd_triton_lse_only():
     _assert_grads((qg.grad, kg.grad, vg.grad), q, k, v, do, plan, dlse=dlse)
 
 
-def test_ds_pair_slots():
-    """Slots of q-tile pairs: ``4 * slot + present`` (bit r: q-tile 2p + r touches the
-    kv-tile), -1 where neither does; an odd last q-tile pairs with nothing."""
-    kind = torch.tensor([[[1, 0], [0, 2], [0, 0]]], dtype=torch.int32)  # Tq = 3, Tk = 2
-    pair_kind = torch.tensor([[[2, 2], [0, 0]]], dtype=torch.int32)
-    got = ds_pair_slots(kind, pair_kind)
-    assert got.tolist() == [[[0 * 4 + 1, 1 * 4 + 2], [-1, -1]]]
-    kind = torch.tensor([[[1], [1], [3]]], dtype=torch.int32)
-    assert ds_pair_slots(kind, torch.tensor([[[1], [3]]])).tolist() == [[[3], [4 + 1]]]
-
-
-@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
-def test_ds_dq_replaces_the_dq_kernel(monkeypatch, tiles):
+def test_ds_dq_replaces_the_dq_kernel(monkeypatch):
     """With ``ds_dq`` the recomputing dQ kernel never runs: dQ comes from the stored dS."""
     from compilemask.kernels.triton import backward as bwd
 
@@ -417,20 +399,19 @@ def test_ds_dq_replaces_the_dq_kernel(monkeypatch, tiles):
     plan = cm.compile(MASKS["document"](), 100, device=DEVICE)
     q, k, v, do = _inputs(2, 2, 1, 100, 100, 32, torch.float16, seed=11)
     monkeypatch.setattr(bwd, "_attn_bwd_dq", _Refuse())
-    grads = _triton_grads(q, k, v, do, plan, BWD_TILES[tiles])
+    grads = _triton_grads(q, k, v, do, plan, BWD_TILES["ds-16x32"])
     _assert_grads(grads, q, k, v, do, plan)
 
 
-@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
 @pytest.mark.parametrize("limit", [None, 0])
-def test_ds_dq_through_autograd(monkeypatch, limit, tiles):
+def test_ds_dq_through_autograd(monkeypatch, limit):
     """The public path: the buffer is sized from the plan (GQA, a batch of 2 sharing one mask,
     dlse); a limit of 0 bytes falls back to the dQ kernel, with the same gradients."""
     from compilemask.api.autograd import backward_inputs
     from compilemask.kernels.triton import configs
 
     monkeypatch.setattr(configs, "DS_BUFFER_MAX_BYTES", limit)
-    cfg = BWD_TILES[tiles]
+    cfg = BWD_TILES["ds-16x32"]
     plan = cm.compile(MASKS["shared_prompt"](), 100, device=DEVICE)
     q, k, v, do = _inputs(2, 4, 2, 100, 100, 32, torch.float16, seed=12)
     dlse = torch.randn(2, 4, 100, generator=torch.Generator().manual_seed(13)).to(DEVICE)
@@ -438,17 +419,16 @@ def test_ds_dq_through_autograd(monkeypatch, limit, tiles):
         _, ints = backward_inputs(plan, q.clone().requires_grad_(True), k, v)
     kind = plan.tiles(cfg.dq_block_m, cfg.dq_block_n, bits=True).kind  # a slot per dQ tile
     want = int((kind != 0).flatten(1).sum(1).max()) if limit is None else 0
-    assert ints[14] == want and (want > 0 or limit == 0)  # BwdConfig.ds_dq
+    assert BwdConfig(*ints).ds_dq == want and (want > 0 or limit == 0)
     grads = _autograd_grads(q, k, v, do, plan, dlse=dlse, bwd_cfg=cfg)
     _assert_grads(grads, q, k, v, do, plan, dlse=dlse)
 
 
-@pytest.mark.parametrize("tiles", ["ds-16x32", "ds-pair-16x32"])
 @pytest.mark.parametrize("mask", ["document", "dilated_bits"])
-def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask, tiles):
+def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask):
     """``ds_tma`` (with ``tma``): the dK/dV kernel stores dS^T through the buffer's TMA
     descriptor (the same gradients pass the float64 check), and without ``tma`` it falls back
-    to per-thread stores; with paired dQ tiles (a slot of two q-tiles side by side) too."""
+    to per-thread stores."""
     from compilemask.kernels.triton import backward as bwd
 
     real = bwd._attn_bwd_dkdv
@@ -466,7 +446,7 @@ def test_ds_tma_stores_through_the_descriptor(monkeypatch, mask, tiles):
     plan = cm.compile(MASKS[mask](), 100, device=DEVICE)
     q, k, v, do = _inputs(2, 2, 1, 100, 100, 32, torch.float16, seed=14)
     for tma in (1, 0):
-        cfg = replace(BWD_TILES[tiles], tma=tma, ds_tma=1)
+        cfg = replace(BWD_TILES["ds-16x32"], tma=tma, ds_tma=1)
         grads = _triton_grads(q, k, v, do, plan, cfg)
         _assert_grads(grads, q, k, v, do, plan)
     assert seen == [(True, True), (False, False)]

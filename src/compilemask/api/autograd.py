@@ -28,7 +28,6 @@ from ..kernels.triton.schedule import (
     DKDV_SCHEDULE_FIELDS,
     FWD_SCHEDULE_FIELDS,
     dkdv_schedule,
-    ds_pair_slots,
     ds_slots,
     forward_schedule,
 )
@@ -143,11 +142,8 @@ def _build(plan: MaskPlan, cfg: BwdConfig) -> list[torch.Tensor]:
     dkdv = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
     dq = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True)
     tensors = list(dkdv.values()) + list(dq.values())
-    if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling or pairs its q-tiles (backward_config)
-        if cfg.dq_block_m == cfg.dkdv_block_m:
-            tensors.append(ds_slots(dkdv["kind"]))
-        else:
-            tensors.append(ds_pair_slots(dkdv["kind"], dq["kind"]))
+    if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling (backward_config)
+        tensors.append(ds_slots(dkdv["kind"]))
     return tensors
 
 

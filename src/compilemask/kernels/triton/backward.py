@@ -182,7 +182,6 @@ def _attn_bwd_dkdv_inner(
     DS_desc=None,
     ds_row0=0,
     DS_TMA: tl.constexpr = False,
-    DS_PAIR: tl.constexpr = False,
 ):
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -193,10 +192,7 @@ def _attn_bwd_dkdv_inner(
     also store ``dS^T`` (keys x queries, the inputs' dtype) of every tile into the dS buffer
     ``DS_head`` at the tile's slot ``SlotCol[qt * tile_stride]`` (``BwdConfig.ds_dq``);
     DS_TMA: through the 2-D descriptor ``DS_desc`` (rows ``(ds_row0 + slot) * BLOCK_N``), an
-    asynchronous bulk store from shared memory (``BwdConfig.ds_tma``). DS_PAIR: the slots
-    pair q-tiles (``schedule.ds_pair_slots``: ``SlotCol[(qt // 2) * tile_stride]`` holds
-    ``4 * slot + present``) and a slot is ``[BLOCK_N, 2 * BLOCK_M]``, q-tile ``qt`` in the
-    columns of half ``qt % 2``.
+    asynchronous bulk store from shared memory (``BwdConfig.ds_tma``).
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -287,22 +283,15 @@ def _attn_bwd_dkdv_inner(
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if STORE_DS:
-            if DS_PAIR:  # a slot holds two q-tiles side by side
-                slot = tl.load(SlotCol + (qt // 2) * tile_stride) >> 2
-                col = (qt % 2) * BLOCK_M
-                width: tl.constexpr = 2 * BLOCK_M
-            else:
-                slot = tl.load(SlotCol + qt * tile_stride)
-                col = 0
-                width: tl.constexpr = BLOCK_M
+            slot = tl.load(SlotCol + qt * tile_stride)
             if DS_TMA:
-                DS_desc.store([(ds_row0 + slot) * BLOCK_N, col], dsT)
+                DS_desc.store([(ds_row0 + slot) * BLOCK_N, 0], dsT)
             else:
                 ds_ptrs = (
                     DS_head
-                    + slot.to(tl.int64) * (BLOCK_N * width)
-                    + tl.arange(0, BLOCK_N)[:, None] * width
-                    + (col + offs_m_local)[None, :]
+                    + slot.to(tl.int64) * (BLOCK_N * BLOCK_M)
+                    + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M
+                    + offs_m_local[None, :]
                 )
                 tl.store(ds_ptrs, dsT)
     return dk, dv
@@ -340,8 +329,6 @@ def _attn_bwd_dkdv(
     STORE_DS: tl.constexpr = False,
     DS_desc=None,
     DS_TMA: tl.constexpr = False,
-    DS_PAIR: tl.constexpr = False,
-    Tq2=0,
 ):  # fmt: skip
     """dK, dV of one kv-tile (see the module docstring)."""
     pid_bh, rank = grid_position(GRID_ORDER)
@@ -389,12 +376,8 @@ def _attn_bwd_dkdv(
         SlotCol = Slot
         ds_row0 = 0
         if STORE_DS:
-            if DS_PAIR:  # slots [M, Tq2, Tk] of q-tile pairs, each [BLOCK_N, 2 * BLOCK_M]
-                DS_head = DS + bh * ds_tiles * (BLOCK_N * 2 * BLOCK_M)
-                SlotCol = Slot + mask_id * Tq2 * Tk + kt
-            else:
-                DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
-                SlotCol = Slot + tile_col
+            DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
+            SlotCol = Slot + tile_col
             ds_row0 = (bh * ds_tiles).to(tl.int32)
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -406,7 +389,7 @@ def _attn_bwd_dkdv(
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-            STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
+            STORE_DS, DS_desc, ds_row0, DS_TMA,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -418,7 +401,7 @@ def _attn_bwd_dkdv(
             RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-            STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
+            STORE_DS, DS_desc, ds_row0, DS_TMA,
         )  # fmt: skip
 
     dk = dk * scale
@@ -670,17 +653,12 @@ def _attn_bwd_dq_ds(
     K_desc=None,
     DS_desc=None,
     USE_TMA: tl.constexpr = False,
-    DS_PAIR: tl.constexpr = False,
 ):  # fmt: skip
     """dQ of one q-tile from the stored dS tiles (``BwdConfig.ds_dq``): ``dQ = scale *
     sum over its touched kv-tiles of dS K``, one MMA per tile pair, no mask (dS is zero where
     a pair is not visible and past the lengths). ``DS``: [B * Hq, ds_tiles, BLOCK_N, BLOCK_M]
     dS^T tiles at the slots ``Slot`` [M, Tq, Tk]; the tile lists are the forward schedule's
-    at this (dQ) tiling. USE_TMA: K and dS^T tiles through the descriptors. DS_PAIR: the dQ
-    tiling has twice the dK/dV tiling's rows; ``Slot`` holds ``4 * slot + present``
-    (``schedule.ds_pair_slots``) and the half of a slot whose q-tile did not touch the
-    kv-tile (never written) is read as zeros: each K tile then serves 2 * BLOCK_N x BLOCK_M
-    of dS instead of BLOCK_N x BLOCK_M / 2."""
+    at this (dQ) tiling. USE_TMA: K and dS^T tiles through the descriptors."""
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
         pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
@@ -703,9 +681,6 @@ def _attn_bwd_dq_ds(
         kt = kt_next
         kt_next = tl.load(tile_list + i + 1, mask=i + 1 < count, other=0)
         slot = tl.load(slot_row + kt).to(tl.int64)
-        if DS_PAIR:
-            present = slot & 3
-            slot = slot >> 2
         start_n = kt * BLOCK_N
         if USE_TMA:
             k = K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
@@ -721,9 +696,6 @@ def _attn_bwd_dq_ds(
                 DS_head + slot * (BLOCK_N * BLOCK_M)
                 + offs_n_local[:, None] * BLOCK_M + offs_m_local[None, :]
             )  # fmt: skip
-        if DS_PAIR:  # zeros for the half whose q-tile did not touch this kv-tile
-            half = offs_m_local // (BLOCK_M // 2)
-            dsT = tl.where(((present >> half) & 1)[None, :] != 0, dsT, 0.0)
         dq = tl.dot(tl.trans(dsT), k, dq)
     dq = dq * scale
     start_m = qt * BLOCK_M
@@ -773,11 +745,9 @@ def attention_backward(
         dlse: optional float32 [B, Hq, Nq], the gradient of ``lse`` (None: zero).
         dq, dk, dv: optional output buffers shaped like q, k, v (written in full).
         ds_slots: with ``cfg.ds_dq`` > 0, the dS buffer slots of the dK/dV tiling's tiles
-            (``schedule.ds_slots``, int32 [M, Tq, Tk]; when the dQ tiling pairs the dK/dV
-            tiling's q-tiles, ``schedule.ds_pair_slots`` at the dQ tiling, [M, Tq2, Tk]);
-            dQ then comes from the stored dS
-            (16-bit, two-launch backward, dQ tiling equal to the dK/dV tiling; else the dQ
-            kernel runs as without it).
+            (``schedule.ds_slots``, int32 [M, Tq, Tk]); dQ then comes from the stored dS
+            (16-bit, dQ tiling equal to the dK/dV tiling; else the dQ kernel runs as without
+            it).
 
     Returns:
         (dq, dk, dv) in the dtypes of q, k, v (or of the given buffers). Rows that see no key
@@ -822,30 +792,25 @@ def attention_backward(
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
-    # dS slots per dQ tile: the dK/dV tiling's tile, or (pair) two q-tiles side by side
-    pair = (cfg.dq_block_m, cfg.dq_block_n) == (2 * bm, bn)
-    Tq2 = dq_schedule["kind"].shape[1]
     use_ds = (
         cfg.ds_dq > 0
         and ds_slots is not None
         and not load_t
-        and ((cfg.dq_block_m, cfg.dq_block_n) == (bm, bn) or pair)
+        and (cfg.dq_block_m, cfg.dq_block_n) == (bm, bn)
         and tuple(ds_slots.shape) == tuple(dq_schedule["kind"].shape)
     )
-    width = 2 * bm if pair else bm
     ds_buf = (
-        torch.empty((B * Hq * cfg.ds_dq * bn, width), dtype=q.dtype, device=q.device)
+        torch.empty((B * Hq * cfg.ds_dq * bn, bm), dtype=q.dtype, device=q.device)
         if use_ds
         else None
     )
-    # the dS buffer as [rows, width] for TMA (int32 coordinates): dS^T loads of the dS GEMM
-    # (whole slots), and with cfg.ds_tma the stores of the dK/dV kernel (one q-tile each)
-    ds_desc = ds_store_desc = None
+    # the dS buffer as [rows, bm] for TMA (int32 coordinates): dS^T loads of the dS GEMM, and
+    # with cfg.ds_tma the stores of the dK/dV kernel
+    ds_desc = None
     if use_ds and qdo_descs is not None and ds_buf.shape[0] < 2**31:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        ds_desc = TensorDescriptor.from_tensor(ds_buf, [bn, width])
-        ds_store_desc = TensorDescriptor.from_tensor(ds_buf, [bn, bm]) if pair else ds_desc
+        ds_desc = TensorDescriptor.from_tensor(ds_buf, [bn, bm])
     ds_tma = ds_desc is not None and bool(cfg.ds_tma)
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
@@ -864,8 +829,7 @@ def attention_backward(
         GRID_ORDER=order, Q_desc=qdo_descs[0] if qdo_descs else None,
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
-        STORE_DS=use_ds, DS_desc=ds_store_desc if ds_tma else None, DS_TMA=ds_tma,
-        DS_PAIR=use_ds and pair, Tq2=Tq2,
+        STORE_DS=use_ds, DS_desc=ds_desc if ds_tma else None, DS_TMA=ds_tma,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
@@ -879,9 +843,9 @@ def attention_backward(
             ds_buf, k, dq, ds_slots, s["q_count"], s["q_list"], s["q_order"],
             *k.stride(), *dq.stride(),
             Hq, Hq // Hkv, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, cfg.ds_dq, scale,
-            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=width, BLOCK_N=bn, GRID_ORDER=order,
+            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, GRID_ORDER=order,
             K_desc=kv_descs[0] if kv_descs else None, DS_desc=ds_desc,
-            USE_TMA=ds_desc is not None, DS_PAIR=pair,
+            USE_TMA=ds_desc is not None,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
         return dq, dk, dv

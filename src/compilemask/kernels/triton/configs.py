@@ -286,14 +286,13 @@ class BwdConfig:
         tma: 1 loads the streamed tiles (Q, dO in dK/dV; K, V in dQ) through Hopper TMA
             tensor descriptors (16-bit, head_dim <= 128, 16-byte
             aligned strides; else pointers). On by default for D=128 (sm_90 and newer).
-        ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling, or with twice its
-            rows: :func:`ds_tilings_match`) stores dS, in the inputs' dtype, tile by tile
+        ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling:
+            :func:`ds_tilings_match`) stores dS, in the inputs' dtype, tile by tile
             from the dK/dV kernel into a buffer of ``ds_dq`` slots per (batch row, query
             head), one per touched tile of the dQ tiling, and computes ``dQ = scale * dS K``
             with a GEMM-only kernel over the dQ tiling (1 MMA per tile pair instead of 3:
             6 per pair in all instead of 7, no recomputation of P in the dQ pass;
-            deterministic; with paired q-tiles each K tile is read once per two dK/dV
-            q-tiles). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the buffer's size
+            deterministic). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the buffer's size
             from the plan (the largest number of touched tiles of one mask) or 0 when the
             buffer would exceed :func:`ds_buffer_limit` bytes.
         ds_tma: 1 (with ``ds_dq`` and ``tma``) stores the dS tiles through a TMA descriptor:
@@ -478,10 +477,8 @@ _touched_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defin
 
 def ds_tilings_match(cfg: BwdConfig) -> bool:
     """Whether dQ can come from the dS tiles of the dK/dV kernel (``ds_dq``): the dQ tiling is
-    the dK/dV tiling, or pairs its q-tiles (``dq_block_m == 2 * dkdv_block_m``, same
-    ``block_n``; ``schedule.ds_pair_slots``)."""
-    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
-    return (cfg.dq_block_m, cfg.dq_block_n) in ((bm, bn), (2 * bm, bn))
+    the dK/dV tiling."""
+    return (cfg.dq_block_m, cfg.dq_block_n) == (cfg.dkdv_block_m, cfg.dkdv_block_n)
 
 
 def fit_ds_buffer(
@@ -492,7 +489,7 @@ def fit_ds_buffer(
     exceed :func:`ds_buffer_limit` or no tile is touched."""
     if not cfg.ds_dq:
         return cfg
-    # one slot per touched tile of the dQ tiling (the dK/dV tiling, or pairs of its q-tiles)
+    # one slot per touched tile of the dQ tiling (the dK/dV tiling)
     tiles = touched_tiles_max(plan, cfg.dq_block_m, cfg.dq_block_n)
     size = batch * heads * tiles * cfg.dq_block_m * cfg.dq_block_n * elem_bytes
     if tiles == 0 or size > ds_buffer_limit(device):
