@@ -162,7 +162,7 @@ def backward_inputs(
     """
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return [], []
-    cfg = backward_config(q.shape[-1], q.dtype, q.device, tile_efficiency)
+    cfg = backward_config(q.shape[-1], q.dtype, q.device)
     cfg = fit_ds_buffer(cfg, plan, q.shape[0], q.shape[1], q.element_size(), q.device)
     if torch.compiler.is_compiling():
         return _build(plan, cfg), cfg.as_list()

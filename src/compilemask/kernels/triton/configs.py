@@ -392,12 +392,9 @@ def backward_config(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | None = None,
-    tile_efficiency: float | None = None,
 ) -> BwdConfig:
-    """The backward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
-
-    ``tile_efficiency`` (as in :func:`forward_config`) is accepted and not used: since the
-    session-3 sweep one tiling wins the backward on every seed workload.
+    """The backward launch configuration for ``head_dim`` and ``dtype`` on ``device`` (one
+    tiling per head_dim and dtype: no plan-dependent choice measured a gain).
 
     Raises:
         CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
