@@ -3,8 +3,8 @@
 On a machine without CUDA the module sets TRITON_INTERPRET=1 before Triton is imported, so the
 kernels run in Triton's interpreter on CPU tensors (fp16 and fp32: the interpreter computes bf16
 dots wrongly). With CUDA the same tests run compiled on the GPU, bf16 included. dq, dk and dv
-must each pass the DESIGN.md section 3 measure (``compilemask.testing.check_close``) against
-the float64 reference backward; the reference backward itself is checked against torch
+must each pass the correctness measure of docs/design.md (``compilemask.testing.check_close``)
+against the float64 reference backward; the reference backward itself is checked against torch
 autograd of a dense float64 masked softmax.
 """
 

@@ -3,7 +3,7 @@
 On a machine without CUDA the module sets TRITON_INTERPRET=1 before Triton is imported, so the
 kernels run in Triton's interpreter on CPU tensors (fp16 and fp32: the interpreter computes bf16
 dots wrongly). With CUDA the same tests run compiled on the GPU, bf16 included. Correctness is
-the DESIGN.md section 3 measure (``compilemask.testing.check_close``).
+the measure of docs/design.md (``compilemask.testing.check_close``).
 """
 
 from __future__ import annotations
@@ -685,7 +685,7 @@ def test_work_list_entries():
 def test_fullgraph_compile_of_a_fresh_bitmask_plan(head_dim):
     """A ``from_dense`` plan (bitmask tiles) compiles with fullgraph=True on its first use,
     forward and backward: the number of its bitmask tiles, data-dependent while tracing, is
-    never branched on (found by a helper: GuardOnDataDependentSymNode in the schedule)."""
+    never branched on (GuardOnDataDependentSymNode in the schedule)."""
     torch._dynamo.reset()
     dense = torch.rand(150, 150, generator=torch.Generator().manual_seed(1)) < 0.3
     plan = cm.from_dense(dense.to(DEVICE))

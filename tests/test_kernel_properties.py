@@ -2,7 +2,7 @@
 
 Random masks, lengths and tilings from the compiler's strategy (``test_compiler.cases``) run
 through the forward and backward kernels with small tiles, and every output and gradient must
-pass the DESIGN.md section 3 measure against the float64 reference.
+pass the correctness measure of docs/design.md against the float64 reference.
 """
 
 from __future__ import annotations

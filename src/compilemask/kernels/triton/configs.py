@@ -78,9 +78,8 @@ class FwdConfig:
         ]  # fmt: skip
 
 
-# fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
-# document(8 x 1024)): 64x64 beats 128x128 at D=128 on masked work (less partial-tile waste);
-# 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256. D=128: below.
+# fp16 / bf16, tuned on an H200 (the measurements are in docs/perf-notes.md): 128x64 at
+# D <= 64, 64x64 at D=96 (padded to 128), 128x64 with 8 warps at D=256.
 _FWD_16BIT: dict[int, FwdConfig] = {
     32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
@@ -88,46 +87,10 @@ _FWD_16BIT: dict[int, FwdConfig] = {
     128: FwdConfig(64, 64, 4, 3, grid_order=3, tma=1, prefetch=1, one_slot=1),
     256: FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
-# D=128, 16-bit, from the H200 sweeps of session 4 (32K, 16 heads, bf16;
-# benchmarks/results/h200-tune-2026-11-30-session4.jsonl):
-# - masked plans: 64x64, 4 warps, 3 stages, K/V through TMA descriptors (hstu 1.162 ms against
-#   1.246 with pointers and 1.373 at 128x128; shared_prompt 1.663 against 1.827 and 1.721);
-# - plans whose 128x128 tiles are nearly all visible (tile efficiency >=
-#   :data:`DENSE_TILE_EFFICIENCY`: causal): 128x128, 8 warps, 3 stages (causal 8.60 ms against
-#   9.03 with 2 stages, 9.59 at 64x64 with TMA);
-# - plans with bitmask tiles (more than ``BITS_MIN_SLOTS`` intervals per row) whose tiles are
-#   at least 0.5 visible: 128x64, 8 warps, 3 stages (until session 7)
-#   (clear through tile_grid: 3.36 ms against 3.63 at 64x64 with TMA). 128x128 measured
-#   97-150 ms there, because the sweep ran on the plan's own 128x128 schedule, which a GPU
-#   build makes without bitmask tiles (perf-notes session 4, item 4); attention calls now ask
-#   for them, but 128x128 is untimed since: not chosen.
-# Session 5 (benchmarks/results/h200-tune-2026-11-30-session5.jsonl):
-# - launch order 3 (each head's tiles heaviest first, the plan's order): causal 8.375 ms
-#   against 8.492 in natural order (order 2, reversed, 8.312; order 0 8.607); session 4 had
-#   hstu at 1.159 against 1.184 (order 2 1.178): heaviest first for both tilings;
-# - bitmask plans of at most 8192 query rows (until session 7): 64x64, 4 warps, 2 stages,
-#   TMA (two programs per SM: 83 KiB of shared memory each), clear through tile_grid at 4K
-#   1.944 ms against 2.219 at 128x64 (Flex 2.444), at 1K 1.018 against 1.084; at 32K the
-#   session-4 choice stays (128x64: 3.36 ms against 3.63 at 64x64 with 3 stages).
-# Session 6 (h200-tune-2026-11-30-session6.jsonl): the dense tiling from a 128x128 tile
-# efficiency of 0.94 (was 0.97): shared_prompt 32K (0.945) 1.677 ms against 1.728 at 64x64
-# with TMA; hstu (0.836) stays at 64x64 (1.059 against 1.322-1.404 for 128x128 / 128x64).
-# Clear at 1K (bitmask, 0.923): 64x64 with 2 stages 0.778 ms against 0.807-0.819 for 128x64
-# and 128x128 (both launch orders equal).
-# Session 7 (h200-tune-2026-11-30-session7.jsonl): bitmask words read as 16-bit halves (not
-# staged through shared memory, common.bits_tile_mask) let 64x64 with 3 stages hold two
-# programs per SM with bitmask tiles too: bitmask plans take the masked default at every size
-# (clear at 1K 0.662 ms against 0.753 with 2 stages, 0.757-0.794 at 128x128; clear_tiled at
-# 32K 2.307 against 2.891 at 128x64, at 4K 1.874 against 1.943; clear at 4K 2.333 against
-# 2.381, at 32K 5.153 against 6.561 at 128x64).
-# Session 9 (h200-tune-2026-11-30-session9.jsonl, alternated pairs in one process): the work
-# entry read in one load (prefetch): 128x128 shared_prompt 32K 1.674 / 1.675 ms against 1.684 /
-# 1.775, clear 1K 0.758 / 0.758 against 0.798 / 0.799, hstu 1K 0.535 against 0.544; 64x64
-# within the spread (hstu 1K 0.343 / 0.348 against 0.349 / 0.352, clear 1K 0.719 / 0.738
-# against 0.710 / 0.733 measured first). One slot per PARTIAL tile (one_slot, shared_prompt):
-# 64x64 1K 0.371 / 0.379 against 0.382 / 0.385, 16K 1.691 / 1.706 against 1.696 / 1.796; at
-# 128x128 it spills (255 registers, 40 bytes of stack) and loses (32K 1.716 / 1.755 against
-# 1.661 / 1.701): not used there.
+# D=128, 16-bit: masked plans (bitmask plans included) run 64x64 with K/V through TMA, the
+# work entry read in one load and one slot per PARTIAL tile; plans whose 128x128 tiles are
+# nearly all visible (tile efficiency >= DENSE_TILE_EFFICIENCY, e.g. causal) run 128x128 with
+# 8 warps. Both launch heaviest first (order 3); docs/perf-notes.md has the sweeps.
 _FWD_DENSE_128 = FwdConfig(
     block_m=128, block_n=128, num_warps=8, num_stages=3, grid_order=3, prefetch=1
 )
@@ -326,26 +289,9 @@ class BwdConfig:
 
 
 # fp16 / bf16 on sm_90. Register budget of dK/dV: two fp32 [BLOCK_N, D] accumulators over
-# 32 * num_warps threads (D=128, BLOCK_N=128, 8 warps: 128 registers per thread).
-# D=128 from the H200 sweep after the loops were really pipelined (session 3, the tile index
-# loaded one iteration ahead; benchmarks/results/h200-tune-2026-11-30-session3.jsonl, 32K,
-# 16 heads, fwd+bwd): dK/dV 64x64 with 4 warps and 2 stages, dQ 128x64 with 8 warps and 3
-# stages wins on all four seeds (causal 35.6 ms, shared_prompt 6.92, hstu 4.99, clear 22.8,
-# against 36.4-38.8, 7.15-7.73, 5.03-5.51, 23.2-29.1 for the other tilings); 3 stages in
-# dK/dV at 64x64 spill (255 registers) and lose 9-28%. Session 4: the same tilings with the
-# streamed tiles through TMA descriptors win on all four (fwd+bwd causal 33.93 ms against
-# 35.00, shared_prompt 6.71 / 6.86, hstu 4.49 / 4.78, clear via tile_grid 12.79 / 13.73;
-# h200-tune-2026-11-30-session4.jsonl); the overlapped dQ loop loses (4.80-7.43).
-# Session 6 (h200-tune-2026-11-30-session6.jsonl and h200-tune-bwd-order-...-session6.txt,
-# bf16, 16 heads, fwd+bwd): dQ at 64x64 with 4 warps and 2 stages (two programs per SM) and
-# both kernels heaviest first (order 3): hstu 32K 4.235 ms against 4.442, shared_prompt 6.703
-# / 6.750 (causal 33.52 / 33.33: within 1%); then dQ from the stored dS (ds_dq): hstu 32K
-# 4.163 against 4.264, shared_prompt 6.426 / 6.689, hstu 16K 4.190 / 4.358, shared_prompt
-# 16K 6.538 / 6.529, clear 1K 2.701 / 2.807 (3 stages in the dS GEMM: within 2% either
-# way). Causal from 16K has a dS buffer over the limit and runs the dQ kernel (64x64).
-# Session 7 (h200-tune-2026-11-30-session7.jsonl): the dS tiles stored through TMA (ds_tma):
-# hstu 32K 3.955 ms against 4.213, shared_prompt 6.231 / 6.400, shared_prompt 16K 6.432 /
-# 6.520 (3 stages in dK/dV: 4.73 and 7.18, one program per SM).
+# 32 * num_warps threads. D=128: dK/dV and dQ at 64x64 with 4 warps and 2 stages, heaviest
+# first, streamed tiles through TMA and dQ from the stored dS tiles (stored through TMA); the
+# sweeps behind it are in docs/perf-notes.md.
 _BWD_16BIT: dict[int, BwdConfig] = {
     32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
