@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 
 from .common import (
+    clamp,
+    clamp_counts,
     grid_position,
     launch_grid,
     launch_order,
@@ -103,7 +105,7 @@ def _attn_bwd_preprocess(
 @triton.jit
 def _mask_p_t(
     pT, tile, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
-    row_base, offs_m, offs_n, Nq, Nk, n_slots,
+    row_base, offs_m, offs_n, Nq, Nk, n_slots, n_bits,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPAN: tl.constexpr,
@@ -111,7 +113,8 @@ def _mask_p_t(
     SLOTS: tl.constexpr,
 ):  # fmt: skip
     """``pT`` ([BLOCK_N, BLOCK_M]) with 0 where the PARTIAL tile at offset ``tile`` of the
-    tile arrays hides a pair (transposed interval or bitmask masking)."""
+    tile arrays hides a pair (transposed interval or bitmask masking; the bitmask index
+    clamped to [0, n_bits))."""
     kind = 0
     if HAS_BITS:
         kind = tl.load(Kind + tile)
@@ -122,7 +125,7 @@ def _mask_p_t(
         jhi = tl.load(Jhi + tile)
     visible = partial_tile_mask_t(
         kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits,
-        tl.load(BitsIndex + tile), stride_bits_p, stride_bits_r,
+        clamp(tl.load(BitsIndex + tile), n_bits - 1), stride_bits_p, stride_bits_r,
         BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
     )  # fmt: skip
     return tl.where(visible, pT, 0.0)
@@ -133,7 +136,7 @@ def _attn_bwd_dkdv_inner(
     dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head, Lse2_head, Delta_head,
     stride_qm, stride_qd, stride_dom, stride_dod, TileList, Kind, Jlo, Jhi, BitsIndex, Bits,
     stride_bits_p, stride_bits_r, tile_stride, RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots,
-    list_start, list_end, qk_scale,
+    list_start, list_end, qt_max, n_bits, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -151,6 +154,7 @@ def _attn_bwd_dkdv_inner(
     DS_desc=None,
     ds_row0=0,
     DS_TMA: tl.constexpr = False,
+    ds_tiles=1,
 ):  # fmt: skip
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -167,10 +171,11 @@ def _attn_bwd_dkdv_inner(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
-    qt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+    # (q-tiles clamped to [0, qt_max]: the FULL loop's loads are not bounds-checked)
+    qt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), qt_max)
     for i in range(list_start, list_end):
         qt = qt_next
-        qt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
+        qt_next = clamp(tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0), qt_max)
         start_m = qt * BLOCK_M
         offs_m = start_m + offs_m_local
         qT_ptrs = (
@@ -207,7 +212,7 @@ def _attn_bwd_dkdv_inner(
         if MASKED:
             pT = _mask_p_t(
                 pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
-                stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, n_bits,
                 BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
         if USE_TMA:
@@ -252,7 +257,7 @@ def _attn_bwd_dkdv_inner(
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if STORE_DS:
-            slot = tl.load(SlotCol + qt * tile_stride)
+            slot = clamp(tl.load(SlotCol + qt * tile_stride), ds_tiles - 1)
             if DS_TMA:
                 DS_desc.store([(ds_row0 + slot) * BLOCK_N, 0], dsT)
             else:
@@ -277,7 +282,7 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_bits_p, stride_bits_r,
-    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq, Tk, n_bits, mask_stride_b, mask_stride_h,
     scale, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -334,8 +339,9 @@ def _attn_bwd_dkdv(
         bh = off_b.to(tl.int64) * Hq + off_h
         mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
         col = mask_id * Tk + kt  # row of the [M, Tk, ...] per-kv-tile arrays
-        count = tl.load(KvCount + col)
-        full_count = tl.load(KvFullCount + col)
+        count, full_count = clamp_counts(
+            tl.load(KvCount + col), tl.load(KvFullCount + col), Tq, tl.minimum(Tq, Nq // BLOCK_M)
+        )
         tile_list = KvList + col * Tq
         tile_col = mask_id * Tq * Tk + kt  # (qt=0, kt) in the [M, Tq, Tk] tile arrays
         row_base = mask_id * Nq * n_slots
@@ -355,10 +361,11 @@ def _attn_bwd_dkdv(
             stride_qm, stride_qd, stride_dom, stride_dod,
             tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
             Bits, stride_bits_p, stride_bits_r, Tk,
-            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, Tq - 1, n_bits,
+            qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-            STORE_DS, DS_desc, ds_row0, DS_TMA,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv = _attn_bwd_dkdv_inner(
@@ -367,10 +374,11 @@ def _attn_bwd_dkdv(
             stride_qm, stride_qd, stride_dom, stride_dod,
             tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
             Bits, stride_bits_p, stride_bits_r, Tk,
-            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count,
+            tl.minimum(Tq, Nq // BLOCK_M) - 1, n_bits, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-            STORE_DS, DS_desc, ds_row0, DS_TMA,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles,
         )  # fmt: skip
 
     dk = dk * scale
@@ -393,7 +401,7 @@ def _attn_bwd_dq_inner(
     dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head, stride_kn,
     stride_kd, stride_vn, stride_vd, TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
     stride_bits_r, RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq,
-    Nk, n_slots, list_start, list_end, qk_scale,
+    Nk, n_slots, list_start, list_end, kt_max, n_bits, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -413,10 +421,11 @@ def _attn_bwd_dq_inner(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
-    kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+    # (kv-tiles clamped to [0, kt_max]: the FULL loop's loads are not bounds-checked)
+    kt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), kt_max)
     for i in range(list_start, list_end):
         kt = kt_next
-        kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
+        kt_next = clamp(tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0), kt_max)
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
         kT_ptrs = (
@@ -457,7 +466,8 @@ def _attn_bwd_dq_inner(
                     kind = tl.load(Kind + kt)
                 visible = partial_tile_mask(
                     kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
+                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits,
+                    clamp(tl.load(BitsIndex + kt), n_bits - 1),
                     stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
                 )  # fmt: skip
             p = tl.where(visible, p, 0.0)
@@ -492,7 +502,7 @@ def _attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bits_p, stride_bits_r,
-    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, n_bits, mask_stride_b, mask_stride_h,
     scale, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -512,8 +522,12 @@ def _attn_bwd_dq(
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
         pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
     )
-    count = tl.load(QCount + tile_row)
-    full_count = tl.load(QFullCount + tile_row)
+    count, full_count = clamp_counts(
+        tl.load(QCount + tile_row),
+        tl.load(QFullCount + tile_row),
+        Tk,
+        tl.minimum(Tk, Nk // BLOCK_N),
+    )
     tile_list = QList + tile_row * Tk
     kind_row = tile_row * Tk
     row_base = mask_id * Nq * n_slots
@@ -543,10 +557,10 @@ def _attn_bwd_dq(
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
-    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 0, SLOTS)
-    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 1, SLOTS)
-    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
-    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 3, SLOTS)
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
@@ -554,7 +568,7 @@ def _attn_bwd_dq(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
-        full_count, count, qk_scale,
+        full_count, count, Tk - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
         HAS_BITS, SLOTS, USE_TMA,
     )  # fmt: skip
@@ -565,7 +579,7 @@ def _attn_bwd_dq(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
         Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
-        0, full_count, qk_scale,
+        0, full_count, tl.minimum(Tk, Nk // BLOCK_N) - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
         HAS_BITS, SLOTS, USE_TMA,
     )  # fmt: skip
@@ -602,7 +616,7 @@ def _attn_bwd_dq_ds(
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
         pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
     )
-    count = tl.load(QCount + tile_row)
+    count = clamp(tl.load(QCount + tile_row), Tk)
     tile_list = QList + tile_row * Tk
     slot_row = Slot + tile_row * Tk
     ds_row0 = pid_bh.to(tl.int64) * ds_tiles
@@ -615,11 +629,12 @@ def _attn_bwd_dq_ds(
     d_ok = offs_d < HEAD_DIM
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # next tile and its slot one iteration ahead (see forward._attn_fwd_inner)
-    kt_next = tl.load(tile_list, mask=count > 0, other=0)
+    # (tiles and slots clamped to the schedule's and the buffer's sizes)
+    kt_next = clamp(tl.load(tile_list, mask=count > 0, other=0), Tk - 1)
     for i in range(0, count):
         kt = kt_next
-        kt_next = tl.load(tile_list + i + 1, mask=i + 1 < count, other=0)
-        slot = tl.load(slot_row + kt).to(tl.int64)
+        kt_next = clamp(tl.load(tile_list + i + 1, mask=i + 1 < count, other=0), Tk - 1)
+        slot = clamp(tl.load(slot_row + kt), ds_tiles - 1).to(tl.int64)
         start_n = kt * BLOCK_N
         if USE_TMA:
             k = K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
@@ -760,14 +775,14 @@ def attention_backward(
         s["kv_count"], s["kv_full_count"], s["kv_list"], s["kv_order"],
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         bits.stride(0), bits.stride(1),
-        Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
         GRID_ORDER=order, Q_desc=qdo_descs[0] if qdo_descs else None,
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
-        DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
+        DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 1,
         STORE_DS=use_ds, DS_desc=ds_desc if ds_tma else None, DS_TMA=ds_tma,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
@@ -797,7 +812,7 @@ def attention_backward(
         s["q_count"], s["q_full_count"], s["q_list"], s["q_order"],
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         bits.stride(0), bits.stride(1),
-        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 from .common import (
+    clamp,
+    clamp_counts,
     grid_position,
     launch_grid,
     launch_order,
@@ -110,6 +112,8 @@ def _attn_fwd_inner(
     n_slots,
     list_start,
     list_end,
+    kt_max,
+    n_bits,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -134,7 +138,9 @@ def _attn_fwd_inner(
     rows past Nk and columns past HEAD_DIM read as zeros), not per-thread pointers.
     HAS_FIRST: ``kt_first`` is ``TileList[list_start]``, loaded by the caller before (from the
     program's work entry, ``schedule.work_list``), so the loop's first K/V copies need no
-    load of the list first.
+    load of the list first. Tile indices are clamped to [0, kt_max] (the FULL loop's
+    ``kt_max`` is the last complete kv-tile: its loads are not bounds-checked), bitmask
+    indices to [0, n_bits).
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -143,20 +149,24 @@ def _attn_fwd_inner(
     # the pipelined loop becomes the last async copy group of each iteration, and waiting for
     # it at the top of the next one waits for every copy in flight (no pipelining at all).
     if HAS_FIRST:
-        kt_next = kt_first
+        kt_next = clamp(kt_first, kt_max)
     else:
-        kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+        kt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), kt_max)
     # likewise the bitmask index of a masked tile: its words' loads then need nothing loaded
     # in the same iteration
     bidx_next = 0
     if MASKED and HAS_BITS:
-        bidx_next = tl.load(BitsIndex + kt_next, mask=list_start < list_end, other=0)
+        bidx_next = clamp(
+            tl.load(BitsIndex + kt_next, mask=list_start < list_end, other=0), n_bits - 1
+        )
     for i in range(list_start, list_end):
         kt = kt_next
         bidx = bidx_next
-        kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
+        kt_next = clamp(tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0), kt_max)
         if MASKED and HAS_BITS:
-            bidx_next = tl.load(BitsIndex + kt_next, mask=i + 1 < list_end, other=0)
+            bidx_next = clamp(
+                tl.load(BitsIndex + kt_next, mask=i + 1 < list_end, other=0), n_bits - 1
+            )
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
         k_ptrs = (
@@ -220,7 +230,7 @@ def _attn_fwd_two_loops(
     stride_kn, stride_kd, stride_vn, stride_vd,
     TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
     RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-    Nq, Nk, n_slots, full_count, count, qk_scale, kt_full, kt_partial,
+    Nq, Nk, n_slots, full_count, count, qk_scale, kt_full, kt_partial, Tk, n_bits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -235,13 +245,15 @@ def _attn_fwd_two_loops(
 ):  # fmt: skip
     """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
     ``TileList[0:full_count]`` in an unmasked one.
-    HAS_FIRST: ``kt_partial`` / ``kt_full`` are the first entries of the two ranges."""
+    HAS_FIRST: ``kt_partial`` / ``kt_full`` are the first entries of the two ranges. The FULL
+    loop's tiles are clamped to the complete kv-tiles (``clamp_counts`` runs no FULL loop
+    when there is none)."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
         stride_kn, stride_kd, stride_vn, stride_vd,
         TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
         RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-        Nq, Nk, n_slots, full_count, count, qk_scale,
+        Nq, Nk, n_slots, full_count, count, Tk - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
         SLOTS, USE_TMA, kt_partial, HAS_FIRST, ONE_PER_TILE,
     )  # fmt: skip
@@ -250,7 +262,7 @@ def _attn_fwd_two_loops(
         stride_kn, stride_kd, stride_vn, stride_vd,
         TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
         RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-        Nq, Nk, n_slots, 0, full_count, qk_scale,
+        Nq, Nk, n_slots, 0, full_count, tl.minimum(Tk, Nk // BLOCK_N) - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
         SLOTS, USE_TMA, kt_full, HAS_FIRST,
     )  # fmt: skip
@@ -266,7 +278,7 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_bits_p, stride_bits_r,
-    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, n_bits, mask_stride_b, mask_stride_h,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -290,6 +302,7 @@ def _attn_fwd(
             QFullCount, Tq, GRID_ORDER, PREFETCH,
         )
     )  # fmt: skip
+    count, full_count = clamp_counts(count, full_count, Tk, tl.minimum(Tk, Nk // BLOCK_N))
     tile_list = QList + tile_row * Tk
     kind_row = tile_row * Tk  # offset of kind / jlo / jhi / bits_index rows
     row_base = mask_id * Nq * n_slots
@@ -318,10 +331,10 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # the rows' intervals, loaded once when there are few slots (SLOTS > 0)
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
-    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 0, SLOTS)
-    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 1, SLOTS)
-    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
-    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 3, SLOTS)
 
     acc, l_i, m_i = _attn_fwd_two_loops(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
@@ -329,7 +342,7 @@ def _attn_fwd(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
         Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
-        kt_full, kt_partial,
+        kt_full, kt_partial, Tk, n_bits,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
         USE_TMA, PREFETCH, ONE_PER_TILE,
     )  # fmt: skip
@@ -409,7 +422,7 @@ def attention_forward(
         schedule["q_count"], schedule["q_full_count"], schedule["q_list"], schedule["q_order"],
         schedule["q_work"], *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         bits.stride(0), bits.stride(1),
-        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
         scale * _LOG2E,
         HEAD_DIM=D,
         HEAD_DIM_PAD=d_pad,
