@@ -172,3 +172,20 @@ def test_malformed_plans_never_read_out_of_bounds(how, mask_name, dtype, monkeyp
     )  # fmt: skip
     for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
         assert not bool(torch.isnan(t).any()), name
+
+
+def test_bitmask_kinds_without_bitmask_tiles_are_refused():
+    """Tiles marked PARTIAL_BITS in a schedule whose bitmask tensor cannot hold them (an
+    interval plan's 1x1x1 placeholder): the launcher refuses them before any kernel reads."""
+    from compilemask.kernels.triton.forward import attention_forward
+    from compilemask.kernels.triton.schedule import forward_schedule
+
+    plan = cm.compile(cm.masks.sliding_window(20), 70, device=DEVICE, cache=False)
+    sched = {n: t.clone() for n, t in forward_schedule(plan, 16, 32).items()}
+    sched["kind"].fill_(3)
+    q = torch.randn(1, 2, 70, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"schedule\['bits'\]"):
+        attention_forward(
+            q, q, q, plan.row_lo, plan.row_hi, sched, scale=0.2, mask_stride_b=0,
+            mask_stride_h=0, cfg=FwdConfig(16, 32, 4, 1),
+        )  # fmt: skip

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    check_bits,
     clamp,
     clamp_counts,
     grid_position,
@@ -768,6 +769,7 @@ def attention_backward(
     ds_tma = ds_desc is not None and bool(cfg.ds_tma)
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
+    check_bits(bits, has_bits, cfg.dkdv_block_n, cfg.dkdv_block_m)  # transposed tiles
     order = launch_order(cfg.dkdv_order, B * Hkv)
     _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
@@ -805,6 +807,7 @@ def attention_backward(
         return dq, dk, dv
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
+    check_bits(bits, has_bits, cfg.dq_block_m, cfg.dq_block_n)
     order = launch_order(cfg.dq_order, B * Hq)
     _attn_bwd_dq[launch_grid(order, B * Hq, Tq)](
         q, k, v, do, lse2, delta, dq,

@@ -507,3 +507,15 @@ def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, int]:
         value,
     )
     return value
+
+
+def check_bits(bits, has_bits: int, rows: int, cols: int) -> None:
+    """Raise ValueError unless the bitmask tiles ``bits`` ([P, rows, words] int32) cover
+    ``rows`` x ``cols`` tiles when the schedule has bitmask tiles (``has_bits``): the kernels
+    read ``rows`` rows of ``cols / 16`` 16-bit halves from every page (a shape check on the
+    host, no device read)."""
+    if has_bits and (bits.dim() != 3 or bits.shape[1] < rows or bits.shape[2] * 32 < cols):
+        raise ValueError(
+            f"schedule['bits'] of shape {tuple(bits.shape)} does not hold {rows}x{cols} "
+            "bitmask tiles"
+        )

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    check_bits,
     clamp,
     clamp_counts,
     grid_position,
@@ -410,6 +411,7 @@ def attention_forward(
         return out, lse
     bits = schedule["bits"]
     span, slots, has_bits = mask_constants(kind, schedule["jlo"], schedule["jhi"], n_slots)
+    check_bits(bits, has_bits, cfg.block_m, cfg.block_n)
     order = launch_order(cfg.grid_order, B * Hq)
     d_pad = padded_head_dim(D)
     descs = tma_descriptors(k, v, cfg.block_n, d_pad) if cfg.tma else None
