@@ -52,6 +52,7 @@ from .common import (
     partial_tile_mask_t,
     preload_row_slot,
     q_tile_program,
+    slot_range,
     slots_mask,
     tile_of_rank,
 )
@@ -122,8 +123,7 @@ def _mask_p_t(
     jlo = 0
     jhi = 0
     if SLOTS == 0:
-        jlo = tl.load(Jlo + tile)
-        jhi = tl.load(Jhi + tile)
+        jlo, jhi = slot_range(Jlo, Jhi, tile, n_slots)
     visible = partial_tile_mask_t(
         kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits,
         clamp(tl.load(BitsIndex + tile), n_bits - 1), stride_bits_p, stride_bits_r,
@@ -465,10 +465,10 @@ def _attn_bwd_dq_inner(
                 kind = 0
                 if HAS_BITS:
                     kind = tl.load(Kind + kt)
+                jlo, jhi = slot_range(Jlo, Jhi, kt, n_slots)
                 visible = partial_tile_mask(
-                    kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits,
-                    clamp(tl.load(BitsIndex + kt), n_bits - 1),
+                    kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi,
+                    Bits, clamp(tl.load(BitsIndex + kt), n_bits - 1),
                     stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
                 )  # fmt: skip
             p = tl.where(visible, p, 0.0)

@@ -42,11 +42,9 @@ def interval_tile_mask(
     """visible[r, c] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j].
 
     ``row_base`` is the int64 offset of mask m's first row in RowLo/RowHi ([M, Nq, n_slots]);
-    ``offs_m`` / ``offs_n`` are absolute query / key indices. Rows >= Nq see nothing. The slot
-    range is clamped to [0, n_slots) (a malformed tile never reads another row's slots).
+    ``offs_m`` / ``offs_n`` are absolute query / key indices. Rows >= Nq see nothing. A slot
+    range read from plan data is clamped to [0, n_slots) by the caller (:func:`slot_range`).
     """
-    jlo = tl.maximum(jlo, 0)
-    jhi = tl.minimum(jhi, n_slots)
     row_ok = offs_m < Nq
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
     visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
@@ -220,10 +218,7 @@ def interval_tile_mask_t(
     BLOCK_N: tl.constexpr,
     MAX_SPAN: tl.constexpr,
 ):
-    """visible_t[c, r] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j]
-    (the slot range clamped to [0, n_slots))."""
-    jlo = tl.maximum(jlo, 0)
-    jhi = tl.minimum(jhi, n_slots)
+    """visible_t[c, r] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j]."""
     row_ok = offs_m < Nq
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
     visible = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int1)
@@ -335,6 +330,13 @@ def clamp(x, hi):
     a masked load), so a malformed plan gives wrong numbers at worst, never an access out of
     bounds."""
     return tl.minimum(tl.maximum(x, 0), hi)
+
+
+@triton.jit
+def slot_range(Jlo, Jhi, tile, n_slots):
+    """The slot range ``[jlo, jhi)`` of the tile at offset ``tile``, clamped to [0, n_slots)
+    (a malformed tile never reads another row's slots)."""
+    return tl.maximum(tl.load(Jlo + tile), 0), tl.minimum(tl.load(Jhi + tile), n_slots)
 
 
 @triton.jit

@@ -39,6 +39,7 @@ from .common import (
     partial_tile_mask,
     preload_row_slot,
     q_tile_work,
+    slot_range,
     slots_mask,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
@@ -71,9 +72,9 @@ def _mask_scores(
         kind = 0
         if HAS_BITS:
             kind = tl.load(Kind + kt)
+        jlo, jhi = slot_range(Jlo, Jhi, kt, n_slots)
         visible = partial_tile_mask(
-            kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-            tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, bidx,
+            kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits, bidx,
             stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
         )  # fmt: skip
     return tl.where(visible, qk, float("-inf"))
