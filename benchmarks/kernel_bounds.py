@@ -121,7 +121,7 @@ def _workload(name: str, a, env: dict, sms: int, dev, dt, cuda: bool, out) -> No
               f"{ns_tile:8.1f} ns/tile/SM  {fcfg}", flush=True)  # fmt: skip
     if a.no_bwd:
         return
-    bcfg = backward_config(128, dt, dev, eff)
+    bcfg = backward_config(128, dt, dev)
     bcfg = fit_ds_buffer(bcfg, plan, w.B, a.heads, 2, dev)
     dks = dkdv_schedule(plan, bcfg.dkdv_block_m, bcfg.dkdv_block_n, bits=True)
     dqs = forward_schedule(plan, bcfg.dq_block_m, bcfg.dq_block_n, bits=True)

@@ -4,7 +4,8 @@
         [--fwd 128,128,8,2] [--bwd 64,64,4,2,128,64,8,3] [--dump /tmp/sass]
 
 Launches of the forward and backward kernels are compiled for sm_90 and not run
-(``compilemask.kernels.triton.sass.capture_sm90``; start it without ``TRITON_INTERPRET``). For
+(``compilemask.kernels.triton.sass``: ``capture_sm90``, ``launch_all``; start it without
+``TRITON_INTERPRET``). For
 each kernel it prints registers, spills, shared memory, the async-copy waits
 (``DEPBAR.LE SB0, N``: N = 0 in a loop means no pipelining) and SASS instruction counts of the
 whole kernel and of its loops (HGMMA, LDGSTS, LDG, LDS, MUFU.EX2, BAR, branches, spill loads
@@ -27,51 +28,17 @@ import torch
 
 import compilemask as cm
 from compilemask.kernels.triton import configs as cfgs
-from compilemask.kernels.triton.backward import attention_backward
-from compilemask.kernels.triton.forward import attention_forward
 from compilemask.kernels.triton.sass import (
     COUNTED,
     async_copy_waits,
     capture_sm90,
     instruction_counts,
+    launch_all,
     loops,
     resources,
     sass,
 )
-from compilemask.kernels.triton.schedule import (
-    dkdv_schedule,
-    ds_pair_slots,
-    ds_slots,
-    forward_schedule,
-)
 from compilemask.workloads import workload
-
-
-def launch_all(w, fwd: cfgs.FwdConfig, bwd: cfgs.BwdConfig, heads: int = 2) -> None:
-    """One forward and one backward launch of every kernel on CPU tensors (inside
-    ``capture_sm90`` they compile and do not run). ``w`` is a workload, or a (mask, N) pair."""
-    mask, n = (w.mask, w.N) if hasattr(w, "mask") else w
-    plan = cm.compile(mask, n)
-    q, k, v, do = (torch.randn(1, heads, n, 128, dtype=torch.bfloat16) for _ in range(4))
-    strides = dict(mask_stride_b=0, mask_stride_h=0)
-    fwd_sched = forward_schedule(plan, fwd.block_m, fwd.block_n)
-    out, lse = attention_forward(
-        q, k, v, plan.row_lo, plan.row_hi, fwd_sched, scale=0.088, cfg=fwd, **strides
-    )
-    s1 = dkdv_schedule(plan, bwd.dkdv_block_m, bwd.dkdv_block_n)
-    slots = None
-    if bwd.ds_dq:  # dQ from stored dS: a buffer of the most touched dQ tiles of one mask
-        s2 = forward_schedule(plan, bwd.dq_block_m, bwd.dq_block_n)
-        if bwd.dq_block_m == bwd.dkdv_block_m:
-            slots = ds_slots(s1["kind"])
-        else:  # dQ tiles of two dK/dV q-tiles
-            slots = ds_pair_slots(s1["kind"], s2["kind"])
-        bwd = cfgs.replace(bwd, ds_dq=int((s2["kind"] != 0).sum()))
-    attention_backward(
-        q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1,
-        forward_schedule(plan, bwd.dq_block_m, bwd.dq_block_n),
-        scale=0.088, cfg=bwd, ds_slots=slots, **strides,
-    )  # fmt: skip
 
 
 def compile_inductor_file(path: str):

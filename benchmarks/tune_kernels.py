@@ -4,11 +4,12 @@
         [--workloads causal hstu shared_prompt clear clear_tiled] [--part fwd bwd] [--n0 32768]
 
 For every workload (B = 1, 16 heads, head_dim 128, bf16, N0 = 32768 by default) and every
-candidate configuration: one correctness check against the float64 reference on 2 heads
-(DESIGN.md section 3; a failing configuration is reported and not timed), then
-``triton.testing.do_bench`` (median). ``clear_tiled`` is clear through ``tile_grid(..., (8, 16))``.
-Prints a table per workload, best first, and writes JSON lines (DESIGN.md "Results files" keys
-plus ``config``) so that the winners can go into ``kernels/triton/configs.py`` with evidence.
+candidate configuration: one correctness check against the float64 reference on 2 heads (the
+correctness measure of docs/design.md; a failing configuration is reported and not timed),
+then ``triton.testing.do_bench`` (median). ``clear_tiled`` is clear through
+``tile_grid(..., (8, 16))``. Prints a table per workload, best first, and writes JSON lines (the
+results-file keys of docs/benchmarking.md plus ``config``) so that the winners can go into
+``kernels/triton/configs.py`` with evidence.
 """
 
 from __future__ import annotations
@@ -43,27 +44,21 @@ FWD_CANDIDATES = [
     FwdConfig(128, 128, 8, 2, 1),
     FwdConfig(64, 128, 4, 3, 1),
 ]
-# --fwd-set tma: K/V through TMA descriptors (session 3: 201-230 registers instead of 255 at
+# --fwd-set tma: K/V through TMA descriptors (201-230 registers instead of 255 at
 # 128x128, so 3 stages fit; 164 at 64x64), against the pointer loads of the defaults
-# and the overlapped FULL-tile loop (FwdConfig.overlap: S_{j+1} = Q K^T issued before the
-# exponentials of S_j; the SASS interleaves its HGMMAs with the MUFU.EX2s)
 FWD_TMA = [
     FwdConfig(128, 128, 8, 2, 1, 0),
     FwdConfig(128, 128, 8, 2, 1, 1),
     FwdConfig(128, 128, 8, 3, 1, 1),
     FwdConfig(128, 128, 8, 3, 1, 0),
-    FwdConfig(128, 128, 8, 2, 1, 1, 1),
-    FwdConfig(128, 128, 8, 3, 1, 1, 1),
     FwdConfig(64, 64, 4, 3, 1, 0),
     FwdConfig(64, 64, 4, 3, 1, 1),
-    FwdConfig(64, 64, 4, 3, 1, 1, 1),
     FwdConfig(64, 64, 4, 4, 1, 1),
     FwdConfig(128, 64, 8, 3, 1, 1),
-    FwdConfig(128, 64, 8, 3, 1, 1, 1),
     FwdConfig(128, 64, 8, 3, 1, 0),
     FwdConfig(128, 64, 8, 4, 1, 1),
 ]
-# --fwd-set occupancy (session 5): 64x64 with 2 stages fits two programs per SM (83 KiB of
+# --fwd-set occupancy: 64x64 with 2 stages fits two programs per SM (83 KiB of
 # shared memory each, 161 registers; 3 stages take 116 KiB: one program of 4 warps per SM),
 # and 64x128 (wider MMAs, half the iterations; 200-231 registers, no spill in the SASS)
 FWD_OCCUPANCY = [
@@ -73,7 +68,7 @@ FWD_OCCUPANCY = [
     FwdConfig(64, 128, 4, 3, 1, 1),
     FwdConfig(128, 64, 8, 2, 1, 1),
 ]
-# --fwd-set causal (session 5): the causal default (pointers, 128x128, 3 stages) against TMA
+# --fwd-set causal: the causal default (pointers, 128x128, 3 stages) against TMA
 # (after the scale fold the pointer loop spills 16 bytes) and the launch orders
 FWD_CAUSAL = [
     FwdConfig(128, 128, 8, 3, 1, 0),
@@ -83,7 +78,7 @@ FWD_CAUSAL = [
     FwdConfig(128, 128, 8, 3, 2, 0),
     FwdConfig(128, 128, 8, 3, 3, 0),
 ]
-# --fwd-set bits (session 5): bitmask plans (clear via tile_grid) at small N, where 128x64
+# --fwd-set bits: bitmask plans (clear via tile_grid) at small N, where 128x64
 # loses to Flex at 1K: smaller and larger tiles, two programs per SM (2 stages at 64x64)
 FWD_BITS = [
     FwdConfig(128, 64, 8, 3, 1, 1),
@@ -93,8 +88,8 @@ FWD_BITS = [
     FwdConfig(128, 64, 8, 2, 1, 1),
     FwdConfig(64, 128, 4, 3, 1, 1),
 ]
-# --fwd-set masked (session 6): larger tiles for masked plans with TMA and heaviest-first
-# order (session 4 measured 128x128 only with pointers and 2 stages on them: 1.373 ms for hstu
+# --fwd-set masked: larger tiles for masked plans with TMA and heaviest-first
+# order (earlier sweeps measured 128x128 only with pointers and 2 stages on them: 1.373 ms for hstu
 # against 1.162 at 64x64 with TMA), and 128x128 for bitmask plans that are nearly dense
 # (clear at 1K: 92% of the pairs visible)
 FWD_MASKED = [
@@ -105,8 +100,8 @@ FWD_MASKED = [
     FwdConfig(64, 128, 4, 3, 3, 1),
     FwdConfig(128, 128, 8, 3, 3, 0),
 ]
-# --fwd-set bits1k (session 6): nearly dense bitmask plans at 1K (clear: 92% of the pairs
-# visible), 64x64 with 2 stages (the session-5 choice) against 128x64 in both launch orders
+# --fwd-set bits1k: nearly dense bitmask plans at 1K (clear: 92% of the pairs
+# visible), 64x64 with 2 stages (the earlier choice) against 128x64 in both launch orders
 FWD_BITS1K = [
     FwdConfig(64, 64, 4, 2, 1, 1),
     FwdConfig(64, 64, 4, 2, 3, 1),
@@ -114,7 +109,7 @@ FWD_BITS1K = [
     FwdConfig(128, 64, 8, 3, 1, 1),
     FwdConfig(128, 128, 8, 2, 3, 1),
 ]
-# --fwd-set bits16 (session 7): bitmask words loaded as 16-bit halves, which the pipeliner
+# --fwd-set bits16: bitmask words loaded as 16-bit halves, which the pipeliner
 # does not stage through shared memory (the 32-bit words took 512 bytes per stage): 64x64 with
 # 3 stages now fits two programs per SM (115712 bytes of dynamic shared memory, the limit;
 # was 116280) and 128x128 with 3 stages compiles (230400; was over the limit)
@@ -125,17 +120,7 @@ FWD_BITS16 = [
     FwdConfig(128, 128, 8, 3, 3, 0),
     FwdConfig(128, 64, 8, 3, 3, 1),
 ]
-# --fwd-set oneloop (session 7, not yet timed): FULL and PARTIAL tiles in one pipelined loop
-# (FwdConfig.one_loop: one pipeline fill and drain per program instead of two; hstu rows hold
-# about 27 tiles of 64 keys at 32K). SASS (hstu 4K, 64x64): 168 registers, 114744 bytes (two
-# programs per SM), against 160 and 115712 with two loops
-FWD_ONELOOP = [
-    FwdConfig(64, 64, 4, 3, 3, 1),
-    FwdConfig(64, 64, 4, 3, 3, 1, one_loop=1),
-    FwdConfig(128, 128, 8, 3, 3, 0),
-    FwdConfig(128, 128, 8, 3, 3, 0, one_loop=1),
-]
-# --fwd-set prefetch (session 9): the program's q-tile, counts and first tiles from one work
+# --fwd-set prefetch: the program's q-tile, counts and first tiles from one work
 # entry (FwdConfig.prefetch) against the chain of dependent loads, at both library tilings,
 # alternated twice (the same process measures both within the spread)
 FWD_PREFETCH = [
@@ -144,7 +129,7 @@ FWD_PREFETCH = [
     FwdConfig(128, 128, 8, 3, 3, 0),
     FwdConfig(128, 128, 8, 3, 3, 0, prefetch=1),
 ] * 2
-# --fwd-set oneslot (session 9): PARTIAL tiles masked from the one slot per row that meets the
+# --fwd-set oneslot: PARTIAL tiles masked from the one slot per row that meets the
 # tile (FwdConfig.one_slot; plans with no row holding two intervals in one kv-tile, such as
 # shared_prompt), with the work-list prefetch, at both tilings (128x128 also through TMA:
 # 235 registers against 255 and 8 bytes of stack with pointers), alternated twice
@@ -155,14 +140,14 @@ FWD_ONESLOT = [
     FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1),
     FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1, one_slot=1),
 ] * 2
-# --fwd-set stages (session 9): 64x64 with 1 stage (48 KiB of shared memory: three programs
+# --fwd-set stages: 64x64 with 1 stage (48 KiB of shared memory: three programs
 # of 4 warps per SM, registers permitting) or 2 (two per SM) against 3, prefetch and one slot
 FWD_STAGES = [
     FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1, one_slot=1),
     FwdConfig(64, 64, 4, 1, 3, 1, prefetch=1, one_slot=1),
     FwdConfig(64, 64, 4, 2, 3, 1, prefetch=1, one_slot=1),
 ] * 2
-# --fwd-set dense (session 9): the dense tiling (128x128, 8 warps, prefetch) with pointer loads
+# --fwd-set dense: the dense tiling (128x128, 8 warps, prefetch) with pointer loads
 # (255 registers, 8 bytes of stack) against TMA (235, none) and the masked tiling with one slot
 # per tile, for plans near DENSE_TILE_EFFICIENCY (shared_prompt: 0.945), alternated three times
 FWD_DENSE = [
@@ -170,23 +155,15 @@ FWD_DENSE = [
     FwdConfig(128, 128, 8, 3, 3, 1, prefetch=1),
     FwdConfig(64, 64, 4, 3, 3, 1, prefetch=1, one_slot=1),
 ] * 3
-# --fwd-set order: the session-4 default for masked plans in every launch order (hstu's q-tiles
+# --fwd-set order: the earlier default for masked plans in every launch order (hstu's q-tiles
 # differ a lot in length: heaviest first may balance the SMs better)
 FWD_ORDER = [FwdConfig(64, 64, 4, 3, order, 1) for order in (1, 0, 2, 3)]
 BWD_CANDIDATES = [
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),  # the D=128 default since session 3
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),  # an earlier D=128 default
     BwdConfig(64, 64, 4, 3, 64, 64, 4, 3, 1, 2),
     BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
     BwdConfig(64, 128, 8, 2, 128, 64, 8, 2, 1, 2),
-]
-# --bwd-set fused: the one-launch backward against the best two-launch configs
-BWD_FUSED = [
-    BwdConfig(64, 64, 4, 3, 128, 64, 8, 2, 1, 2),
-    BwdConfig(64, 128, 8, 3, 128, 128, 8, 2, 1, 2),
-    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2, fused=1),
-    BwdConfig(64, 128, 8, 2, 128, 128, 8, 2, 1, 2, fused=1),
-    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 1, fused=1),
 ]
 # --bwd-set spill: dK/dV 64x64 with 4 warps spills 42-62 registers (kernel_stats.py): 8 warps
 BWD_SPILL = [
@@ -195,7 +172,7 @@ BWD_SPILL = [
     BwdConfig(64, 64, 8, 2, 128, 64, 8, 2, 1, 2),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 2, 1, 2),
 ]
-# --bwd-set pipelined: after the tile index is loaded one iteration ahead (session 3), the
+# --bwd-set pipelined: after the tile index is loaded one iteration ahead, the
 # 3-stage loops really pipeline (async-copy waits 0x4 / 0x2 instead of 0x0 in the SASS)
 BWD_PIPELINED = [
     BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),
@@ -206,31 +183,17 @@ BWD_PIPELINED = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
 ]
 # --bwd-set tma: Q/dO (dK/dV) and K/V (dQ) through TMA descriptors: dK/dV spills 24-40 bytes
-# instead of 80-120 in the SASS (session 3), so 3 stages and 64x128 tiles may pay now
+# instead of 80-120 in the SASS, so 3 stages and 64x128 tiles may pay now
 BWD_TMA = [
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2),
-    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),  # session 4: clear_tiled's best of the defaults
+    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2),  # clear_tiled's best of the earlier defaults
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2, tma=1),
     BwdConfig(64, 128, 8, 3, 128, 64, 8, 3, 1, 2, tma=1),
     BwdConfig(64, 128, 8, 3, 128, 128, 8, 2, 1, 2, tma=1),
     BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, 1, 2, tma=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, overlap=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
-    BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2, tma=1, overlap=1),
 ]
-# --bwd-set atomic (session 5): dQ in the dK/dV kernel by TMA reductions (or atomic adds,
-# tma=0) into an fp32 accumulator, no dQ kernel: 5 MMAs per tile pair instead of 7. SASS: 8
-# warps at 64x64 hold the extra [64, 128] fp32 dQ tile without spilling (240-252 registers);
-# 4 warps spill 104 bytes (64x128 with 8 warps 184: not timed)
-BWD_ATOMIC = [
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1),
-    BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
-    BwdConfig(64, 64, 8, 3, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
-    BwdConfig(64, 64, 8, 2, 128, 64, 8, 3, 1, 2, tma=0, atomic_dq=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 1, 2, tma=1, atomic_dq=1),
-]
-# --bwd-set order (prepared in session 5, untimed): heaviest-first launch orders (3) for dK/dV
+# --bwd-set order (untimed): heaviest-first launch orders (3) for dK/dV
 # and dQ (order 3 gave the hstu forward 5%), and dQ at 64x64 with 2 stages (SASS: 180
 # registers, 97 KiB of shared memory: two programs per SM; 128x64 takes 161 KiB: one)
 BWD_ORDER = [
@@ -241,7 +204,7 @@ BWD_ORDER = [
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 2, tma=1),
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1),
 ]
-# --bwd-set occupancy (session 6): the session-5 default against the winner of --bwd-set order
+# --bwd-set occupancy: the earlier default against the winner of --bwd-set order
 # on hstu and shared_prompt (dQ 64x64, 4 warps, 2 stages: two programs per SM; both kernels
 # heaviest first), on the other seeds (causal: dense rows, where dQ at 128x64 may still win)
 BWD_OCCUPANCY = [
@@ -250,7 +213,7 @@ BWD_OCCUPANCY = [
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 2, tma=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
 ]
-# --bwd-set ds (session 6): dQ from the dS tiles the dK/dV kernel stores (BwdConfig.ds_dq: one
+# --bwd-set ds: dQ from the dS tiles the dK/dV kernel stores (BwdConfig.ds_dq: one
 # MMA per tile pair in a GEMM-only dQ kernel instead of three; SASS: 90 registers, 49 KiB of
 # shared memory at 64x64 with 2 stages; dK/dV 255 registers, 56 bytes of stack, 108 KiB),
 # against the winners of --bwd-set order / occupancy (masks whose buffer exceeds the limit,
@@ -263,7 +226,7 @@ BWD_DS = [
     BwdConfig(64, 64, 4, 2, 64, 64, 8, 3, 3, 3, tma=1, ds_dq=1),
     BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
 ]
-# --bwd-set dstma (session 7): the dS tiles stored through a TMA descriptor (BwdConfig.ds_tma:
+# --bwd-set dstma: the dS tiles stored through a TMA descriptor (BwdConfig.ds_tma:
 # an asynchronous bulk copy from shared memory that the pipeliner waits for one iteration
 # later; SASS: UTMASTG.2D, same 255 registers / 56 bytes of stack / 108 KiB as the per-thread
 # stores), with 2 and 3 stages in the dS GEMM and 3 in dK/dV (143 KiB: one program per SM)
@@ -273,7 +236,7 @@ BWD_DSTMA = [
     BwdConfig(64, 64, 4, 2, 64, 64, 4, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     BwdConfig(64, 64, 4, 3, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
 ]
-# --bwd-set dkdv (session 7): with ds_tma, the dK/dV kernel at 64x64 with 8 warps (SASS: 251
+# --bwd-set dkdv: with ds_tma, the dK/dV kernel at 64x64 with 8 warps (SASS: 251
 # registers and no stack, against 255 and 56 bytes at 4 warps; 108 KiB: one program of 8 warps
 # per SM instead of two of 4) and at 32x64 (254 registers, no stack, 70 KiB)
 BWD_DKDV = [
@@ -281,33 +244,6 @@ BWD_DKDV = [
     BwdConfig(64, 64, 8, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
     BwdConfig(32, 64, 4, 2, 32, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
 ]
-# --bwd-set dspair (session 7, not yet timed): dQ tiles of two dK/dV q-tiles from the stored
-# dS (schedule.ds_pair_slots: a slot holds both q-tiles side by side, each K tile read once
-# per 128 query rows instead of 64; hstu 32K's dS GEMM took 0.670 ms for about 1.6 GB of dS).
-# SASS (hstu 4K): 8 warps 106 registers and 57 KiB with 2 stages (112 and 88 KiB with 3), 4
-# warps 219 registers
-BWD_DSPAIR = [
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-]
-# --bwd-set oneloop (session 7, not yet timed): each kv-tile's FULL and PARTIAL q-tiles in one
-# dK/dV loop (BwdConfig.one_loop); SASS (hstu 4K): 255 registers, 16 bytes of stack (56 with
-# two loops), 107040 bytes; the PARTIAL tiles' interval loads stay unpipelined in the branch
-BWD_ONELOOP = [
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
-    BwdConfig(64, 64, 4, 2, 128, 64, 8, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, one_loop=1),
-]
-# --bwd-set prefetch (session 9, not yet timed): the dK/dV kernel's kv-tile, counts and first
-# q-tiles and the dS GEMM's q-tile, count and first kv-tile from one work entry each
-# (BwdConfig.prefetch) against the chains of dependent loads, at the library D=128 config,
-# alternated twice (the same process measures both within the spread)
-BWD_PREFETCH = [
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
-    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1, prefetch=1),
-] * 2
 # --bwd-set wide: around the winners of the first sweeps (dense masks: causal, shared_prompt)
 BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 1, 2),
@@ -344,12 +280,12 @@ def main() -> None:
     ap.add_argument("--n0", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
-    bwd_sets = ["default", "wide", "fused", "spill", "pipelined", "tma", "atomic", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "dspair", "oneloop", "prefetch"]
+    bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "order"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv"]
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
-    fwd_sets += ["bits16", "oneloop", "prefetch", "oneslot", "stages", "dense"]
+    fwd_sets += ["bits16", "prefetch", "oneslot", "stages", "dense"]
     fwd_sets += ["library"]  # library: the library's own choice, no override
     ap.add_argument("--fwd-set", default="default", choices=fwd_sets)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no candidate after this")
@@ -384,7 +320,6 @@ def main() -> None:
                 "masked": FWD_MASKED,
                 "bits1k": FWD_BITS1K,
                 "bits16": FWD_BITS16,
-                "oneloop": FWD_ONELOOP,
                 "prefetch": FWD_PREFETCH,
                 "oneslot": FWD_ONESLOT,
                 "stages": FWD_STAGES,
@@ -394,19 +329,14 @@ def main() -> None:
             parts = [("fwd", c) for c in fwd_list] if "fwd" in a.part else []
             bwd_list = {
                 "wide": BWD_WIDE,
-                "fused": BWD_FUSED,
                 "spill": BWD_SPILL,
                 "pipelined": BWD_PIPELINED,
                 "tma": BWD_TMA,
-                "atomic": BWD_ATOMIC,
                 "order": BWD_ORDER,
                 "occupancy": BWD_OCCUPANCY,
                 "ds": BWD_DS,
                 "dstma": BWD_DSTMA,
                 "dkdv": BWD_DKDV,
-                "dspair": BWD_DSPAIR,
-                "oneloop": BWD_ONELOOP,
-                "prefetch": BWD_PREFETCH,
                 "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []

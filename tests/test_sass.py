@@ -1,6 +1,6 @@
 """The compiled sm_90 code of the kernels, read on the CPU (no GPU): multi-stage loops must
-pipeline their async copies (session 3: every loop waited for all copies in flight because the
-tile-index load was the last copy group of each iteration; H200 fwd+bwd 5-9% faster once fixed).
+pipeline their async copies (a tile-index load as the last copy group of each iteration makes
+every loop wait for all copies in flight).
 
 The compilation runs in a child process without ``TRITON_INTERPRET`` (the test suite sets it,
 and interpreted kernels cannot be compiled for a GPU).
@@ -25,16 +25,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 _CHILD = """
-import json, sys
-sys.path.insert(0, {bench!r})
-from sass_stats import launch_all
+import json
 from compilemask.kernels.triton import sass
 from compilemask.kernels.triton.configs import BwdConfig, FwdConfig
 from compilemask.workloads import workload
 with sass.capture_sm90() as kernels:
-    launch_all(workload("causal", 1024), FwdConfig(64, 64, 4, 3),
-               BwdConfig(64, 128, 8, 3, 128, 64, 8, 3))
-print(json.dumps({{n: sass.async_copy_waits(sass.sass(k)) for n, k in kernels}}))
+    sass.launch_all(workload("causal", 1024), FwdConfig(64, 64, 4, 3),
+                    BwdConfig(64, 128, 8, 3, 128, 64, 8, 3))
+print(json.dumps({n: sass.async_copy_waits(sass.sass(k)) for n, k in kernels}))
 """
 
 
@@ -42,9 +40,8 @@ def _run_child(template: str):
     """Run a compile script in a child without TRITON_INTERPRET; its last line as JSON."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    child = template.format(bench=str(ROOT / "benchmarks"))
     done = subprocess.run(
-        [sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", template], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -60,16 +57,14 @@ def test_three_stage_loops_keep_copies_in_flight():
 
 
 _CHILD_SMEM = """
-import json, sys
-sys.path.insert(0, {bench!r})
-from sass_stats import launch_all
+import json
 from compilemask.kernels.triton import sass
 from compilemask.kernels.triton.configs import BwdConfig, FwdConfig
 from compilemask.workloads import workload
 with sass.capture_sm90() as kernels:
-    launch_all(workload("clear", 1024), FwdConfig(64, 64, 4, 3, 3, 1),
-               BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1))
-print(json.dumps({{n: k.metadata.shared for n, k in kernels}}))
+    sass.launch_all(workload("clear", 1024), FwdConfig(64, 64, 4, 3, 3, 1),
+                    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1))
+print(json.dumps({n: k.metadata.shared for n, k in kernels}))
 """
 
 # Two programs per SM on sm_90: 2 x (dynamic + 1 KiB reserved per block) <= 228 KiB.
@@ -77,9 +72,9 @@ TWO_PER_SM = 228 * 1024 // 2 - 1024
 
 
 def test_bitmask_forward_keeps_two_programs_per_sm():
-    """Session 7: the pipeliner staged the 32-bit bitmask words through shared memory (512
-    bytes per stage), which put the 64x64 forward with 3 stages one program per SM; the
-    16-bit loads of ``common.bits_tile_mask`` stay in registers. Clear at 1K has bitmask
+    """32-bit bitmask words would be staged through shared memory by the pipeliner (512 bytes
+    per stage), which puts the 64x64 forward with 3 stages at one program per SM; the 16-bit
+    loads of ``common.bits_tile_mask`` stay in registers. Clear at 1K has bitmask
     tiles in every image row."""
     shared = _run_child(_CHILD_SMEM)
     assert shared["_attn_fwd"] <= TWO_PER_SM, shared

@@ -91,8 +91,7 @@ def attention(
             raises (never a silent fallback).
 
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
-    backward kernels, also under ``torch.compile``; the opt-in atomic dQ of
-    ``BwdConfig.atomic_dq`` is not, and is off under ``torch.use_deterministic_algorithms``;
+    backward kernels, also under ``torch.compile``; cudnn: cuDNN-frontend's backward;
     reference: torch autograd with per-chunk recomputation). Forward-mode AD (dual tensors of
     ``torch.autograd.forward_ad``, ``torch.func.jvp``) and higher-order gradients on the
     reference backend only (Triton: gradients taken with ``create_graph=True`` raise when

@@ -54,7 +54,6 @@ from .schedule import (
     DKDV_SCHEDULE_FIELDS,
     FWD_SCHEDULE_FIELDS,
     dkdv_schedule,
-    ds_pair_slots,
     ds_slots,
     forward_schedule,
 )
@@ -128,8 +127,8 @@ def _ds_tiles(plan, cfg: BwdConfig) -> tuple[int, int]:
     return bucket, exact
 
 
-def _backward_config(plan, call: AttentionCall, efficiency: float | None) -> BwdConfig:
-    cfg = backward_config(call.head_dim, call.dtype, call.device, efficiency)
+def _backward_config(plan, call: AttentionCall) -> BwdConfig:
+    cfg = backward_config(call.head_dim, call.dtype, call.device)
     if not cfg.ds_dq:
         return cfg
     bucket, tiles = _ds_tiles(plan, cfg)
@@ -145,11 +144,8 @@ def _bwd_schedule(plan, cfg: BwdConfig) -> list[torch.Tensor]:
     dkdv = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
     dq = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True)
     tensors = list(dkdv.values()) + list(dq.values())
-    if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling or pairs its q-tiles (backward_config)
-        if cfg.dq_block_m == cfg.dkdv_block_m:
-            tensors.append(ds_slots(dkdv["kind"]))
-        else:
-            tensors.append(ds_pair_slots(dkdv["kind"], dq["kind"]))
+    if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling (backward_config)
+        tensors.append(ds_slots(dkdv["kind"]))
     return tensors
 
 
@@ -445,7 +441,7 @@ class TritonBackend:
         )
         bwd_schedule, bwd_config = [], []
         if call.requires_grad:
-            bcfg = _backward_config(plan, call, efficiency)
+            bcfg = _backward_config(plan, call)
             key = (
                 "triton.bwd", bcfg.dkdv_block_m, bcfg.dkdv_block_n, bcfg.dq_block_m,
                 bcfg.dq_block_n, bool(bcfg.ds_dq),

@@ -41,6 +41,9 @@ import triton
 import triton.language as tl
 
 from .common import (
+    check_bits,
+    clamp,
+    clamp_counts,
     grid_position,
     launch_grid,
     launch_order,
@@ -49,13 +52,12 @@ from .common import (
     partial_tile_mask_t,
     preload_row_slot,
     q_tile_program,
-    q_tile_work,
+    slot_range,
     slots_mask,
     tile_of_rank,
-    work_entry,
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
-from .forward import _load_kv_tile, tma_descriptors
+from .forward import tma_descriptors
 
 _LOG2E = 1.4426950408889634
 _PRE_BLOCK = 64
@@ -71,11 +73,8 @@ def _attn_bwd_preprocess(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DLSE: tl.constexpr,
-    DQacc=None,
-    ZERO_DQ: tl.constexpr = False,
 ):  # fmt: skip
-    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf);
-    ZERO_DQ: also zero the rows of the fp32 dQ accumulator [B, Hq, Nq, HEAD_DIM_PAD]."""
+    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // Hq
@@ -103,45 +102,12 @@ def _attn_bwd_preprocess(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(Delta + row_ptr, delta, mask=m_ok)
     tl.store(Lse2 + row_ptr, lse2, mask=m_ok)
-    if ZERO_DQ:
-        tl.store(
-            DQacc + row_ptr[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            tl.zeros([BLOCK, HEAD_DIM_PAD], dtype=tl.float32),
-            mask=m_ok[:, None],
-        )
-
-
-@triton.jit
-def _attn_bwd_dq_convert(
-    DQacc, DQ,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    Hq, Nq, scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    """dQ = scale * dQacc in dQ's dtype and strides (the atomic backward's last step)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = pid_bh // Hq
-    off_h = pid_bh % Hq
-    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m_ok = offs_m < Nq
-    row_ptr = pid_bh.to(tl.int64) * Nq + offs_m
-    acc = tl.load(DQacc + row_ptr[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=m_ok[:, None])
-    tl.store(
-        DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-        + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-        (acc * scale).to(DQ.dtype.element_ty),
-        mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )  # fmt: skip
 
 
 @triton.jit
 def _mask_p_t(
     pT, tile, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
-    row_base, offs_m, offs_n, Nq, Nk, n_slots,
+    row_base, offs_m, offs_n, Nq, Nk, n_slots, n_bits,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPAN: tl.constexpr,
@@ -149,18 +115,18 @@ def _mask_p_t(
     SLOTS: tl.constexpr,
 ):  # fmt: skip
     """``pT`` ([BLOCK_N, BLOCK_M]) with 0 where the PARTIAL tile at offset ``tile`` of the
-    tile arrays hides a pair (transposed interval or bitmask masking)."""
+    tile arrays hides a pair (transposed interval or bitmask masking; the bitmask index
+    clamped to [0, n_bits))."""
     kind = 0
     if HAS_BITS:
         kind = tl.load(Kind + tile)
     jlo = 0
     jhi = 0
     if SLOTS == 0:
-        jlo = tl.load(Jlo + tile)
-        jhi = tl.load(Jhi + tile)
+        jlo, jhi = slot_range(Jlo, Jhi, tile, n_slots)
     visible = partial_tile_mask_t(
         kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits,
-        tl.load(BitsIndex + tile), stride_bits_p, stride_bits_r,
+        clamp(tl.load(BitsIndex + tile), n_bits - 1), stride_bits_p, stride_bits_r,
         BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
     )  # fmt: skip
     return tl.where(visible, pT, 0.0)
@@ -168,41 +134,10 @@ def _mask_p_t(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk,
-    dv,
-    k,
-    v,
-    Q_desc,
-    DO_desc,
-    off_b,
-    off_h,
-    Q_head,
-    DO_head,
-    Lse2_head,
-    Delta_head,
-    stride_qm,
-    stride_qd,
-    stride_dom,
-    stride_dod,
-    TileList,
-    Kind,
-    Jlo,
-    Jhi,
-    BitsIndex,
-    Bits,
-    stride_bits_p,
-    stride_bits_r,
-    tile_stride,
-    RowLo,
-    RowHi,
-    row_base,
-    offs_n,
-    Nq,
-    Nk,
-    n_slots,
-    list_start,
-    list_end,
-    qk_scale,
+    dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head, Lse2_head, Delta_head,
+    stride_qm, stride_qd, stride_dom, stride_dod, TileList, Kind, Jlo, Jhi, BitsIndex, Bits,
+    stride_bits_p, stride_bits_r, tile_stride, RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots,
+    list_start, list_end, qt_max, n_bits, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -214,50 +149,34 @@ def _attn_bwd_dkdv_inner(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
-    DQacc_head=None,
-    DQ_desc=None,
-    ATOMIC_DQ: tl.constexpr = False,
     DS_head=None,
     SlotCol=None,
     STORE_DS: tl.constexpr = False,
     DS_desc=None,
     ds_row0=0,
     DS_TMA: tl.constexpr = False,
-    DS_PAIR: tl.constexpr = False,
-    mask_from=0,
-    qt_first=0,
-    HAS_FIRST: tl.constexpr = False,
-):
+    ds_tiles=1,
+):  # fmt: skip
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
     ``Kind`` etc. point at this kv-tile's column of the [Tq, Tk] tile arrays (entry of q-tile qt
-    at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks);
-    MASKED=2: FULL and PARTIAL tiles in one loop, masked from list position ``mask_from`` on
-    (``BwdConfig.one_loop``).
+    at ``qt * tile_stride``). MASKED=False: FULL tiles (no mask, no row bounds checks).
     USE_TMA: Q and dO tiles through the descriptors ``Q_desc, DO_desc`` (rows past Nq read as
-    zeros), not per-thread pointers. ATOMIC_DQ: also add this kv-tile's share of dQ / scale,
-    ``dS K``, to the fp32 rows ``DQacc_head`` ([Nq, HEAD_DIM_PAD]; through the descriptor
-    ``DQ_desc`` as a TMA reduction when USE_TMA, else with relaxed atomic adds). STORE_DS:
+    zeros), not per-thread pointers. STORE_DS:
     also store ``dS^T`` (keys x queries, the inputs' dtype) of every tile into the dS buffer
     ``DS_head`` at the tile's slot ``SlotCol[qt * tile_stride]`` (``BwdConfig.ds_dq``);
     DS_TMA: through the 2-D descriptor ``DS_desc`` (rows ``(ds_row0 + slot) * BLOCK_N``), an
-    asynchronous bulk store from shared memory (``BwdConfig.ds_tma``). DS_PAIR: the slots
-    pair q-tiles (``schedule.ds_pair_slots``: ``SlotCol[(qt // 2) * tile_stride]`` holds
-    ``4 * slot + present``) and a slot is ``[BLOCK_N, 2 * BLOCK_M]``, q-tile ``qt`` in the
-    columns of half ``qt % 2``. HAS_FIRST: ``qt_first`` is ``TileList[list_start]``, loaded
-    by the caller before (``BwdConfig.prefetch``), so the first Q/dO copies need no list load.
+    asynchronous bulk store from shared memory (``BwdConfig.ds_tma``).
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
-    if HAS_FIRST:
-        qt_next = qt_first
-    else:
-        qt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+    # (q-tiles clamped to [0, qt_max]: the FULL loop's loads are not bounds-checked)
+    qt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), qt_max)
     for i in range(list_start, list_end):
         qt = qt_next
-        qt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
+        qt_next = clamp(tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0), qt_max)
         start_m = qt * BLOCK_M
         offs_m = start_m + offs_m_local
         qT_ptrs = (
@@ -291,19 +210,12 @@ def _attn_bwd_dkdv_inner(
             lse2 = tl.load(Lse2_head + offs_m)
         qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED == 1:
+        if MASKED:
             pT = _mask_p_t(
                 pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
-                stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
+                stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, n_bits,
                 BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
-        elif MASKED == 2:
-            if i >= mask_from:
-                pT = _mask_p_t(
-                    pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
-                    stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                    BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
-                )  # fmt: skip
         if USE_TMA:
             do = DO_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
             if MASKED:
@@ -346,36 +258,17 @@ def _attn_bwd_dkdv_inner(
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if STORE_DS:
-            if DS_PAIR:  # a slot holds two q-tiles side by side
-                slot = tl.load(SlotCol + (qt // 2) * tile_stride) >> 2
-                col = (qt % 2) * BLOCK_M
-                width: tl.constexpr = 2 * BLOCK_M
-            else:
-                slot = tl.load(SlotCol + qt * tile_stride)
-                col = 0
-                width: tl.constexpr = BLOCK_M
+            slot = clamp(tl.load(SlotCol + qt * tile_stride), ds_tiles - 1)
             if DS_TMA:
-                DS_desc.store([(ds_row0 + slot) * BLOCK_N, col], dsT)
+                DS_desc.store([(ds_row0 + slot) * BLOCK_N, 0], dsT)
             else:
                 ds_ptrs = (
                     DS_head
-                    + slot.to(tl.int64) * (BLOCK_N * width)
-                    + tl.arange(0, BLOCK_N)[:, None] * width
-                    + (col + offs_m_local)[None, :]
+                    + slot.to(tl.int64) * (BLOCK_N * BLOCK_M)
+                    + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M
+                    + offs_m_local[None, :]
                 )
                 tl.store(ds_ptrs, dsT)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)  # [BLOCK_M, D_PAD]
-            if USE_TMA:
-                DQ_desc.atomic_add(
-                    [off_b, off_h, start_m, 0], dq.reshape(1, 1, BLOCK_M, HEAD_DIM_PAD)
-                )
-            else:
-                dq_ptrs = DQacc_head + offs_m.to(tl.int64)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
-                if MASKED:
-                    tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
-                else:
-                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -390,7 +283,7 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_bits_p, stride_bits_r,
-    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq, Tk, n_bits, mask_stride_b, mask_stride_h,
     scale, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -402,48 +295,24 @@ def _attn_bwd_dkdv(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
-    FUSED: tl.constexpr = False,
     Q_desc=None,
     DO_desc=None,
     USE_TMA: tl.constexpr = False,
-    DQacc=None,
-    DQ_desc=None,
-    ATOMIC_DQ: tl.constexpr = False,
     DS=None,
     Slot=None,
     ds_tiles=0,
     STORE_DS: tl.constexpr = False,
     DS_desc=None,
     DS_TMA: tl.constexpr = False,
-    DS_PAIR: tl.constexpr = False,
-    Tq2=0,
-    ONE_LOOP: tl.constexpr = False,
-    KvWork=None,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    """dK, dV of one kv-tile (see the module docstring). PREFETCH (launch orders 0 and 3, not
-    FUSED): the kv-tile, and for the GQA group's first head the counts and the first q-tile of
-    the first loop (the PARTIAL one, or the one loop), come from the work entry
-    ``KvWork[first_mask, rank]`` (``schedule.work_list``, one 32-byte sector) instead of the
-    chain order -> counts -> list; every next head of the group (its mask may differ:
-    per-head plans) gets its own counts and first q-tiles loaded at the end of the previous
-    head's iteration, so that they live only across the loop's back edge."""
-    if FUSED:  # called by _attn_bwd_fused: grid (Tk + G * Tq', B * Hkv), this is a dK/dV program
-        rank = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-    else:
-        pid_bh, rank = grid_position(GRID_ORDER)
+    """dK, dV of one kv-tile (see the module docstring)."""
+    pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hkv
     off_hkv = pid_bh % Hkv
     h_first = off_hkv * gqa_group
     first_mask = (off_b * mask_stride_b + h_first * mask_stride_h).to(tl.int64)
     # the group's first head orders the tiles
-    if PREFETCH:
-        kt, next_count, next_full_count, next_qt_full, next_qt_partial = work_entry(
-            KvWork, first_mask * Tk + rank
-        )
-    else:
-        kt = tile_of_rank(KvOrder + first_mask * Tk, rank, Tk, GRID_ORDER)
+    kt = tile_of_rank(KvOrder + first_mask * Tk, rank, Tk, GRID_ORDER)
 
     start_n = kt * BLOCK_N
     offs_n_local = tl.arange(0, BLOCK_N)
@@ -471,88 +340,47 @@ def _attn_bwd_dkdv(
         bh = off_b.to(tl.int64) * Hq + off_h
         mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
         col = mask_id * Tk + kt  # row of the [M, Tk, ...] per-kv-tile arrays
-        qt_full = 0
-        qt_partial = 0
-        # PREFETCH: count, full_count and the first q-tiles of the loops come from the work entry
-        # (g = 0) or were loaded at the end of the previous head's iteration
-        if PREFETCH:
-            count = next_count
-            full_count = next_full_count
-            qt_full = next_qt_full
-            qt_partial = next_qt_partial
-        else:
-            count = tl.load(KvCount + col)
-            full_count = tl.load(KvFullCount + col)
+        count, full_count = clamp_counts(
+            tl.load(KvCount + col), tl.load(KvFullCount + col), Tq, tl.minimum(Tq, Nq // BLOCK_M)
+        )
         tile_list = KvList + col * Tq
         tile_col = mask_id * Tq * Tk + kt  # (qt=0, kt) in the [M, Tq, Tk] tile arrays
         row_base = mask_id * Nq * n_slots
         Q_head = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         DO_head = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        DQacc_head = DQacc
-        if ATOMIC_DQ:
-            DQacc_head = DQacc + bh * Nq * HEAD_DIM_PAD
         DS_head = DS
         SlotCol = Slot
         ds_row0 = 0
         if STORE_DS:
-            if DS_PAIR:  # slots [M, Tq2, Tk] of q-tile pairs, each [BLOCK_N, 2 * BLOCK_M]
-                DS_head = DS + bh * ds_tiles * (BLOCK_N * 2 * BLOCK_M)
-                SlotCol = Slot + mask_id * Tq2 * Tk + kt
-            else:
-                DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
-                SlotCol = Slot + tile_col
+            DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
+            SlotCol = Slot + tile_col
             ds_row0 = (bh * ds_tiles).to(tl.int32)
-        if ONE_LOOP:  # FULL then PARTIAL q-tiles in one loop, masked from full_count on
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-                Lse2 + bh * Nq, Delta + bh * Nq,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-                Bits, stride_bits_p, stride_bits_r, Tk,
-                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, count, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
-                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, full_count, qt_full, PREFETCH,
-            )  # fmt: skip
-        else:
-            # PARTIAL q-tiles: interval or bitmask masking, transposed.
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-                Lse2 + bh * Nq, Delta + bh * Nq,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-                Bits, stride_bits_p, stride_bits_r, Tk,
-                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
-                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR, 0, qt_partial, PREFETCH,
-            )  # fmt: skip
-            # FULL q-tiles: no mask, no bounds checks. (Its first q-tile is loaded from the
-            # list as without PREFETCH: the prefetched one, live across the PARTIAL loop,
-            # spilled there; SASS of the library D=128 config.)
-            dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
-                Lse2 + bh * Nq, Delta + bh * Nq,
-                stride_qm, stride_qd, stride_dom, stride_dod,
-                tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
-                Bits, stride_bits_p, stride_bits_r, Tk,
-                RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-                HAS_BITS, SLOTS, USE_TMA, DQacc_head, DQ_desc, ATOMIC_DQ, DS_head, SlotCol,
-                STORE_DS, DS_desc, ds_row0, DS_TMA, DS_PAIR,
-            )  # fmt: skip
-        if PREFETCH:
-            # the next head's counts and first q-tiles (as schedule.work_list), loaded here
-            # so that they live only across the loop's back edge, not across the tile loops
-            more = g + 1 < gqa_group
-            next_col = (mask_id + mask_stride_h) * Tk + kt
-            next_count = tl.load(KvCount + next_col, mask=more, other=0)
-            next_full_count = tl.load(KvFullCount + next_col, mask=more, other=0)
-            next_list = KvList + next_col * Tq
-            next_qt_full = tl.load(next_list, mask=next_count > 0, other=0)
-            next_qt_partial = tl.load(
-                next_list + next_full_count, mask=next_full_count < next_count, other=0
-            )
+        # PARTIAL q-tiles: interval or bitmask masking, transposed.
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+            Lse2 + bh * Nq, Delta + bh * Nq,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+            Bits, stride_bits_p, stride_bits_r, Tk,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, full_count, count, Tq - 1, n_bits,
+            qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
+            HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles,
+        )  # fmt: skip
+        # FULL q-tiles: no mask, no bounds checks.
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
+            Lse2 + bh * Nq, Delta + bh * Nq,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            tile_list, Kind + tile_col, Jlo + tile_col, Jhi + tile_col, BitsIndex + tile_col,
+            Bits, stride_bits_p, stride_bits_r, Tk,
+            RowLo, RowHi, row_base, offs_n, Nq, Nk, n_slots, 0, full_count,
+            tl.minimum(Tq, Nq // BLOCK_M) - 1, n_bits, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
+            HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles,
+        )  # fmt: skip
 
     dk = dk * scale
     tl.store(
@@ -571,40 +399,10 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    K_desc,
-    V_desc,
-    off_b,
-    off_hkv,
-    K_head,
-    V_head,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    TileList,
-    Kind,
-    Jlo,
-    Jhi,
-    BitsIndex,
-    Bits,
-    stride_bits_p,
-    stride_bits_r,
-    RowLo,
-    RowHi,
-    row_base,
-    offs_m,
-    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-    Nq,
-    Nk,
-    n_slots,
-    list_start,
-    list_end,
-    qk_scale,
+    dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head, stride_kn,
+    stride_kd, stride_vn, stride_vd, TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
+    stride_bits_r, RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq,
+    Nk, n_slots, list_start, list_end, kt_max, n_bits, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -624,10 +422,11 @@ def _attn_bwd_dq_inner(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
-    kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+    # (kv-tiles clamped to [0, kt_max]: the FULL loop's loads are not bounds-checked)
+    kt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), kt_max)
     for i in range(list_start, list_end):
         kt = kt_next
-        kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
+        kt_next = clamp(tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0), kt_max)
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
         kT_ptrs = (
@@ -666,9 +465,10 @@ def _attn_bwd_dq_inner(
                 kind = 0
                 if HAS_BITS:
                     kind = tl.load(Kind + kt)
+                jlo, jhi = slot_range(Jlo, Jhi, kt, n_slots)
                 visible = partial_tile_mask(
-                    kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-                    tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, tl.load(BitsIndex + kt),
+                    kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi,
+                    Bits, clamp(tl.load(BitsIndex + kt), n_bits - 1),
                     stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
                 )  # fmt: skip
             p = tl.where(visible, p, 0.0)
@@ -694,71 +494,6 @@ def _attn_bwd_dq_inner(
 
 
 @triton.jit
-def _dq_step(
-    dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """``dq += dS K`` for one FULL tile from its unscaled scores ``qk`` and its K tile ``k``."""
-    vT = _load_kv_tile(
-        V_head, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
-    )  # fmt: skip
-    dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
-    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _attn_bwd_dq_full_overlap(
-    dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
-    stride_kn, stride_kd, stride_vn, stride_vd, TileList, list_start, list_end, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """The FULL-tile loop of :func:`_attn_bwd_dq_inner` with S = Q K^T of the next tile issued
-    before P and dS of the current one are computed (the forward's
-    ``_attn_fwd_full_overlap``, FlashAttention-3's intra-warpgroup overlap); the last tile
-    is peeled. Opt-in (``BwdConfig.overlap``); 16-bit only (the fp32 path loads K twice)."""
-    if list_start < list_end:
-        kt = tl.load(TileList + list_start)
-        k = _load_kv_tile(
-            K_head, K_desc, off_b, off_hkv, kt * BLOCK_N, stride_kn, stride_kd,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
-        )  # fmt: skip
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        for i in range(list_start, list_end - 1):
-            kt_next = tl.load(TileList + i + 1)
-            k_next = _load_kv_tile(
-                K_head, K_desc, off_b, off_hkv, kt_next * BLOCK_N, stride_kn, stride_kd,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
-            )  # fmt: skip
-            qk_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
-            dq = _dq_step(
-                dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, kt * BLOCK_N,
-                stride_vn, stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION,
-                USE_TMA,
-            )  # fmt: skip
-            qk = qk_next
-            k = k_next
-            kt = kt_next
-        dq = _dq_step(
-            dq, qk, k, do, lse2, delta, V_head, V_desc, off_b, off_hkv, kt * BLOCK_N,
-            stride_vn, stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION,
-            USE_TMA,
-        )  # fmt: skip
-    return dq
-
-
-@triton.jit
 def _attn_bwd_dq(
     Q, K, V, DO, Lse2, Delta, DQ,
     RowLo, RowHi, Kind, Jlo, Jhi, BitsIndex, Bits, QCount, QFullCount, QList, QOrder,
@@ -768,7 +503,7 @@ def _attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_bits_p, stride_bits_r,
-    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, n_bits, mask_stride_b, mask_stride_h,
     scale, qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -780,27 +515,20 @@ def _attn_bwd_dq(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
-    Hkv=1,
-    fused_offset=0,
-    FUSED: tl.constexpr = False,
     K_desc=None,
     V_desc=None,
     USE_TMA: tl.constexpr = False,
-    OVERLAP: tl.constexpr = False,
 ):  # fmt: skip
-    if FUSED:  # called by _attn_bwd_fused: programs fused_offset + g * Tq + rank of kv head
-        r = tl.program_id(0) - fused_offset
-        g = r // Tq
-        rank = r % Tq
-        pid_kv = tl.program_id(1)
-        pid_bh = (pid_kv // Hkv) * Hq + (pid_kv % Hkv) * gqa_group + g
-    else:
-        pid_bh, rank = grid_position(GRID_ORDER)
+    pid_bh, rank = grid_position(GRID_ORDER)
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
         pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
     )
-    count = tl.load(QCount + tile_row)
-    full_count = tl.load(QFullCount + tile_row)
+    count, full_count = clamp_counts(
+        tl.load(QCount + tile_row),
+        tl.load(QFullCount + tile_row),
+        Tk,
+        tl.minimum(Tk, Nk // BLOCK_N),
+    )
     tile_list = QList + tile_row * Tk
     kind_row = tile_row * Tk
     row_base = mask_id * Nq * n_slots
@@ -830,10 +558,10 @@ def _attn_bwd_dq(
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
-    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 0, SLOTS)
-    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 1, SLOTS)
-    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
-    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 3, SLOTS)
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
@@ -841,28 +569,21 @@ def _attn_bwd_dq(
         tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row, Bits,
         stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
-        full_count, count, qk_scale,
+        full_count, count, Tk - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
         HAS_BITS, SLOTS, USE_TMA,
     )  # fmt: skip
     # FULL kv-tiles: no mask, no bounds checks.
-    if OVERLAP and not LOAD_T:
-        dq = _attn_bwd_dq_full_overlap(
-            dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
-            stride_kn, stride_kd, stride_vn, stride_vd, tile_list, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-        )  # fmt: skip
-    else:
-        dq = _attn_bwd_dq_inner(
-            dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
-            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
-            0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-            HAS_BITS, SLOTS, USE_TMA,
-        )  # fmt: skip
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
+        Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
+        0, full_count, tl.minimum(Tk, Nk // BLOCK_N) - 1, n_bits, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
+        HAS_BITS, SLOTS, USE_TMA,
+    )  # fmt: skip
     dq = dq * scale
     tl.store(
         DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
@@ -873,184 +594,8 @@ def _attn_bwd_dq(
 
 
 @triton.jit
-def _attn_bwd_fused(
-    Q, K, V, DO, Lse2, Delta, DK, DV, DQ, RowLo, RowHi,
-    Kind1, Jlo1, Jhi1, BitsIndex1, Bits1, KvCount, KvFullCount, KvList, KvOrder,
-    Kind2, Jlo2, Jhi2, BitsIndex2, Bits2, QCount, QFullCount, QList, QOrder,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_bits1_p, stride_bits1_r, stride_bits2_p, stride_bits2_r,
-    Hq, Hkv, gqa_group, Nq, Nk, n_slots, Tq1, Tk1, Tq2, Tk2, mask_stride_b, mask_stride_h,
-    scale, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M1: tl.constexpr,
-    BLOCK_N1: tl.constexpr,
-    BLOCK_M2: tl.constexpr,
-    BLOCK_N2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    LOAD_T: tl.constexpr,
-    MAX_SPAN1: tl.constexpr,
-    HAS_BITS1: tl.constexpr,
-    SLOTS1: tl.constexpr,
-    MAX_SPAN2: tl.constexpr,
-    HAS_BITS2: tl.constexpr,
-    SLOTS2: tl.constexpr,
-    ORDER1: tl.constexpr,
-    ORDER2: tl.constexpr,
-):  # fmt: skip
-    """dK/dV and dQ in one launch (the layout of FlexAttention's backward): grid
-    (Tk1 + G * Tq2, B * Hkv); programs [0, Tk1) of a kv head compute dK/dV of its kv-tiles,
-    the next G * Tq2 the dQ of its G query heads. The dK/dV and dQ programs of one head run
-    side by side and share Q, dO, K, V in L2; one launch has no tail between the two passes."""
-    if tl.program_id(0) < Tk1:
-        _attn_bwd_dkdv(
-            Q,
-            K,
-            V,
-            DO,
-            Lse2,
-            Delta,
-            DK,
-            DV,
-            RowLo,
-            RowHi,
-            Kind1,
-            Jlo1,
-            Jhi1,
-            BitsIndex1,
-            Bits1,
-            KvCount,
-            KvFullCount,
-            KvList,
-            KvOrder,
-            stride_qb,
-            stride_qh,
-            stride_qm,
-            stride_qd,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_kd,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            stride_vd,
-            stride_dob,
-            stride_doh,
-            stride_dom,
-            stride_dod,
-            stride_dkb,
-            stride_dkh,
-            stride_dkn,
-            stride_dkd,
-            stride_dvb,
-            stride_dvh,
-            stride_dvn,
-            stride_dvd,
-            stride_bits1_p,
-            stride_bits1_r,
-            Hq,
-            Hkv,
-            gqa_group,
-            Nq,
-            Nk,
-            n_slots,
-            Tq1,
-            Tk1,
-            mask_stride_b,
-            mask_stride_h,
-            scale,
-            qk_scale,
-            HEAD_DIM,
-            HEAD_DIM_PAD,
-            BLOCK_M1,
-            BLOCK_N1,
-            DOT_PRECISION,
-            LOAD_T,
-            MAX_SPAN1,
-            HAS_BITS1,
-            SLOTS1,
-            ORDER1,
-            True,
-        )
-    else:
-        _attn_bwd_dq(
-            Q,
-            K,
-            V,
-            DO,
-            Lse2,
-            Delta,
-            DQ,
-            RowLo,
-            RowHi,
-            Kind2,
-            Jlo2,
-            Jhi2,
-            BitsIndex2,
-            Bits2,
-            QCount,
-            QFullCount,
-            QList,
-            QOrder,
-            stride_qb,
-            stride_qh,
-            stride_qm,
-            stride_qd,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_kd,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            stride_vd,
-            stride_dob,
-            stride_doh,
-            stride_dom,
-            stride_dod,
-            stride_dqb,
-            stride_dqh,
-            stride_dqm,
-            stride_dqd,
-            stride_bits2_p,
-            stride_bits2_r,
-            Hq,
-            gqa_group,
-            Nq,
-            Nk,
-            n_slots,
-            Tq2,
-            Tk2,
-            mask_stride_b,
-            mask_stride_h,
-            scale,
-            qk_scale,
-            HEAD_DIM,
-            HEAD_DIM_PAD,
-            BLOCK_M2,
-            BLOCK_N2,
-            DOT_PRECISION,
-            LOAD_T,
-            MAX_SPAN2,
-            HAS_BITS2,
-            SLOTS2,
-            ORDER2,
-            Hkv,
-            Tk1,
-            True,
-        )
-
-
-@triton.jit
 def _attn_bwd_dq_ds(
-    DS, K, DQ, Slot, QCount, QList, QOrder, QWork,
+    DS, K, DQ, Slot, QCount, QList, QOrder,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     Hq, gqa_group, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, ds_tiles, scale,
@@ -1062,25 +607,17 @@ def _attn_bwd_dq_ds(
     K_desc=None,
     DS_desc=None,
     USE_TMA: tl.constexpr = False,
-    DS_PAIR: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """dQ of one q-tile from the stored dS tiles (``BwdConfig.ds_dq``): ``dQ = scale *
     sum over its touched kv-tiles of dS K``, one MMA per tile pair, no mask (dS is zero where
     a pair is not visible and past the lengths). ``DS``: [B * Hq, ds_tiles, BLOCK_N, BLOCK_M]
     dS^T tiles at the slots ``Slot`` [M, Tq, Tk]; the tile lists are the forward schedule's
-    at this (dQ) tiling. USE_TMA: K and dS^T tiles through the descriptors. DS_PAIR: the dQ
-    tiling has twice the dK/dV tiling's rows; ``Slot`` holds ``4 * slot + present``
-    (``schedule.ds_pair_slots``) and the half of a slot whose q-tile did not touch the
-    kv-tile (never written) is read as zeros: each K tile then serves 2 * BLOCK_N x BLOCK_M
-    of dS instead of BLOCK_N x BLOCK_M / 2. PREFETCH (launch orders 0 and 3): the q-tile, its
-    count and its first kv-tile from the work entry ``QWork[mask, rank]``
-    (``schedule.work_list``, ``BwdConfig.prefetch``)."""
+    at this (dQ) tiling. USE_TMA: K and dS^T tiles through the descriptors."""
     pid_bh, rank = grid_position(GRID_ORDER)
-    off_b, off_h, off_hkv, mask_id, qt, tile_row, count, _, kt_first, _ = q_tile_work(
-        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, QWork, QCount,
-        QCount, Tq, GRID_ORDER, PREFETCH,
-    )  # fmt: skip
+    off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
+        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
+    )
+    count = clamp(tl.load(QCount + tile_row), Tk)
     tile_list = QList + tile_row * Tk
     slot_row = Slot + tile_row * Tk
     ds_row0 = pid_bh.to(tl.int64) * ds_tiles
@@ -1093,17 +630,12 @@ def _attn_bwd_dq_ds(
     d_ok = offs_d < HEAD_DIM
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # next tile and its slot one iteration ahead (see forward._attn_fwd_inner)
-    if PREFETCH:
-        kt_next = kt_first
-    else:
-        kt_next = tl.load(tile_list, mask=count > 0, other=0)
+    # (tiles and slots clamped to the schedule's and the buffer's sizes)
+    kt_next = clamp(tl.load(tile_list, mask=count > 0, other=0), Tk - 1)
     for i in range(0, count):
         kt = kt_next
-        kt_next = tl.load(tile_list + i + 1, mask=i + 1 < count, other=0)
-        slot = tl.load(slot_row + kt).to(tl.int64)
-        if DS_PAIR:
-            present = slot & 3
-            slot = slot >> 2
+        kt_next = clamp(tl.load(tile_list + i + 1, mask=i + 1 < count, other=0), Tk - 1)
+        slot = clamp(tl.load(slot_row + kt), ds_tiles - 1).to(tl.int64)
         start_n = kt * BLOCK_N
         if USE_TMA:
             k = K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
@@ -1119,9 +651,6 @@ def _attn_bwd_dq_ds(
                 DS_head + slot * (BLOCK_N * BLOCK_M)
                 + offs_n_local[:, None] * BLOCK_M + offs_m_local[None, :]
             )  # fmt: skip
-        if DS_PAIR:  # zeros for the half whose q-tile did not touch this kv-tile
-            half = offs_m_local // (BLOCK_M // 2)
-            dsT = tl.where(((present >> half) & 1)[None, :] != 0, dsT, 0.0)
         dq = tl.dot(tl.trans(dsT), k, dq)
     dq = dq * scale
     start_m = qt * BLOCK_M
@@ -1171,11 +700,9 @@ def attention_backward(
         dlse: optional float32 [B, Hq, Nq], the gradient of ``lse`` (None: zero).
         dq, dk, dv: optional output buffers shaped like q, k, v (written in full).
         ds_slots: with ``cfg.ds_dq`` > 0, the dS buffer slots of the dK/dV tiling's tiles
-            (``schedule.ds_slots``, int32 [M, Tq, Tk]; when the dQ tiling pairs the dK/dV
-            tiling's q-tiles, ``schedule.ds_pair_slots`` at the dQ tiling, [M, Tq2, Tk]);
-            dQ then comes from the stored dS
-            (16-bit, two-launch backward, dQ tiling equal to the dK/dV tiling; else the dQ
-            kernel runs as without it).
+            (``schedule.ds_slots``, int32 [M, Tq, Tk]); dQ then comes from the stored dS
+            (16-bit, dQ tiling equal to the dK/dV tiling; else the dQ kernel runs as without
+            it).
 
     Returns:
         (dq, dk, dv) in the dtypes of q, k, v (or of the given buffers). Rows that see no key
@@ -1206,95 +733,61 @@ def attention_backward(
 
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    # atomic dQ (16-bit): the dK/dV kernel adds dS K into an fp32 accumulator, no dQ kernel
-    atomic = bool(cfg.atomic_dq) and not load_t and not torch.are_deterministic_algorithms_enabled()
-    dq_acc = (
-        torch.empty((B, Hq, Nq, d_pad), dtype=torch.float32, device=q.device) if atomic else None
-    )
     _attn_bwd_preprocess[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
         out, do, lse, dlse if dlse is not None else lse, delta, lse2,
         *out.stride(), *do.stride(), Hq, Nq,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK, HAS_DLSE=dlse is not None,
-        DQacc=dq_acc, ZERO_DQ=atomic,
     )  # fmt: skip
-
-    if cfg.fused and not atomic and B * Hkv <= 65535:
-        _launch_fused(
-            q, k, v, do, lse2, delta, dq, dk, dv, row_lo, row_hi, dkdv_schedule, dq_schedule,
-            n_slots, scale, mask_stride_b, mask_stride_h, cfg, d_pad, dot_precision, load_t,
-        )  # fmt: skip
-        return dq, dk, dv
 
     # TMA (cfg.tma, 16-bit, aligned strides): Q / dO tiles of dK/dV, K / V tiles of dQ
     tma = bool(cfg.tma) and not load_t
     qdo_descs = tma_descriptors(q, do, cfg.dkdv_block_m, d_pad) if tma else None
-    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma and not atomic else None
-    dq_desc = None
-    if atomic and qdo_descs is not None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        dq_desc = TensorDescriptor.from_tensor(dq_acc, [1, 1, cfg.dkdv_block_m, d_pad])
+    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma else None
 
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
     bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
-    # dS slots per dQ tile: the dK/dV tiling's tile, or (pair) two q-tiles side by side
-    pair = (cfg.dq_block_m, cfg.dq_block_n) == (2 * bm, bn)
-    Tq2 = dq_schedule["kind"].shape[1]
     use_ds = (
         cfg.ds_dq > 0
         and ds_slots is not None
         and not load_t
-        and not atomic
-        and ((cfg.dq_block_m, cfg.dq_block_n) == (bm, bn) or pair)
+        and (cfg.dq_block_m, cfg.dq_block_n) == (bm, bn)
         and tuple(ds_slots.shape) == tuple(dq_schedule["kind"].shape)
     )
-    width = 2 * bm if pair else bm
     ds_buf = (
-        torch.empty((B * Hq * cfg.ds_dq * bn, width), dtype=q.dtype, device=q.device)
+        torch.empty((B * Hq * cfg.ds_dq * bn, bm), dtype=q.dtype, device=q.device)
         if use_ds
         else None
     )
-    # the dS buffer as [rows, width] for TMA (int32 coordinates): dS^T loads of the dS GEMM
-    # (whole slots), and with cfg.ds_tma the stores of the dK/dV kernel (one q-tile each)
-    ds_desc = ds_store_desc = None
+    # the dS buffer as [rows, bm] for TMA (int32 coordinates): dS^T loads of the dS GEMM, and
+    # with cfg.ds_tma the stores of the dK/dV kernel
+    ds_desc = None
     if use_ds and qdo_descs is not None and ds_buf.shape[0] < 2**31:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        ds_desc = TensorDescriptor.from_tensor(ds_buf, [bn, width])
-        ds_store_desc = TensorDescriptor.from_tensor(ds_buf, [bn, bm]) if pair else ds_desc
+        ds_desc = TensorDescriptor.from_tensor(ds_buf, [bn, bm])
     ds_tma = ds_desc is not None and bool(cfg.ds_tma)
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
+    check_bits(bits, has_bits, cfg.dkdv_block_n, cfg.dkdv_block_m)  # transposed tiles
     order = launch_order(cfg.dkdv_order, B * Hkv)
-    # work-list entries (launch orders 0 and 3; the atomic backward as without them)
-    prefetch = bool(cfg.prefetch) and order in (0, 3) and not atomic
     _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
         s["kv_count"], s["kv_full_count"], s["kv_list"], s["kv_order"],
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         bits.stride(0), bits.stride(1),
-        Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
-        GRID_ORDER=order, FUSED=False, Q_desc=qdo_descs[0] if qdo_descs else None,
+        GRID_ORDER=order, Q_desc=qdo_descs[0] if qdo_descs else None,
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
-        DQacc=dq_acc, DQ_desc=dq_desc, ATOMIC_DQ=atomic,
-        DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 0,
-        STORE_DS=use_ds, DS_desc=ds_store_desc if ds_tma else None, DS_TMA=ds_tma,
-        DS_PAIR=use_ds and pair, Tq2=Tq2, ONE_LOOP=bool(cfg.one_loop),
-        KvWork=s["kv_work"] if prefetch else None, PREFETCH=prefetch,
+        DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 1,
+        STORE_DS=use_ds, DS_desc=ds_desc if ds_tma else None, DS_TMA=ds_tma,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
-    if atomic:
-        _attn_bwd_dq_convert[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
-            dq_acc, dq, *dq.stride(), Hq, Nq, scale,
-            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK,
-        )  # fmt: skip
-        return dq, dk, dv
 
     s = dq_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
@@ -1302,20 +795,19 @@ def attention_backward(
         if kv_descs is None:  # K through pointers: dS too
             ds_desc = None
         order = launch_order(cfg.dq_order, B * Hq)
-        prefetch = bool(cfg.prefetch) and order in (0, 3)
         _attn_bwd_dq_ds[launch_grid(order, B * Hq, Tq)](
             ds_buf, k, dq, ds_slots, s["q_count"], s["q_list"], s["q_order"],
-            s["q_work"] if prefetch else None,
             *k.stride(), *dq.stride(),
             Hq, Hq // Hkv, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, cfg.ds_dq, scale,
-            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=width, BLOCK_N=bn, GRID_ORDER=order,
+            HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, GRID_ORDER=order,
             K_desc=kv_descs[0] if kv_descs else None, DS_desc=ds_desc,
-            USE_TMA=ds_desc is not None, DS_PAIR=pair, PREFETCH=prefetch,
+            USE_TMA=ds_desc is not None,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
         return dq, dk, dv
     bits = s["bits"]
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
+    check_bits(bits, has_bits, cfg.dq_block_m, cfg.dq_block_n)
     order = launch_order(cfg.dq_order, B * Hq)
     _attn_bwd_dq[launch_grid(order, B * Hq, Tq)](
         q, k, v, do, lse2, delta, dq,
@@ -1323,51 +815,14 @@ def attention_backward(
         s["q_count"], s["q_full_count"], s["q_list"], s["q_order"],
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         bits.stride(0), bits.stride(1),
-        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
         scale, scale * _LOG2E,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
-        GRID_ORDER=order, Hkv=1, fused_offset=0, FUSED=False,
+        GRID_ORDER=order,
         K_desc=kv_descs[0] if kv_descs else None, V_desc=kv_descs[1] if kv_descs else None,
-        USE_TMA=kv_descs is not None, OVERLAP=bool(cfg.overlap),
+        USE_TMA=kv_descs is not None,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv
-
-
-def _launch_fused(
-    q, k, v, do, lse2, delta, dq, dk, dv, row_lo, row_hi, s1, s2,
-    n_slots, scale, mask_stride_b, mask_stride_h, cfg, d_pad, dot_precision, load_t,
-):  # fmt: skip
-    """One launch of ``_attn_bwd_fused`` (``BwdConfig.fused``): the dK/dV kernel's warps and
-    stages for both halves."""
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    Tq1, Tk1 = s1["kind"].shape[1], s1["kind"].shape[2]
-    Tq2, Tk2 = s2["kind"].shape[1], s2["kind"].shape[2]
-    span1, slots1, bits1 = mask_constants(s1["kind"], s1["jlo"], s1["jhi"], n_slots)
-    span2, slots2, bits2 = mask_constants(s2["kind"], s2["jlo"], s2["jhi"], n_slots)
-    order1 = cfg.dkdv_order if cfg.dkdv_order != 0 else 3
-    order2 = cfg.dq_order if cfg.dq_order != 0 else 3
-    _attn_bwd_fused[(Tk1 + G * Tq2, B * Hkv)](
-        q, k, v, do, lse2, delta, dk, dv, dq, row_lo, row_hi,
-        s1["kind"], s1["jlo"], s1["jhi"], s1["bits_index"], s1["bits"],
-        s1["kv_count"], s1["kv_full_count"], s1["kv_list"], s1["kv_order"],
-        s2["kind"], s2["jlo"], s2["jhi"], s2["bits_index"], s2["bits"],
-        s2["q_count"], s2["q_full_count"], s2["q_list"], s2["q_order"],
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *dq.stride(),
-        s1["bits"].stride(0), s1["bits"].stride(1), s2["bits"].stride(0), s2["bits"].stride(1),
-        Hq, Hkv, G, Nq, Nk, n_slots, Tq1, Tk1, Tq2, Tk2, mask_stride_b, mask_stride_h,
-        scale, scale * _LOG2E,
-        HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
-        BLOCK_M1=cfg.dkdv_block_m, BLOCK_N1=cfg.dkdv_block_n,
-        BLOCK_M2=cfg.dq_block_m, BLOCK_N2=cfg.dq_block_n,
-        DOT_PRECISION=dot_precision, LOAD_T=load_t,
-        MAX_SPAN1=span1, HAS_BITS1=bits1, SLOTS1=slots1,
-        MAX_SPAN2=span2, HAS_BITS2=bits2, SLOTS2=slots2,
-        ORDER1=order1, ORDER2=order2,
-        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
-    )  # fmt: skip

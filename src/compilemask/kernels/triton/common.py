@@ -42,7 +42,8 @@ def interval_tile_mask(
     """visible[r, c] = OR over slots j in [jlo, jhi) of row_lo[r, j] <= c < row_hi[r, j].
 
     ``row_base`` is the int64 offset of mask m's first row in RowLo/RowHi ([M, Nq, n_slots]);
-    ``offs_m`` / ``offs_n`` are absolute query / key indices. Rows >= Nq see nothing.
+    ``offs_m`` / ``offs_n`` are absolute query / key indices. Rows >= Nq see nothing. A slot
+    range read from plan data is clamped to [0, n_slots) by the caller (:func:`slot_range`).
     """
     row_ok = offs_m < Nq
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
@@ -89,12 +90,15 @@ def bits_tile_mask(
 
 
 @triton.jit
-def preload_row_slot(RowLo, RowHi, row_ptr, row_ok, slot: tl.constexpr, SLOTS: tl.constexpr):
+def preload_row_slot(
+    RowLo, RowHi, row_ptr, row_ok, Nk, slot: tl.constexpr, SLOTS: tl.constexpr
+):  # fmt: skip
     """(lo, hi) of slot ``slot`` of rows ``row_ptr`` ([BLOCK_M] int32; empty where the row is
-    out of range or ``slot >= SLOTS``)."""
+    out of range or ``slot >= SLOTS``), ``hi`` clamped to Nk (no key past the length is ever
+    visible, whatever the plan says)."""
     if slot < SLOTS:
         lo = tl.load(RowLo + row_ptr + slot, mask=row_ok, other=0)
-        hi = tl.load(RowHi + row_ptr + slot, mask=row_ok, other=0)
+        hi = tl.minimum(tl.load(RowHi + row_ptr + slot, mask=row_ok, other=0), Nk)
     else:
         lo = tl.zeros(row_ptr.shape, dtype=tl.int32)
         hi = lo
@@ -321,15 +325,41 @@ def grid_position(GRID_ORDER: tl.constexpr):
 
 
 @triton.jit
+def clamp(x, hi):
+    """``x`` clamped to [0, hi]: every index a kernel reads from plan data goes through it (or
+    a masked load), so a malformed plan gives wrong numbers at worst, never an access out of
+    bounds."""
+    return tl.minimum(tl.maximum(x, 0), hi)
+
+
+@triton.jit
+def slot_range(Jlo, Jhi, tile, n_slots):
+    """The slot range ``[jlo, jhi)`` of the tile at offset ``tile``, clamped to [0, n_slots)
+    (a malformed tile never reads another row's slots)."""
+    return tl.maximum(tl.load(Jlo + tile), 0), tl.minimum(tl.load(Jhi + tile), n_slots)
+
+
+@triton.jit
+def clamp_counts(count, full_count, T, n_complete):
+    """A tile's list length clamped to [0, T] and its FULL prefix to [0, count]; no FULL tile
+    when the axis has no complete tile (``n_complete`` = tiles of BLOCK entries inside the
+    length: FULL tiles are read without bounds checks)."""
+    count = clamp(count, T)
+    full_count = clamp(full_count, tl.where(n_complete > 0, count, 0))
+    return count, full_count
+
+
+@triton.jit
 def tile_of_rank(Order, rank, T, GRID_ORDER: tl.constexpr):
     """The tile a program of ``rank`` computes: ``Order[rank]`` (the plan's heaviest-first
-    order) for GRID_ORDER 0 and 3, ``rank`` for 1, ``T - 1 - rank`` for 2."""
+    order, clamped to [0, T)) for GRID_ORDER 0 and 3, ``rank`` for 1, ``T - 1 - rank`` for
+    2."""
     if GRID_ORDER == 1:
         tile = rank
     elif GRID_ORDER == 2:
         tile = T - 1 - rank
     else:
-        tile = tl.load(Order + rank)
+        tile = clamp(tl.load(Order + rank), T - 1)
     return tile
 
 
@@ -375,6 +405,7 @@ def q_tile_work(
         off_hkv = off_h // gqa_group
         mask_id = (off_b * mask_stride_b + off_h * mask_stride_h).to(tl.int64)
         qt, count, full_count, kt_full, kt_partial = work_entry(QWork, mask_id * Tq + rank)
+        qt = clamp(qt, Tq - 1)
         tile_row = mask_id * Tq + qt
     else:
         off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
@@ -478,3 +509,15 @@ def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, int]:
         value,
     )
     return value
+
+
+def check_bits(bits, has_bits: int, rows: int, cols: int) -> None:
+    """Raise ValueError unless the bitmask tiles ``bits`` ([P, rows, words] int32) cover
+    ``rows`` x ``cols`` tiles when the schedule has bitmask tiles (``has_bits``): the kernels
+    read ``rows`` rows of ``cols / 16`` 16-bit halves from every page (a shape check on the
+    host, no device read)."""
+    if has_bits and (bits.dim() != 3 or bits.shape[1] < rows or bits.shape[2] * 32 < cols):
+        raise ValueError(
+            f"schedule['bits'] of shape {tuple(bits.shape)} does not hold {rows}x{cols} "
+            "bitmask tiles"
+        )

@@ -49,12 +49,6 @@ class FwdConfig:
         tma: 1 loads K and V through Hopper TMA tensor descriptors (16-bit, head_dim <= 128,
             16-byte aligned strides; else pointers as with 0). On by default for D=128 where
             the H200 sweep measured it faster (sm_90 and newer only).
-        overlap: 1 issues Q K^T of the next FULL tile before the softmax of the current one
-            (FlashAttention-3's intra-warpgroup overlap). Off: it lost on 3 of the 4 seeds.
-        one_loop: 1 runs a q-tile's FULL and PARTIAL tiles in one software-pipelined loop (a
-            branch per tile applies the mask from the first PARTIAL tile on) instead of two
-            loops, each filling and draining its own pipeline; for short rows (hstu: about 27
-            tiles of 64 keys per q-tile at 32K). Not used with ``overlap``.
         prefetch: 1 (launch orders 0 and 3) reads the program's q-tile, tile counts and the
             first tile of each loop from one 32-byte entry of the schedule's work list
             (``schedule.work_list``) instead of a chain of dependent loads (order, counts,
@@ -73,15 +67,19 @@ class FwdConfig:
     num_stages: int
     grid_order: int = 1
     tma: int = 0
-    overlap: int = 0
-    one_loop: int = 0
     prefetch: int = 0
     one_slot: int = 0
 
+    def as_list(self) -> list[int]:
+        """The ints in field order (the ``config`` argument of the forward custom op)."""
+        return [
+            self.block_m, self.block_n, self.num_warps, self.num_stages, self.grid_order,
+            self.tma, self.prefetch, self.one_slot,
+        ]  # fmt: skip
 
-# fp16 / bf16, measured on an H200 (bf16, B=2, H=16, N=8192; causal, sliding_window(1024),
-# document(8 x 1024)): 64x64 beats 128x128 at D=128 on masked work (less partial-tile waste);
-# 128x64 wins at D <= 64 and 128x64 with 8 warps at D=256. D=128: below.
+
+# fp16 / bf16, tuned on an H200 (the measurements are in docs/perf-notes.md): 128x64 at
+# D <= 64, 64x64 at D=96 (padded to 128), 128x64 with 8 warps at D=256.
 _FWD_16BIT: dict[int, FwdConfig] = {
     32: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     64: FwdConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
@@ -89,46 +87,10 @@ _FWD_16BIT: dict[int, FwdConfig] = {
     128: FwdConfig(64, 64, 4, 3, grid_order=3, tma=1, prefetch=1, one_slot=1),
     256: FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 }
-# D=128, 16-bit, from the H200 sweeps of session 4 (32K, 16 heads, bf16;
-# benchmarks/results/h200-tune-2026-11-30-session4.jsonl):
-# - masked plans: 64x64, 4 warps, 3 stages, K/V through TMA descriptors (hstu 1.162 ms against
-#   1.246 with pointers and 1.373 at 128x128; shared_prompt 1.663 against 1.827 and 1.721);
-# - plans whose 128x128 tiles are nearly all visible (tile efficiency >=
-#   :data:`DENSE_TILE_EFFICIENCY`: causal): 128x128, 8 warps, 3 stages (causal 8.60 ms against
-#   9.03 with 2 stages, 9.59 at 64x64 with TMA);
-# - plans with bitmask tiles (more than ``BITS_MIN_SLOTS`` intervals per row) whose tiles are
-#   at least 0.5 visible: 128x64, 8 warps, 3 stages (until session 7)
-#   (clear through tile_grid: 3.36 ms against 3.63 at 64x64 with TMA). 128x128 measured
-#   97-150 ms there, because the sweep ran on the plan's own 128x128 schedule, which a GPU
-#   build makes without bitmask tiles (perf-notes session 4, item 4); attention calls now ask
-#   for them, but 128x128 is untimed since: not chosen.
-# Session 5 (benchmarks/results/h200-tune-2026-11-30-session5.jsonl):
-# - launch order 3 (each head's tiles heaviest first, the plan's order): causal 8.375 ms
-#   against 8.492 in natural order (order 2, reversed, 8.312; order 0 8.607); session 4 had
-#   hstu at 1.159 against 1.184 (order 2 1.178): heaviest first for both tilings;
-# - bitmask plans of at most 8192 query rows (until session 7): 64x64, 4 warps, 2 stages,
-#   TMA (two programs per SM: 83 KiB of shared memory each), clear through tile_grid at 4K
-#   1.944 ms against 2.219 at 128x64 (Flex 2.444), at 1K 1.018 against 1.084; at 32K the
-#   session-4 choice stays (128x64: 3.36 ms against 3.63 at 64x64 with 3 stages).
-# Session 6 (h200-tune-2026-11-30-session6.jsonl): the dense tiling from a 128x128 tile
-# efficiency of 0.94 (was 0.97): shared_prompt 32K (0.945) 1.677 ms against 1.728 at 64x64
-# with TMA; hstu (0.836) stays at 64x64 (1.059 against 1.322-1.404 for 128x128 / 128x64).
-# Clear at 1K (bitmask, 0.923): 64x64 with 2 stages 0.778 ms against 0.807-0.819 for 128x64
-# and 128x128 (both launch orders equal).
-# Session 7 (h200-tune-2026-11-30-session7.jsonl): bitmask words read as 16-bit halves (not
-# staged through shared memory, common.bits_tile_mask) let 64x64 with 3 stages hold two
-# programs per SM with bitmask tiles too: bitmask plans take the masked default at every size
-# (clear at 1K 0.662 ms against 0.753 with 2 stages, 0.757-0.794 at 128x128; clear_tiled at
-# 32K 2.307 against 2.891 at 128x64, at 4K 1.874 against 1.943; clear at 4K 2.333 against
-# 2.381, at 32K 5.153 against 6.561 at 128x64).
-# Session 9 (h200-tune-2026-11-30-session9.jsonl, alternated pairs in one process): the work
-# entry read in one load (prefetch): 128x128 shared_prompt 32K 1.674 / 1.675 ms against 1.684 /
-# 1.775, clear 1K 0.758 / 0.758 against 0.798 / 0.799, hstu 1K 0.535 against 0.544; 64x64
-# within the spread (hstu 1K 0.343 / 0.348 against 0.349 / 0.352, clear 1K 0.719 / 0.738
-# against 0.710 / 0.733 measured first). One slot per PARTIAL tile (one_slot, shared_prompt):
-# 64x64 1K 0.371 / 0.379 against 0.382 / 0.385, 16K 1.691 / 1.706 against 1.696 / 1.796; at
-# 128x128 it spills (255 registers, 40 bytes of stack) and loses (32K 1.716 / 1.755 against
-# 1.661 / 1.701): not used there.
+# D=128, 16-bit: masked plans (bitmask plans included) run 64x64 with K/V through TMA, the
+# work entry read in one load and one slot per PARTIAL tile; plans whose 128x128 tiles are
+# nearly all visible (tile efficiency >= DENSE_TILE_EFFICIENCY, e.g. causal) run 128x128 with
+# 8 warps. Both launch heaviest first (order 3); docs/perf-notes.md has the sweeps.
 _FWD_DENSE_128 = FwdConfig(
     block_m=128, block_n=128, num_warps=8, num_stages=3, grid_order=3, prefetch=1
 )
@@ -284,40 +246,22 @@ class BwdConfig:
         dq_block_m, dq_block_n: query rows per program, keys per inner step (dQ).
         dq_warps, dq_stages: warps and pipelining depth of the dQ kernel.
         dkdv_order, dq_order: launch orders of the two kernels, see :data:`GRID_ORDERS`.
-        fused: 1 runs dK/dV and dQ as one launch (grid (Tk + G * Tq, B * Hkv), the dK/dV
-            kernel's warps and stages for both; order 0 is read as 3), 0 as two launches.
         tma: 1 loads the streamed tiles (Q, dO in dK/dV; K, V in dQ) through Hopper TMA
-            tensor descriptors in the two-launch backward (16-bit, head_dim <= 128, 16-byte
+            tensor descriptors (16-bit, head_dim <= 128, 16-byte
             aligned strides; else pointers). On by default for D=128 (sm_90 and newer).
-        overlap: 1 issues S = Q K^T of the next FULL tile before dS of the current one in dQ
-            (16-bit; as ``FwdConfig.overlap``). Off: it lost on every seed.
-        atomic_dq: 1 (16-bit only) computes dQ in the dK/dV kernel, FlashAttention-2/3 style:
-            each kv-tile adds its ``dS K`` to an fp32 accumulator (TMA reductions with
-            ``tma``, else atomic adds) and no dQ kernel runs (5 MMAs per tile pair instead of
-            7); not bit-reproducible (the order of the fp32 additions varies), so it is off
-            under ``torch.use_deterministic_algorithms(True)``. The dQ tiling is then unused.
-        ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling, or with twice its
-            rows: :func:`ds_tilings_match`) stores dS, in the inputs' dtype, tile by tile
+        ds_dq: > 0 (16-bit only, dQ tiling equal to the dK/dV tiling:
+            :func:`ds_tilings_match`) stores dS, in the inputs' dtype, tile by tile
             from the dK/dV kernel into a buffer of ``ds_dq`` slots per (batch row, query
             head), one per touched tile of the dQ tiling, and computes ``dQ = scale * dS K``
             with a GEMM-only kernel over the dQ tiling (1 MMA per tile pair instead of 3:
             6 per pair in all instead of 7, no recomputation of P in the dQ pass;
-            deterministic; with paired q-tiles each K tile is read once per two dK/dV
-            q-tiles). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the buffer's size
+            deterministic). The tables hold 1 ("on"); :func:`fit_ds_buffer` sets the buffer's size
             from the plan (the largest number of touched tiles of one mask) or 0 when the
             buffer would exceed :func:`ds_buffer_limit` bytes.
         ds_tma: 1 (with ``ds_dq`` and ``tma``) stores the dS tiles through a TMA descriptor:
             the tile goes to shared memory and a bulk asynchronous copy writes it while the
             loop goes on (the pipeliner waits for it before the buffer is reused), instead of
             per-thread stores.
-        one_loop: 1 runs each kv-tile's FULL and PARTIAL q-tiles in one pipelined loop in
-            the dK/dV kernel (as ``FwdConfig.one_loop``), instead of two.
-        prefetch: 1 (as ``FwdConfig.prefetch``; launch orders 0 and 3, two-launch backward,
-            not with ``atomic_dq``) reads a program's tile, tile counts and the first tile of
-            its first loop from one 32-byte work-list entry (``schedule.work_list``) instead
-            of the chain order -> counts -> list: in the dK/dV kernel (``kv_work``, the GQA
-            group's first head's entry; the next heads' counts are loaded at the end of the
-            previous head) and in the dS GEMM of ``ds_dq`` (the dQ schedule's ``q_work``).
     """
 
     dkdv_block_m: int
@@ -330,46 +274,24 @@ class BwdConfig:
     dq_stages: int
     dkdv_order: int = 1
     dq_order: int = 2
-    fused: int = 0
     tma: int = 0
-    overlap: int = 0
-    atomic_dq: int = 0
     ds_dq: int = 0
     ds_tma: int = 0
-    one_loop: int = 0
-    prefetch: int = 0
 
     def as_list(self) -> list[int]:
-        """The eighteen ints in field order (the ``bwd_config`` argument of the custom op)."""
+        """The thirteen ints in field order (the ``bwd_config`` argument of the custom op)."""
         return [
             self.dkdv_block_m, self.dkdv_block_n, self.dkdv_warps, self.dkdv_stages,
             self.dq_block_m, self.dq_block_n, self.dq_warps, self.dq_stages,
-            self.dkdv_order, self.dq_order, self.fused, self.tma, self.overlap, self.atomic_dq,
-            self.ds_dq, self.ds_tma, self.one_loop, self.prefetch,
+            self.dkdv_order, self.dq_order, self.tma,
+            self.ds_dq, self.ds_tma,
         ]  # fmt: skip
 
 
 # fp16 / bf16 on sm_90. Register budget of dK/dV: two fp32 [BLOCK_N, D] accumulators over
-# 32 * num_warps threads (D=128, BLOCK_N=128, 8 warps: 128 registers per thread).
-# D=128 from the H200 sweep after the loops were really pipelined (session 3, the tile index
-# loaded one iteration ahead; benchmarks/results/h200-tune-2026-11-30-session3.jsonl, 32K,
-# 16 heads, fwd+bwd): dK/dV 64x64 with 4 warps and 2 stages, dQ 128x64 with 8 warps and 3
-# stages wins on all four seeds (causal 35.6 ms, shared_prompt 6.92, hstu 4.99, clear 22.8,
-# against 36.4-38.8, 7.15-7.73, 5.03-5.51, 23.2-29.1 for the other tilings); 3 stages in
-# dK/dV at 64x64 spill (255 registers) and lose 9-28%. Session 4: the same tilings with the
-# streamed tiles through TMA descriptors win on all four (fwd+bwd causal 33.93 ms against
-# 35.00, shared_prompt 6.71 / 6.86, hstu 4.49 / 4.78, clear via tile_grid 12.79 / 13.73;
-# h200-tune-2026-11-30-session4.jsonl); the overlapped dQ loop loses (4.80-7.43).
-# Session 6 (h200-tune-2026-11-30-session6.jsonl and h200-tune-bwd-order-...-session6.txt,
-# bf16, 16 heads, fwd+bwd): dQ at 64x64 with 4 warps and 2 stages (two programs per SM) and
-# both kernels heaviest first (order 3): hstu 32K 4.235 ms against 4.442, shared_prompt 6.703
-# / 6.750 (causal 33.52 / 33.33: within 1%); then dQ from the stored dS (ds_dq): hstu 32K
-# 4.163 against 4.264, shared_prompt 6.426 / 6.689, hstu 16K 4.190 / 4.358, shared_prompt
-# 16K 6.538 / 6.529, clear 1K 2.701 / 2.807 (3 stages in the dS GEMM: within 2% either
-# way). Causal from 16K has a dS buffer over the limit and runs the dQ kernel (64x64).
-# Session 7 (h200-tune-2026-11-30-session7.jsonl): the dS tiles stored through TMA (ds_tma):
-# hstu 32K 3.955 ms against 4.213, shared_prompt 6.231 / 6.400, shared_prompt 16K 6.432 /
-# 6.520 (3 stages in dK/dV: 4.73 and 7.18, one program per SM).
+# 32 * num_warps threads. D=128: dK/dV and dQ at 64x64 with 4 warps and 2 stages, heaviest
+# first, streamed tiles through TMA and dQ from the stored dS tiles (stored through TMA); the
+# sweeps behind it are in docs/perf-notes.md.
 _BWD_16BIT: dict[int, BwdConfig] = {
     32: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
     64: BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
@@ -405,12 +327,9 @@ def override_backward_config(cfg: BwdConfig) -> Iterator[None]:
 
 
 def _bwd_shared_memory_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int) -> int:
-    """The larger of the two kernels: resident tile (2 x D) plus streamed tiles per stage
-    (and the fp32 dQ tile of the atomic dK/dV kernel)."""
+    """The larger of the two kernels: resident tile (2 x D) plus streamed tiles per stage."""
     d_pad = padded_head_dim(head_dim)
     dkdv = (2 * cfg.dkdv_block_n + 2 * max(cfg.dkdv_stages, 1) * cfg.dkdv_block_m) * d_pad
-    if cfg.atomic_dq:  # the fp32 dQ tile staged for its reduction
-        dkdv += cfg.dkdv_block_m * d_pad * 4 // elem_bytes
     dq = (2 * cfg.dq_block_m + 2 * max(cfg.dq_stages, 1) * cfg.dq_block_n) * d_pad
     return max(dkdv, dq) * elem_bytes
 
@@ -419,12 +338,9 @@ def backward_config(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | None = None,
-    tile_efficiency: float | None = None,
 ) -> BwdConfig:
-    """The backward launch configuration for ``head_dim`` and ``dtype`` on ``device``.
-
-    ``tile_efficiency`` (as in :func:`forward_config`) is accepted and not used: since the
-    session-3 sweep one tiling wins the backward on every seed workload.
+    """The backward launch configuration for ``head_dim`` and ``dtype`` on ``device`` (one
+    tiling per head_dim and dtype: no plan-dependent choice measured a gain).
 
     Raises:
         CompileMaskError: head_dim is not one of :data:`SUPPORTED_HEAD_DIMS`.
@@ -436,11 +352,7 @@ def backward_config(
     cfg = table[head_dim]
     if cfg.tma and not _has_tma(device):
         cfg = replace(cfg, tma=0)
-    if cfg.atomic_dq and (dtype == torch.float32 or torch.are_deterministic_algorithms_enabled()):
-        cfg = replace(cfg, atomic_dq=0)
-    if cfg.ds_dq and (
-        dtype == torch.float32 or cfg.atomic_dq or cfg.fused or not ds_tilings_match(cfg)
-    ):
+    if cfg.ds_dq and (dtype == torch.float32 or not ds_tilings_match(cfg)):
         cfg = replace(cfg, ds_dq=0)
     elem_bytes = 4 if dtype == torch.float32 else 2
     limit = _device_smem_limit(device)
@@ -496,10 +408,8 @@ def _touched(plan, block_m: int, block_n: int) -> int:
 
 def ds_tilings_match(cfg: BwdConfig) -> bool:
     """Whether dQ can come from the dS tiles of the dK/dV kernel (``ds_dq``): the dQ tiling is
-    the dK/dV tiling, or pairs its q-tiles (``dq_block_m == 2 * dkdv_block_m``, same
-    ``block_n``; ``schedule.ds_pair_slots``)."""
-    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
-    return (cfg.dq_block_m, cfg.dq_block_n) in ((bm, bn), (2 * bm, bn))
+    the dK/dV tiling."""
+    return (cfg.dq_block_m, cfg.dq_block_n) == (cfg.dkdv_block_m, cfg.dkdv_block_n)
 
 
 def fit_ds_buffer(
@@ -510,7 +420,7 @@ def fit_ds_buffer(
     exceed :func:`ds_buffer_limit` or no tile is touched."""
     if not cfg.ds_dq:
         return cfg
-    # one slot per touched tile of the dQ tiling (the dK/dV tiling, or pairs of its q-tiles)
+    # one slot per touched tile of the dQ tiling (the dK/dV tiling)
     tiles = touched_tiles_max(plan, cfg.dq_block_m, cfg.dq_block_n)
     size = batch * heads * tiles * cfg.dq_block_m * cfg.dq_block_n * elem_bytes
     if tiles == 0 or size > ds_buffer_limit(device):

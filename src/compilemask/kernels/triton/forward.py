@@ -27,6 +27,9 @@ import triton
 import triton.language as tl
 
 from .common import (
+    check_bits,
+    clamp,
+    clamp_counts,
     grid_position,
     launch_grid,
     launch_order,
@@ -36,6 +39,7 @@ from .common import (
     partial_tile_mask,
     preload_row_slot,
     q_tile_work,
+    slot_range,
     slots_mask,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
@@ -68,9 +72,9 @@ def _mask_scores(
         kind = 0
         if HAS_BITS:
             kind = tl.load(Kind + kt)
+        jlo, jhi = slot_range(Jlo, Jhi, kt, n_slots)
         visible = partial_tile_mask(
-            kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots,
-            tl.load(Jlo + kt), tl.load(Jhi + kt), Bits, bidx,
+            kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits, bidx,
             stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
         )  # fmt: skip
     return tl.where(visible, qk, float("-inf"))
@@ -110,6 +114,8 @@ def _attn_fwd_inner(
     n_slots,
     list_start,
     list_end,
+    kt_max,
+    n_bits,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -121,23 +127,22 @@ def _attn_fwd_inner(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
-    mask_from=0,
     kt_first=0,
     HAS_FIRST: tl.constexpr = False,
     ONE_PER_TILE: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
-    MASKED=False (0): the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no
-    bounds checks, no mask. MASKED=True (1): PARTIAL tiles; loads are bounds-checked and scores
+    MASKED=False: the tiles are FULL (inside [0, Nq) x [0, Nk), all pairs visible): no
+    bounds checks, no mask. MASKED=True: PARTIAL tiles; loads are bounds-checked and scores
     masked, from the preloaded slots ``lo*/hi*`` when SLOTS > 0, else from the tile's data.
-    MASKED=2: one loop over FULL and PARTIAL tiles (``FwdConfig.one_loop``): loads as for 1,
-    the mask applied from list position ``mask_from`` on (a branch per tile).
     USE_TMA: K and V tiles come through the tensor descriptors ``K_desc, V_desc`` (Hopper TMA;
     rows past Nk and columns past HEAD_DIM read as zeros), not per-thread pointers.
     HAS_FIRST: ``kt_first`` is ``TileList[list_start]``, loaded by the caller before (from the
     program's work entry, ``schedule.work_list``), so the loop's first K/V copies need no
-    load of the list first.
+    load of the list first. Tile indices are clamped to [0, kt_max] (the FULL loop's
+    ``kt_max`` is the last complete kv-tile: its loads are not bounds-checked), bitmask
+    indices to [0, n_bits).
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -146,20 +151,24 @@ def _attn_fwd_inner(
     # the pipelined loop becomes the last async copy group of each iteration, and waiting for
     # it at the top of the next one waits for every copy in flight (no pipelining at all).
     if HAS_FIRST:
-        kt_next = kt_first
+        kt_next = clamp(kt_first, kt_max)
     else:
-        kt_next = tl.load(TileList + list_start, mask=list_start < list_end, other=0)
+        kt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), kt_max)
     # likewise the bitmask index of a masked tile: its words' loads then need nothing loaded
     # in the same iteration
     bidx_next = 0
     if MASKED and HAS_BITS:
-        bidx_next = tl.load(BitsIndex + kt_next, mask=list_start < list_end, other=0)
+        bidx_next = clamp(
+            tl.load(BitsIndex + kt_next, mask=list_start < list_end, other=0), n_bits - 1
+        )
     for i in range(list_start, list_end):
         kt = kt_next
         bidx = bidx_next
-        kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
+        kt_next = clamp(tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0), kt_max)
         if MASKED and HAS_BITS:
-            bidx_next = tl.load(BitsIndex + kt_next, mask=i + 1 < list_end, other=0)
+            bidx_next = clamp(
+                tl.load(BitsIndex + kt_next, mask=i + 1 < list_end, other=0), n_bits - 1
+            )
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
         k_ptrs = (
@@ -187,19 +196,12 @@ def _attn_fwd_inner(
         # unscaled scores: the scale (> 0, so it commutes with max) is folded into the FFMA of
         # the exponent below, one multiply per score fewer
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if MASKED == 1:
+        if MASKED:
             qk = _mask_scores(
                 qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
                 row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk,
                 n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE,
             )  # fmt: skip
-        elif MASKED == 2:
-            if i >= mask_from:
-                qk = _mask_scores(
-                    qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo,
-                    RowHi, row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-                    Nq, Nk, n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE,
-                )  # fmt: skip
         if MASKED:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             # A row that has seen nothing yet keeps m = -inf: subtract 0 instead (p = 0).
@@ -225,110 +227,12 @@ def _attn_fwd_inner(
 
 
 @triton.jit
-def _load_kv_tile(
-    Tile, Desc, off_b, off_hkv, start_n, stride_n, stride_d,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """A FULL tile's K (TRANSPOSED: [HEAD_DIM_PAD, BLOCK_N]) or V ([BLOCK_N, HEAD_DIM_PAD])."""
-    if USE_TMA:
-        tile = Desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
-        if TRANSPOSED:
-            tile = tl.trans(tile)
-    else:
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        base = Tile + start_n.to(tl.int64) * stride_n
-        if TRANSPOSED:
-            ptrs = base + offs_n[None, :] * stride_n + offs_d[:, None] * stride_d
-            d_ok = (offs_d < HEAD_DIM)[:, None]
-        else:
-            ptrs = base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_d
-            d_ok = (offs_d < HEAD_DIM)[None, :]
-        if HEAD_DIM == HEAD_DIM_PAD:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=d_ok, other=0.0)
-    return tile
-
-
-@triton.jit
-def _softmax_pv_step(
-    acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step of a FULL tile from its unscaled scores ``qk`` (the scale is
-    folded into the exponent), then ``acc += P V``: ``(acc, l_i, m_i)``."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    v = _load_kv_tile(
-        V_tile, V_desc, off_b, off_hkv, start_n, stride_vn, stride_vd,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, USE_TMA,
-    )  # fmt: skip
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _attn_fwd_full_overlap(
-    acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-    stride_kn, stride_kd, stride_vn, stride_vd,
-    TileList, list_start, list_end, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):  # fmt: skip
-    """The FULL-tile loop of :func:`_attn_fwd_inner` with Q K^T of the next tile issued before
-    the softmax of the current one (FlashAttention-3's intra-warpgroup overlap: the tensor
-    cores compute S_{j+1} while the exponentials of S_j run), the scale folded into the
-    exponent so that nothing reads S_{j+1} until the next iteration. Opt-in
-    (``FwdConfig.overlap``); the last tile is peeled off the loop."""
-    if list_start < list_end:
-        kt = tl.load(TileList + list_start)
-        k = _load_kv_tile(
-            K_tile, K_desc, off_b, off_hkv, kt * BLOCK_N, stride_kn, stride_kd,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
-        )  # fmt: skip
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        for i in range(list_start, list_end - 1):
-            kt_next = tl.load(TileList + i + 1)
-            k = _load_kv_tile(
-                K_tile, K_desc, off_b, off_hkv, kt_next * BLOCK_N, stride_kn, stride_kd,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, USE_TMA,
-            )  # fmt: skip
-            qk_next = tl.dot(q, k, input_precision=DOT_PRECISION)
-            acc, l_i, m_i = _softmax_pv_step(
-                acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn,
-                stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-            )  # fmt: skip
-            qk = qk_next
-            kt = kt_next
-        acc, l_i, m_i = _softmax_pv_step(
-            acc, l_i, m_i, qk, V_tile, V_desc, off_b, off_hkv, kt * BLOCK_N, stride_vn,
-            stride_vd, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-        )  # fmt: skip
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _attn_fwd_two_loops(
     acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
     stride_kn, stride_kd, stride_vn, stride_vd,
     TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
     RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-    Nq, Nk, n_slots, full_count, count, qk_scale, kt_full, kt_partial,
+    Nq, Nk, n_slots, full_count, count, qk_scale, kt_full, kt_partial, Tk, n_bits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -338,38 +242,32 @@ def _attn_fwd_two_loops(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
-    OVERLAP: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     ONE_PER_TILE: tl.constexpr,
 ):  # fmt: skip
     """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
-    ``TileList[0:full_count]`` in an unmasked one (or the overlapped loop, ``OVERLAP``).
-    HAS_FIRST: ``kt_partial`` / ``kt_full`` are the first entries of the two ranges."""
+    ``TileList[0:full_count]`` in an unmasked one.
+    HAS_FIRST: ``kt_partial`` / ``kt_full`` are the first entries of the two ranges. The FULL
+    loop's tiles are clamped to the complete kv-tiles (``clamp_counts`` runs no FULL loop
+    when there is none)."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
         stride_kn, stride_kd, stride_vn, stride_vd,
         TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
         RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-        Nq, Nk, n_slots, full_count, count, qk_scale,
+        Nq, Nk, n_slots, full_count, count, Tk - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-        SLOTS, USE_TMA, 0, kt_partial, HAS_FIRST, ONE_PER_TILE,
+        SLOTS, USE_TMA, kt_partial, HAS_FIRST, ONE_PER_TILE,
     )  # fmt: skip
-    if OVERLAP:
-        acc, l_i, m_i = _attn_fwd_full_overlap(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd, TileList, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, DOT_PRECISION, USE_TMA,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
-            RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
-            Nq, Nk, n_slots, 0, full_count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA, 0, kt_full, HAS_FIRST,
-        )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        TileList, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p, stride_bits_r,
+        RowLo, RowHi, row_base, offs_m, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3,
+        Nq, Nk, n_slots, 0, full_count, tl.minimum(Tk, Nk // BLOCK_N) - 1, n_bits, qk_scale,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
+        SLOTS, USE_TMA, kt_full, HAS_FIRST,
+    )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -382,7 +280,7 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_bits_p, stride_bits_r,
-    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+    Hq, gqa_group, Nq, Nk, n_slots, Tq, Tk, n_bits, mask_stride_b, mask_stride_h,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -394,8 +292,6 @@ def _attn_fwd(
     SLOTS: tl.constexpr,
     GRID_ORDER: tl.constexpr,
     USE_TMA: tl.constexpr,
-    OVERLAP: tl.constexpr = False,
-    ONE_LOOP: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     ONE_PER_TILE: tl.constexpr = False,
 ):  # fmt: skip
@@ -408,6 +304,7 @@ def _attn_fwd(
             QFullCount, Tq, GRID_ORDER, PREFETCH,
         )
     )  # fmt: skip
+    count, full_count = clamp_counts(count, full_count, Tk, tl.minimum(Tk, Nk // BLOCK_N))
     tile_list = QList + tile_row * Tk
     kind_row = tile_row * Tk  # offset of kind / jlo / jhi / bits_index rows
     row_base = mask_id * Nq * n_slots
@@ -436,32 +333,21 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # the rows' intervals, loaded once when there are few slots (SLOTS > 0)
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
-    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 0, SLOTS)
-    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 1, SLOTS)
-    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 2, SLOTS)
-    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, 3, SLOTS)
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 3, SLOTS)
 
-    if ONE_LOOP:  # FULL then PARTIAL tiles in one pipelined loop, masked from full_count on
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
-            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, 0, count, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, 2, DOT_PRECISION, MAX_SPAN, HAS_BITS,
-            SLOTS, USE_TMA, full_count, kt_full, PREFETCH, ONE_PER_TILE,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _attn_fwd_two_loops(
-            acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
-            Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
-            lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
-            kt_full, kt_partial,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
-            USE_TMA, OVERLAP, PREFETCH, ONE_PER_TILE,
-        )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_two_loops(
+        acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        tile_list, Kind + kind_row, Jlo + kind_row, Jhi + kind_row, BitsIndex + kind_row,
+        Bits, stride_bits_p, stride_bits_r, RowLo, RowHi, row_base, offs_m,
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
+        kt_full, kt_partial, Tk, n_bits,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
+        USE_TMA, PREFETCH, ONE_PER_TILE,
+    )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -526,6 +412,7 @@ def attention_forward(
         return out, lse
     bits = schedule["bits"]
     span, slots, has_bits = mask_constants(kind, schedule["jlo"], schedule["jhi"], n_slots)
+    check_bits(bits, has_bits, cfg.block_m, cfg.block_n)
     order = launch_order(cfg.grid_order, B * Hq)
     d_pad = padded_head_dim(D)
     descs = tma_descriptors(k, v, cfg.block_n, d_pad) if cfg.tma else None
@@ -538,7 +425,7 @@ def attention_forward(
         schedule["q_count"], schedule["q_full_count"], schedule["q_list"], schedule["q_order"],
         schedule["q_work"], *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         bits.stride(0), bits.stride(1),
-        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, mask_stride_b, mask_stride_h,
+        Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
         scale * _LOG2E,
         HEAD_DIM=D,
         HEAD_DIM_PAD=d_pad,
@@ -552,8 +439,6 @@ def attention_forward(
         SLOTS=slots,
         GRID_ORDER=order,
         USE_TMA=descs is not None,
-        OVERLAP=bool(cfg.overlap),
-        ONE_LOOP=bool(cfg.one_loop),
         PREFETCH=bool(cfg.prefetch) and order in (0, 3),
         ONE_PER_TILE=one_per_tile,
         num_warps=cfg.num_warps,

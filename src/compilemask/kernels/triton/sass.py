@@ -3,9 +3,11 @@
 Launches made inside :func:`capture_sm90` are not run: Triton's own binder specialises the
 arguments as a real launch would (alignment, ``== 1``, divisibility by 16, constexprs), the
 kernel is compiled by the CUDA backend for ``GPUTarget("cuda", 90, 32)`` with the ptxas that
-ships in the Triton wheel, and the compiled kernel is recorded. ``benchmarks/sass_stats.py``
-prints instruction counts from it; ``tests/test_sass.py`` checks that pipelined loops really
-pipeline (session 3 found every loop waiting for all async copies: ``DEPBAR.LE SB0, 0x0``).
+ships in the Triton wheel, and the compiled kernel is recorded. :func:`launch_all` launches
+every attention kernel once; ``benchmarks/sass_stats.py`` prints instruction counts from
+them; ``tests/test_sass.py`` checks that pipelined loops really pipeline (an index load as
+the last copy group of an iteration makes every loop wait for all async copies:
+``DEPBAR.LE SB0, 0x0``).
 
 Example::
 
@@ -75,6 +77,40 @@ def capture_sm90() -> Iterator[list[tuple[str, object]]]:
         triton_jit.JITFunction.run = original
         if interpret is not None:
             os.environ["TRITON_INTERPRET"] = interpret
+
+
+def launch_all(w, fwd, bwd, heads: int = 2) -> None:
+    """One forward and one backward launch of every kernel on CPU tensors (inside
+    :func:`capture_sm90` they compile and do not run): bf16, head_dim 128, the launch
+    configurations ``fwd`` (``FwdConfig``) and ``bwd`` (``BwdConfig``). ``w`` is a workload
+    (``compilemask.workloads.workload``) or a ``(mask, N)`` pair."""
+    import torch
+
+    import compilemask as cm
+
+    from .backward import attention_backward
+    from .configs import replace
+    from .forward import attention_forward
+    from .schedule import dkdv_schedule, ds_slots, forward_schedule
+
+    mask, n = (w.mask, w.N) if hasattr(w, "mask") else w
+    plan = cm.compile(mask, n)
+    q, k, v, do = (torch.randn(1, heads, n, 128, dtype=torch.bfloat16) for _ in range(4))
+    strides = dict(mask_stride_b=0, mask_stride_h=0)
+    fwd_sched = forward_schedule(plan, fwd.block_m, fwd.block_n)
+    out, lse = attention_forward(
+        q, k, v, plan.row_lo, plan.row_hi, fwd_sched, scale=0.088, cfg=fwd, **strides
+    )
+    s1 = dkdv_schedule(plan, bwd.dkdv_block_m, bwd.dkdv_block_n)
+    s2 = forward_schedule(plan, bwd.dq_block_m, bwd.dq_block_n)
+    slots = None
+    if bwd.ds_dq:  # dQ from stored dS: a buffer of the most touched dQ tiles of one mask
+        slots = ds_slots(s1["kind"])
+        bwd = replace(bwd, ds_dq=int((s2["kind"] != 0).sum()))
+    attention_backward(
+        q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1, s2,
+        scale=0.088, cfg=bwd, ds_slots=slots, **strides,
+    )  # fmt: skip
 
 
 def _cuobjdump(kernel, flag: str) -> str:

@@ -249,20 +249,3 @@ def ds_slots(kind: torch.Tensor) -> torch.Tensor:
     touched = kind.ne(0)
     slots = (torch.cumsum(touched.flatten(1), 1, dtype=torch.int32) - 1).view(kind.shape)
     return torch.where(touched, slots, -1)
-
-
-def ds_pair_slots(kind: torch.Tensor, pair_kind: torch.Tensor) -> torch.Tensor:
-    """The dS buffer slots when the dQ tiling pairs the dK/dV tiling's q-tiles (``BwdConfig``
-    with ``ds_dq`` and ``dq_block_m == 2 * dkdv_block_m``): int32 [M, ceil(Tq / 2), Tk],
-    ``4 * slot + present`` for every touched tile of the paired tiling (``pair_kind``, slots
-    numbered as :func:`ds_slots`), -1 for EMPTY ones; ``present`` bit r is set when q-tile
-    ``2p + r`` of ``kind`` (the dK/dV tiling, [M, Tq, Tk]) touches that kv-tile. Slot ``s``
-    holds both halves side by side (``[BLOCK_N, 2 * BLOCK_M]``); an absent half is never
-    written and the dQ kernel reads it as zeros. No host synchronisation."""
-    M, Tq, Tk = kind.shape
-    touched = kind.ne(0)
-    if Tq % 2:
-        touched = torch.cat([touched, touched.new_zeros(M, 1, Tk)], 1)
-    halves = touched.view(M, (Tq + 1) // 2, 2, Tk).to(torch.int32)
-    present = halves[:, :, 0] + 2 * halves[:, :, 1]
-    return torch.where(pair_kind.ne(0), ds_slots(pair_kind) * 4 + present, -1)
