@@ -112,11 +112,96 @@ def test_coverage_image_matches_dense():
     torch.testing.assert_close(img, want)
 
 
-def test_user_errors_exit_2(run):
-    for args in (["stats", "no_such_workload"], ["stats", "causal", "--size", "1000"]):
-        result = run(*args)
-        assert result.exit_code == 2
-        assert "error:" in result.output and "Traceback" not in result.output
+def _assert_one_line_error(result, fragment: str) -> None:
+    """Exit status 2 and exactly one line on stderr, ``compilemask[ CMD]: error: ...``."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("compilemask") and ": error: " in lines[0], lines[0]
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.output
+
+
+#: (arguments, a fragment of the one-line error): every subcommand with bad input.
+BAD_INPUT = [
+    (["stats", "no_such_workload"], "neither a file nor a seed workload"),
+    (["stats", "examples/nonexistent.txt"], "not found"),
+    (["stats", "causal", "--size", "1000"], "nominal size 1000"),
+    (["stats", "causal", "--q-len", "5"], "its length comes from --size"),
+    (["stats", "causal()"], "give --q-len"),
+    (["stats", "sliding_window(4", "--q-len", "8"], "(line 1, column 17) in 'sliding_window(4'"),
+    (["stats", "foo(1)", "--q-len", "8"], "unknown mask 'foo'"),
+    (["stats", "sliding_window(4)", "--q-len", "0"], "q_len"),
+    (["stats", "sliding_window(4)", "--q-len", "8", "--kv-len", "-1"], "kv_len"),
+    (["stats", "causal", "--size", "1024", "--block-m", "0"], "block_m"),
+    (["stats", "causal", "--size", "abc"], "'abc' is not a valid integer"),
+    (["stats", "causal", "--bogus"], "No such option '--bogus'"),
+    (["stats"], "Missing argument 'MASK'"),
+    (["no_such_command"], "No such command 'no_such_command'"),
+    (["check", "causal", "--size", "32768"], "too large"),
+    (["check", "document([3, 5])", "--q-len", "9"], "fixes the length"),
+    (["show", "causal", "--size", "1024", "--max-pixels", "0"], "--max-pixels"),
+    (["show", "causal()", "--q-len", "64", "-o", "x.txt"], "must be a .png"),
+    (["demo", "--size", "1000", "--no-pictures", "--no-attention"], "nominal size 1000"),
+    (["demo", "--block-m", "0", "--no-pictures", "--no-attention"], "block_m"),
+    (["bench", "--report", "missing.jsonl"], "missing.jsonl: No such file or directory"),
+    (["bench", "--workloads", "no_such_workload"], "invalid choice"),
+    (["bench", "--sizes", "abc"], "invalid int value"),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("args, fragment", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line(run, args, fragment):
+    _assert_one_line_error(run(*args), fragment)
+
+
+#: (file name, its bytes, arguments with {path}, a fragment of the error): bad files.
+BAD_FILES = [
+    ("folder", None, ["stats", "{path}"], "is a folder"),
+    ("latin1.txt", b"causal() # \xe9\n", ["stats", "{path}"], "not UTF-8 text"),
+    ("bad.txt", b"document([3, 5]) |\n", ["stats", "{path}", "--q-len", "8"], "(line 2, column 1)"),
+    ("a_file", b"", ["show", "causal()", "--q-len", "8", "-o", "{path}/x.png"], "cannot write"),
+    ("a_file", b"", ["demo", "--out-dir", "{path}", "--no-attention"], "is a file"),
+    ("r.jsonl", b"not json\n", ["bench", "--report", "{path}"], "line 1: not JSON"),
+    ("r.jsonl", b"[1, 2]\n", ["bench", "--report", "{path}"], "not a result row"),
+    ("r.jsonl", b'{"ms": 1}\n', ["bench", "--report", "{path}"], "lacks workload, N0"),
+    ("folder", None, ["bench", "--report", "{path}"], "Is a directory"),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "name, data, args, fragment", BAD_FILES, ids=[f"{a[0]}-{n}-{f}" for n, _, a, f in BAD_FILES]
+)
+def test_bad_files_are_one_line(run, tmp_path, name, data, args, fragment):
+    path = tmp_path / name
+    if data is None:
+        path.mkdir()
+    else:
+        path.write_bytes(data)
+    _assert_one_line_error(run(*(a.format(path=path) for a in args)), fragment)
+
+
+def test_main_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stats", "no_such_workload"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("compilemask: error: MASK 'no_such_workload'")
+
+
+@needs_compiler
+def test_without_matplotlib_show_fails_and_demo_skips_pictures(run, tmp_path, monkeypatch):
+    from compilemask.tools import visualize
+
+    monkeypatch.setattr(visualize, "have_matplotlib", lambda: False)
+    _assert_one_line_error(run("show", "causal()", "--q-len", "64"), "compilemask[pictures]")
+    result = run("demo", "--size", "1024", "--out-dir", str(tmp_path / "pics"), "--no-attention")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.output.splitlines() if "pictures" in line]
+    assert notes == [f"pictures skipped: {visualize.PICTURES_HINT}"]
+    assert not (tmp_path / "pics").exists()
 
 
 @needs_compiler

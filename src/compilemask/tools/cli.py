@@ -60,12 +60,10 @@ class MaskSpec:
 
 def one_line(err: BaseException | str) -> str:
     """The message of ``err`` on one line (a syntax error keeps line, column and the text)."""
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
-    if isinstance(err, MaskSyntaxError) and len(lines) > 1:
-        return f"{lines[0]} in {lines[1].strip()!r}"
-    return " ".join(" ".join(lines).split())
+    if isinstance(err, MaskSyntaxError):  # message, the text's line, a caret under the column
+        message, line = (str(err).split("\n") + ["", ""])[:2]
+        return f"{message} in {line.strip()!r}" if line.strip() else message
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def fail(message: str, prefix: str = "compilemask") -> None:
@@ -238,7 +236,9 @@ def print_table(rows: list[dict]) -> None:
 # ----------------------------------------------------------------------------------- commands
 
 
-@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    "compilemask", cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(version=__version__, prog_name="compilemask")
 def cli():
     """CompileMask: compile attention masks written as regions into per-row key intervals
