@@ -19,9 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton's interpreter for the backend="triton" test
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("transformers", reason="transformers is not installed (extra: hf)")
 
 import compilemask as cm  # noqa: E402
