@@ -133,6 +133,7 @@ def test_llama_decoder_matches_dense_mask(llama, mask_name):
         torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.kernel
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="the Triton kernels need triton installed"
 )

@@ -121,6 +121,7 @@ def test_tiled_plan_gradients_in_q_k_v_and_through_lse(compiled):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.kernel
 def test_triton_token_gather_is_index_select():
     """The Triton row copy of tile_grid plans on CUDA (here through the interpreter)."""
     pytest.importorskip("triton", reason="the Triton row copy needs triton installed")
@@ -155,7 +156,7 @@ def test_tiled_plan_forward_mode_ad():
     torch.testing.assert_close(got[0][1], got[1][1])
 
 
-@pytest.mark.parametrize("triton_gather", [False, True])
+@pytest.mark.parametrize("triton_gather", [False, pytest.param(True, marks=pytest.mark.kernel)])
 def test_tiled_plan_second_order_gradients(monkeypatch, triton_gather):
     """Gradients of gradients through the token permutations, also with the Triton row copy
     that CUDA runs in eager mode (here through the interpreter)."""

@@ -19,6 +19,7 @@ from compilemask.kernels.triton.schedule import split_full_first, work_list  # n
 from compilemask.language.semantics import dense  # noqa: E402
 from conftest import DEVICE, cases, kernel_masks  # noqa: E402
 
+pytestmark = pytest.mark.kernel
 KERNEL_MASKS = kernel_masks(100)
 FIELDS = ("kind", "pairs", "jlo", "jhi", "bits_index", "q_count", "q_list", "kv_count",
           "kv_list", "q_order", "kv_order")  # fmt: skip

@@ -451,7 +451,7 @@ def _check_report(path: str) -> None:
             fail(f"--report {path}, line {i}: not a result row (lacks {', '.join(missing)})")
 
 
-# ------------------------------------------------------------------- attention (lead: fill in)
+# ------------------------------------------------------------------------------- entry point
 
 
 def _short(text: str, n: int = 70) -> str:
