@@ -162,6 +162,14 @@ def test_bad_files_are_one_line(run, tmp_path, name, data, args, fragment):
     _assert_one_line_error(run(*(a.format(path=path) for a in args)), fragment)
 
 
+def test_main_alone_prints_its_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Usage: compilemask") and "demo" in out
+
+
 def test_main_exits_2_with_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["stats", "no_such_workload"])

@@ -94,6 +94,10 @@ def _clean_errors(fn):
     return wrapper
 
 
+# click >= 8.2 reports a command called without arguments as a usage error holding its help
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class _OneLineErrors(click.Group):
     """A click group whose usage errors (bad option, missing argument, unknown command) are one
     line, ``compilemask CMD: error: ...``, instead of click's usage block."""
@@ -103,6 +107,9 @@ class _OneLineErrors(click.Group):
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
             status = super().main(args, prog_name, complete_var, False, **extra)
+        except _NO_ARGS_IS_HELP as err:  # `compilemask` alone: its help, as older click prints
+            click.echo(err.ctx.get_help())
+            sys.exit(0)
         except click.UsageError as err:
             where = err.ctx.command_path if err.ctx is not None else "compilemask"
             fail(f"{one_line(err.format_message())} (see {where} --help)", prefix=where)
