@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -66,7 +67,7 @@ def one_line(err: BaseException | str) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def fail(message: str, prefix: str = "compilemask") -> None:
+def fail(message: str, prefix: str = "compilemask") -> NoReturn:
     """Print ``<prefix>: error: <message>`` (one line) on stderr and exit with status 2."""
     click.echo(f"{prefix}: error: {message}", err=True)
     sys.exit(2)
@@ -79,8 +80,8 @@ def _os_message(err: OSError) -> str:
 
 
 def _clean_errors(fn):
-    """Turn user errors (CompileMaskError, a file that cannot be read or written, a missing
-    optional dependency) into one line on stderr and exit status 2."""
+    """Turn user errors (CompileMaskError, a file that cannot be read or written) into one line
+    on stderr and exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
