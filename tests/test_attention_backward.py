@@ -1,6 +1,6 @@
 """Backward attention over compiled plans: Triton kernels (interpreter on the CPU) vs reference.
 
-On a machine without CUDA the module sets TRITON_INTERPRET=1 before Triton is imported, so the
+On a machine without CUDA conftest.py sets TRITON_INTERPRET=1 before Triton is imported, so the
 kernels run in Triton's interpreter on CPU tensors (fp16 and fp32: the interpreter computes bf16
 dots wrongly). With CUDA the same tests run compiled on the GPU, bf16 included. dq, dk and dv
 must each pass the correctness measure of docs/design.md (``compilemask.testing.check_close``)
@@ -10,15 +10,12 @@ autograd of a dense float64 masked softmax.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 from dataclasses import replace
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
@@ -45,10 +42,10 @@ from compilemask.kernels.triton.schedule import (  # noqa: E402
     ds_slots,
     forward_schedule,
 )
-from compilemask.testing import check_close  # noqa: E402
+from conftest import DEVICE, DTYPES, kernel_masks, qkv  # noqa: E402
+from conftest import assert_grads_close as _assert_grads  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+pytestmark = pytest.mark.kernel
 # Small tiles so that small lengths give many tiles; dK/dV and dQ use different tilings
 # (BLOCK_N % 32 == 0: bitmask tiles, and bits-only plans, need it).
 BWD_TILES = {
@@ -61,22 +58,8 @@ BWD_TILES = {
 SMALL = BWD_TILES["16x32/32x32"]
 FWD_CFG = FwdConfig(16, 32, 4, 1)
 
-MASKS = {
-    "causal": lambda: cm.masks.causal(),
-    "window_prefix": lambda: cm.masks.sliding_window(20) | cm.masks.prefix_lm(5),
-    "document": lambda: cm.masks.document([30, 17, 43, 10]),
-    "dilated_bits": lambda: cm.masks.dilated(40, 3),  # many intervals per tile: bitmask tiles
-    "shared_prompt": lambda: cm.masks.shared_prompt(22, [26, 26, 26]),
-}
-
-
-def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype=dtype, device=DEVICE)
-    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
-    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
-    do = torch.randn(B, Hq, Nq, D, generator=g).to(dtype=dtype, device=DEVICE)
-    return q, k, v, do
+MASKS = kernel_masks(100)
+_inputs = functools.partial(qkv, grad_output=True)  # q, k, v, do
 
 
 def _mask_strides(plan):
@@ -108,20 +91,6 @@ def _triton_grads(q, k, v, do, plan, cfg=SMALL, *, scale=None, dlse=None, edit=N
         dq=dq, dk=dk, dv=dv, ds_slots=slots,
     )  # fmt: skip
     return dq, dk, dv
-
-
-def _assert_grads(grads, q, k, v, do, plan, *, scale=None, dlse=None):
-    ref64 = reference_attention_backward(
-        q, k, v, plan, do, scale, dlse=dlse, compute_dtype=torch.float64
-    )
-    ref_dt = reference_attention_backward(
-        q, k, v, plan, do, scale, dlse=dlse, compute_dtype=torch.float32, matmul_dtype=q.dtype
-    )
-    for name, x, r64, rdt in zip(("dq", "dk", "dv"), grads, ref64, ref_dt):
-        assert x.dtype == q.dtype and x.shape == r64.shape, name
-        assert not torch.isnan(x).any(), f"{name} has NaN (unwritten or NaN-producing)"
-        ok, err, bound = check_close(x, r64, rdt, q.dtype)
-        assert ok, f"{name}: err {err:.3g} > bound {bound:.3g}"
 
 
 # ---------------------------------------------------------------- kernels vs reference

@@ -1,6 +1,6 @@
 """Forward attention over compiled plans: Triton kernel (interpreter on the CPU) vs reference.
 
-On a machine without CUDA the module sets TRITON_INTERPRET=1 before Triton is imported, so the
+On a machine without CUDA conftest.py sets TRITON_INTERPRET=1 before Triton is imported, so the
 kernels run in Triton's interpreter on CPU tensors (fp16 and fp32: the interpreter computes bf16
 dots wrongly). With CUDA the same tests run compiled on the GPU, bf16 included. Correctness is
 the measure of docs/design.md (``compilemask.testing.check_close``).
@@ -9,14 +9,10 @@ the measure of docs/design.md (``compilemask.testing.check_close``).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 from torch.autograd import forward_ad
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
@@ -30,31 +26,19 @@ from compilemask.kernels.triton.configs import (  # noqa: E402
     override_forward_config,
 )
 from compilemask.kernels.triton.schedule import forward_schedule, split_full_first  # noqa: E402
-from compilemask.testing import check_attention, check_close, relative_error  # noqa: E402
+from compilemask.testing import check_close, relative_error  # noqa: E402
+from conftest import DEVICE, DTYPES, kernel_masks  # noqa: E402
+from conftest import assert_attention_close as _assert_matches  # noqa: E402
+from conftest import assert_lse_close as _assert_lse  # noqa: E402
+from conftest import qkv as _inputs  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+pytestmark = pytest.mark.kernel
 HEAD_DIMS = [32, 64, 96, 128, 256]
 # Small tiles so that small lengths give many tiles (and bitmask tiles need BLOCK_N % 32 == 0).
 # (BLOCK_M, BLOCK_N, grid_order): every launch order is exercised somewhere
 TILES = [(16, 32, 2), (32, 16, 0)]
 
-MASKS = {
-    "causal": lambda: cm.masks.causal(),
-    "window_prefix": lambda: cm.masks.sliding_window(20) | cm.masks.prefix_lm(5),
-    "document": lambda: cm.masks.document([30, 17, 43, 60]),
-    "dilated_bits": lambda: cm.masks.dilated(40, 3),  # many intervals per tile: bitmask tiles
-    "shared_prompt": lambda: cm.masks.shared_prompt(24, [40, 40, 46]),
-    "chunked": lambda: cm.masks.chunked(24),
-}
-
-
-def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype=dtype, device=DEVICE)
-    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
-    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype=dtype, device=DEVICE)
-    return q, k, v
+MASKS = {**kernel_masks(150), "chunked": lambda: cm.masks.chunked(24)}
 
 
 def _run_triton(q, k, v, plan, tiles, **kwargs):
@@ -62,19 +46,6 @@ def _run_triton(q, k, v, plan, tiles, **kwargs):
     cfg = FwdConfig(tiles[0], tiles[1], num_warps=4, num_stages=1, grid_order=order)
     with override_forward_config(cfg):
         return cm.attention(q, k, v, plan, backend="triton", **kwargs)
-
-
-def _assert_matches(out, q, k, v, plan, scale=None):
-    ok, err, bound = check_attention(out, q, k, v, plan, scale)
-    assert ok, f"err {err:.3g} > bound {bound:.3g}"
-
-
-def _assert_lse(lse, q, k, v, plan, scale=None):
-    _, ref_lse = reference_attention(q, k, v, plan, scale, compute_dtype=torch.float64)
-    assert lse.dtype == torch.float32
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse) & (lse < 0), empty)
-    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=2e-3, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- kernel vs reference

@@ -4,12 +4,15 @@ Every module of the package is parsed (not imported) and each of its imports, mo
 inside a function, must come from its own layer or a lower one. Triton is imported only under
 ``kernels/triton/`` (and lazily, inside a function, in ``tools/bench.py``), and importing
 the package never loads Triton (modules of ``kernels/triton/`` that need no Triton, such as
-configurations, may be imported anywhere above the kernels).
+configurations, may be imported anywhere above the kernels). Outside ``kernels/triton/`` a
+module imports at module level only the standard library and the core dependencies of
+pyproject.toml: optional ones (matplotlib, transformers, ...) are imported inside functions.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 PKG = "compilemask"
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = SRC / PKG
+PYPROJECT = SRC.parent / "pyproject.toml"
 
 # Layer of each top-level package or module of compilemask; a module may import from its own
 # layer or lower ones. masks / workloads build language IR, so they sit with the language.
@@ -167,3 +171,28 @@ def test_api_imports_no_backend(path: Path):
         if target[:2] == [PKG, "kernels"] and len(target) > 2 and target[2] in BACKEND_FOLDERS
     ]
     assert not bad, f"api/{path.name} imports a backend:\n" + "\n".join(bad)
+
+
+def _core_dependencies() -> set[str]:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    return {re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
+
+
+def test_core_dependencies_leave_out_the_extras():
+    core = _core_dependencies()
+    assert {"torch", "numpy"} <= core
+    assert not core & {"matplotlib", "triton", "transformers"}, "an extra became a core dependency"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_level_imports_are_core_dependencies(path: Path):
+    allowed = {PKG, "__future__", *_core_dependencies()}
+    if path.relative_to(ROOT).parts[: len(TRITON_HOME)] == TRITON_HOME:
+        allowed.add("triton")  # the package imports kernels/triton lazily
+    bad = [
+        f"line {line}: imports {target[0]} at module level"
+        for target, line, lazy in _imports(path)
+        if not lazy and target[0] not in allowed and target[0] not in sys.stdlib_module_names
+    ]
+    assert not bad, f"{path.relative_to(ROOT)} needs an optional dependency:\n" + "\n".join(bad)

@@ -7,13 +7,8 @@ pass the correctness measure of docs/design.md against the float64 reference.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="the Triton kernels need triton installed")
 
@@ -30,9 +25,9 @@ from compilemask.kernels.triton.configs import (  # noqa: E402
 )
 from compilemask.language.semantics import dense  # noqa: E402
 from compilemask.testing import check_attention, check_close  # noqa: E402
-from test_compiler import cases  # noqa: E402
+from conftest import DEVICE, cases  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.kernel
 DTYPE = torch.float32
 
 

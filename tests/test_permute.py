@@ -10,6 +10,7 @@ import compilemask as cm
 from compilemask import masks
 from compilemask.errors import CompileMaskError
 from compilemask.language.permutation import grid_permutation, tiled_order
+from conftest import DEVICE
 
 CASES = [
     (masks.clear((6, 10), 3, 7), (2, 4), 67),
@@ -120,16 +121,13 @@ def test_tiled_plan_gradients_in_q_k_v_and_through_lse(compiled):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.kernel
 def test_triton_token_gather_is_index_select():
     """The Triton row copy of tile_grid plans on CUDA (here through the interpreter)."""
-    import os
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="the Triton row copy needs triton installed")
     from compilemask.kernels.triton.permute import gather_tokens
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = DEVICE
     g = torch.Generator().manual_seed(2)
     for shape, d in (((2, 3, 70), 32), ((1, 2, 9), 96)):
         x = torch.randn(*shape, d, generator=g).to(dev, torch.float16)
@@ -158,18 +156,14 @@ def test_tiled_plan_forward_mode_ad():
     torch.testing.assert_close(got[0][1], got[1][1])
 
 
-@pytest.mark.parametrize("triton_gather", [False, True])
+@pytest.mark.parametrize("triton_gather", [False, pytest.param(True, marks=pytest.mark.kernel)])
 def test_tiled_plan_second_order_gradients(monkeypatch, triton_gather):
     """Gradients of gradients through the token permutations, also with the Triton row copy
     that CUDA runs in eager mode (here through the interpreter)."""
     import compilemask.api.functional as functional
 
     if triton_gather:
-        import os
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        pytest.importorskip("triton")
+        pytest.importorskip("triton", reason="the Triton row copy needs triton installed")
         from compilemask.kernels.triton.permute import gather_tokens
 
         monkeypatch.setattr(functional, "_gather_tokens", gather_tokens)

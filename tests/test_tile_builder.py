@@ -3,13 +3,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton", reason="the tile builder needs triton installed")
 
@@ -22,9 +17,10 @@ from compilemask.errors import LayoutError  # noqa: E402
 from compilemask.kernels.triton import tile_builder  # noqa: E402
 from compilemask.kernels.triton.schedule import split_full_first, work_list  # noqa: E402
 from compilemask.language.semantics import dense  # noqa: E402
-from test_compiler import cases  # noqa: E402
+from conftest import DEVICE, cases, kernel_masks  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.kernel
+KERNEL_MASKS = kernel_masks(100)
 FIELDS = ("kind", "pairs", "jlo", "jhi", "bits_index", "q_count", "q_list", "kv_count",
           "kv_list", "q_order", "kv_order")  # fmt: skip
 
@@ -61,14 +57,15 @@ def _assert_same(lo, hi, count, q_len, kv_len, bm, bn):
 @pytest.mark.parametrize(
     "mask, n, kv, tiles",
     [
-        (cm.masks.causal(), 100, None, (16, 32)),
-        (cm.masks.sliding_window(20) | cm.masks.prefix_lm(7), 90, 70, (32, 16)),
-        (cm.masks.shared_prompt(22, [26, 26, 26]), None, None, (16, 16)),
+        (KERNEL_MASKS["causal"](), 100, None, (16, 32)),
+        (KERNEL_MASKS["window_prefix"](), 90, 70, (32, 16)),
+        (KERNEL_MASKS["document"](), None, None, (32, 32)),
+        (KERNEL_MASKS["shared_prompt"](), None, None, (16, 16)),
         (cm.masks.hstu([30, 25, 15], [3, 2, 4], contextual=2), None, None, (16, 32)),
         (cm.masks.clear((8, 12), 3, 16), None, None, (32, 32)),
-        (cm.masks.dilated(40, 3), 120, None, (16, 64)),
+        (KERNEL_MASKS["dilated_bits"](), 120, None, (16, 64)),
     ],
-    ids=["causal", "window_prefix", "shared_prompt", "hstu", "clear", "dilated"],
+    ids=["causal", "window_prefix", "document", "shared_prompt", "hstu", "clear", "dilated"],
 )
 def test_seed_like_masks(mask, n, kv, tiles):
     lo, hi, count, plan = _intervals(mask, n, kv)

@@ -11,7 +11,9 @@ Commands::
 ``MASK`` is a seed workload name (``causal``, ``hstu``, ``shared_prompt``, ``clear``; size from
 ``--size N0``, the nominal size), a path to a mask text file, or mask text itself
 (``"sliding_window(128)"``); text masks take ``--q-len`` / ``--kv-len`` (default: the mask's
-own length when it fixes one). User errors print one clean message and exit with status 2.
+own length when it fixes one). User errors (bad input, a missing file, a bad option) print one
+line, ``compilemask: error: ...`` (``compilemask CMD: error: ...`` for a bad option), on stderr
+and exit with status 2.
 
 Example::
 
@@ -23,21 +25,24 @@ Example::
 from __future__ import annotations
 
 import functools
+import json
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 from .. import __version__
 from .. import workloads as wl
-from ..errors import CompileMaskError
+from ..errors import CompileMaskError, MaskSyntaxError
 from ..language.ast import Mask
 from . import progress
 
 MAX_CHECK_PAIRS = 1 << 28  # `check` builds two dense masks; refuse beyond 2^28 pairs per mask
+REPORT_KEYS = ("workload", "N0", "mode", "system")  # what `bench --report` needs of every row
 
 
 @dataclass(frozen=True)
@@ -54,18 +59,68 @@ class MaskSpec:
 # ----------------------------------------------------------------------------------- helpers
 
 
+def one_line(err: BaseException | str) -> str:
+    """The message of ``err`` on one line (a syntax error keeps line, column and the text)."""
+    if isinstance(err, MaskSyntaxError):  # message, the text's line, a caret under the column
+        message, line = (str(err).split("\n") + ["", ""])[:2]
+        return f"{message} in {line.strip()!r}" if line.strip() else message
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def fail(message: str, prefix: str = "compilemask") -> NoReturn:
+    """Print ``<prefix>: error: <message>`` (one line) on stderr and exit with status 2."""
+    click.echo(f"{prefix}: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _os_message(err: OSError) -> str:
+    if err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return one_line(err)
+
+
 def _clean_errors(fn):
-    """Turn CompileMaskError into one line on stderr and exit status 2."""
+    """Turn user errors (CompileMaskError, a file that cannot be read or written) into one line
+    on stderr and exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except CompileMaskError as err:
-            click.echo(f"error: {err}", err=True)
-            sys.exit(2)
+            fail(one_line(err))
+        except OSError as err:
+            fail(_os_message(err))
 
     return wrapper
+
+
+# click >= 8.2 reports a command called without arguments as a usage error holding its help
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+class _OneLineErrors(click.Group):
+    """A click group whose usage errors (bad option, missing argument, unknown command) are one
+    line, ``compilemask CMD: error: ...``, instead of click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            status = super().main(args, prog_name, complete_var, False, **extra)
+        except _NO_ARGS_IS_HELP as err:  # `compilemask` alone: its help, as older click prints
+            click.echo(err.ctx.get_help())
+            sys.exit(0)
+        except click.UsageError as err:
+            where = err.ctx.command_path if err.ctx is not None else "compilemask"
+            fail(f"{one_line(err.format_message())} (see {where} --help)", prefix=where)
+        except click.ClickException as err:
+            click.echo(f"compilemask: error: {one_line(err.format_message())}", err=True)
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("compilemask: aborted", err=True)
+            sys.exit(1)
+        sys.exit(status if isinstance(status, int) else 0)
 
 
 def _mask_options(fn):
@@ -118,7 +173,12 @@ def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) ->
         w = wl.workload(spec, size)
         return MaskSpec(f"{spec}@{size}", w.mask, w.N, w.N, w.B)
     if path.is_file():
-        text, label = path.read_text(), path.name
+        try:
+            text, label = path.read_text(), path.name
+        except UnicodeDecodeError as err:
+            raise CompileMaskError(f"MASK file {spec!r} is not UTF-8 text ({err.reason})") from None
+    elif path.is_dir():
+        raise CompileMaskError(f"MASK {spec!r} is a folder, not a mask file")
     elif any(c in spec for c in "(\n{") or spec.startswith("layout"):
         # a label for file names: the text's words, e.g. "document_30_34_prefix_lm_16"
         text, label = spec, re.sub(r"[^A-Za-z0-9]+", "_", spec).strip("_")[:60] or "mask"
@@ -184,7 +244,9 @@ def print_table(rows: list[dict]) -> None:
 # ----------------------------------------------------------------------------------- commands
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    "compilemask", cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(version=__version__, prog_name="compilemask")
 def cli():
     """CompileMask: compile attention masks written as regions into per-row key intervals
@@ -202,22 +264,27 @@ def cli():
 )
 @click.option(
     "--max-pixels",
-    type=int,
+    type=click.IntRange(min=1),
     default=1024,
     show_default=True,
     help="Largest side of the mask picture in pixels (longer masks are downsampled).",
 )
 @_clean_errors
 def show(mask, q_len, kv_len, size, block_m, block_n, output, max_pixels):
-    """Write a PNG of MASK and its tile classes."""
-    from .visualize import plot_mask
+    """Write a PNG of MASK and its tile classes (needs matplotlib: compilemask[pictures])."""
+    from .visualize import PICTURES_HINT, have_matplotlib, plot_mask
 
+    if not have_matplotlib():
+        fail(PICTURES_HINT)
     if output is not None and Path(output).suffix.lower() != ".png":
         raise click.BadParameter(f"{output!r} must be a .png file", param_hint="-o/--output")
     spec = resolve_mask(mask, q_len, kv_len, size)
     plan, _ = compile_spec(spec, block_m, block_n)
     output = output or f"out/{Path(spec.label).stem.replace('@', '-')}.png"
-    path = plot_mask(plan, output, max_pixels=max_pixels, title=mask_text(spec.mask))
+    try:
+        path = plot_mask(plan, output, max_pixels=max_pixels, title=mask_text(spec.mask))
+    except OSError as err:
+        fail(f"cannot write {output}: {_os_message(err)}")
     click.echo(f"wrote {path}")
 
 
@@ -300,9 +367,13 @@ def check(mask, q_len, kv_len, size, block_m, block_n):
 @click.option("--no-attention", is_flag=True, help="Skip the attention checks.")
 @_clean_errors
 def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
-    """Compile the four seed workloads, print a table and write their pictures."""
-    from .visualize import plot_mask, summarize
+    """Compile the four seed workloads, print a table and write their pictures (the pictures
+    need matplotlib: compilemask[pictures])."""
+    from .visualize import PICTURES_HINT, have_matplotlib, plot_mask, summarize
 
+    pictures_note = None
+    if not no_pictures and not have_matplotlib():
+        no_pictures, pictures_note = True, f"pictures skipped: {PICTURES_HINT}"
     rows, plans = [], []
     for name in progress.progress(wl.SEED_WORKLOADS, desc="compile"):
         w = wl.workload(name, size)
@@ -336,6 +407,8 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
     print_table(rows)
     if not no_pictures:
         click.echo(f"pictures in {out_dir}/")
+    elif pictures_note is not None:
+        click.echo(pictures_note)
     if not no_attention:
         from .demo import attention_rows
 
@@ -354,12 +427,39 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
 def bench(args):
     """Time CompileMask beside its peers on the GPU (docs/gpu-runbook.md); `bench --help` lists
     options."""
+    from .bench_sweep import build_parser
     from .bench_sweep import main as bench_main
 
+    parser = build_parser()
+    parser.error = lambda message: fail(message, prefix=parser.prog)  # one line, no usage block
+    parsed = parser.parse_args(list(args))
+    if parsed.report is not None:
+        _check_report(parsed.report)
     sys.exit(bench_main(list(args)))
 
 
-# ------------------------------------------------------------------- attention (lead: fill in)
+def _check_report(path: str) -> None:
+    """Exit with one line unless ``path`` is a JSON-lines file of result rows."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as err:
+        fail(f"--report {_os_message(err) if isinstance(err, OSError) else one_line(err)}")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            fail(f"--report {path}, line {i}: not JSON ({err.msg})")
+        if not isinstance(row, dict):
+            fail(f"--report {path}, line {i}: not a result row (a JSON object)")
+        missing = [k for k in REPORT_KEYS if k not in row]
+        if missing:
+            fail(f"--report {path}, line {i}: not a result row (lacks {', '.join(missing)})")
+
+
+# ------------------------------------------------------------------------------- entry point
 
 
 def _short(text: str, n: int = 70) -> str:

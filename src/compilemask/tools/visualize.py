@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ TILE_COLOURS = {
     PARTIAL: ("#f39c12", "PARTIAL"),
     PARTIAL_BITS: ("#c0392b", "PARTIAL (bits)"),
 }
+#: What to install for pictures: matplotlib is an optional dependency (extra ``pictures``).
+PICTURES_HINT = "pictures need matplotlib: pip install 'compilemask[pictures]'"
 DENSE_MAX_TOK = 2048  # at or below this many tokens per axis the picture uses plan.to_dense()
 _CHUNK_ELEMENTS = 1 << 22  # bound on the [pixel rows, Nk] temporaries of the downsampling
 
@@ -141,6 +144,11 @@ def mask_image(plan, max_pixels: int = 1024) -> torch.Tensor:
     return coverage_image(plan.row_lo[0], plan.row_hi[0], nk, max_pixels)
 
 
+def have_matplotlib() -> bool:
+    """True when matplotlib (the extra ``pictures``) is installed."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def plot_mask(plan, path, *, max_pixels: int = 1024, title: str | None = None) -> Path:
     """Write a PNG of mask index 0 of ``plan`` beside its tile classes.
 
@@ -152,7 +160,12 @@ def plot_mask(plan, path, *, max_pixels: int = 1024, title: str | None = None) -
 
     Returns:
         The path written.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (message: :data:`PICTURES_HINT`).
     """
+    if not have_matplotlib():
+        raise ModuleNotFoundError(PICTURES_HINT, name="matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
