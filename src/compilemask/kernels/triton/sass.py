@@ -86,15 +86,14 @@ def launch_all(w, fwd, bwd, heads: int = 2) -> None:
     (``compilemask.workloads.workload``) or a ``(mask, N)`` pair."""
     import torch
 
-    import compilemask as cm
-
+    from ...compiler.pipeline import compile as compile_mask
     from .backward import attention_backward
     from .configs import replace
     from .forward import attention_forward
     from .schedule import dkdv_schedule, ds_slots, forward_schedule
 
     mask, n = (w.mask, w.N) if hasattr(w, "mask") else w
-    plan = cm.compile(mask, n)
+    plan = compile_mask(mask, n)
     q, k, v, do = (torch.randn(1, heads, n, 128, dtype=torch.bfloat16) for _ in range(4))
     strides = dict(mask_stride_b=0, mask_stride_h=0)
     fwd_sched = forward_schedule(plan, fwd.block_m, fwd.block_n)
