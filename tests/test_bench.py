@@ -1,6 +1,6 @@
 """``compilemask bench`` on the CPU: the registry's skip reasons, the cuDNN endpoints built from
 a plan, the results rows, the TFLOP/s formula, the measuring loop on a small CPU case (check,
-failure, error, skip) and the report; the GPU run itself is in docs/gpu-runbook.md."""
+failure, error, skip) and the report; the GPU run itself is in docs/benchmarking.md."""
 
 from __future__ import annotations
 
@@ -360,3 +360,11 @@ def test_smoke_sweep_one_process_per_case(monkeypatch, tmp_path):
     )  # fmt: skip
     assert [r["status"] for r in rows] == ["ok"]
     assert set(rows[0]["errors"]) == {"out", "dq", "dk", "dv"}
+
+
+def test_results_file_names_carry_the_gpu_as_a_short_slug():
+    from compilemask.tools.bench_report import gpu_slug
+
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    assert gpu_slug("none") == "cpu"

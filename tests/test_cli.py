@@ -24,7 +24,7 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-# DESIGN.md, "Results files"
+# docs/benchmarking.md, "Results files"
 RESULT_KEYS = "date gpu torch triton commit workload N0 N B Hq Hkv D dtype mode system ms tflops"
 RESULT_KEYS = [*RESULT_KEYS.split(), "rel_err"]
 
