@@ -109,7 +109,7 @@ class _EagerAttention(torch.autograd.Function):
     the host time of a small fwd+bwd step). ``torch.compile`` traces the custom ops instead
     (their fake implementations keep the graph whole).
 
-    Host time per step (``benchmarks/launch_cost.py``), hence:
+    Host time per step (``benchmarks/results/h200-launch-cost-2026-11-30.jsonl``), hence:
 
     - the context is set inside ``forward`` (the classic form): with a separate
       ``setup_context``, ``Function.apply`` binds the arguments through ``inspect.signature``
