@@ -10,9 +10,10 @@ holds (computed from its tensor shapes, not built): for B = H = 1 and 128 x 128 
 ``full_kv_indices [Tq, Tk]`` and the transposed ``q_num_blocks [Tk]``, ``q_indices [Tk, Tq]``,
 ``full_q_num_blocks [Tk]``, ``full_q_indices [Tk, Tq]``.
 
-Results go to ``benchmarks/results/compile-cpu.jsonl`` as JSON lines with the keys of DESIGN.md
-("Results files"), ``mode = "plan"``, ``system = "compilemask-cpu"``, plus ``plan_bytes`` and
-``flex_blockmask_bytes``. Name the commit with ``COMPILEMASK_COMMIT=...`` where there is no git.
+Results go to ``benchmarks/results/cpu-compile-<date>.jsonl`` as JSON lines with the keys of
+docs/benchmarking.md ("Results files"), ``mode = "plan"``, ``system = "compilemask-cpu"``, plus
+``plan_bytes`` and ``flex_blockmask_bytes``. Name the commit with ``COMPILEMASK_COMMIT=...``
+where there is no git.
 
 Usage::
 
@@ -43,7 +44,7 @@ from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule 
 from compilemask.workloads import NOMINAL_SIZES, SEED_WORKLOADS, workload  # noqa: E402
 
 BLOCK = 128
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "compile-cpu.jsonl"
+DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / f"cpu-compile-{datetime.date.today()}.jsonl"
 
 
 def flex_blockmask_bytes(q_len: int, kv_len: int, block: int = BLOCK) -> int:

@@ -2,11 +2,11 @@
 
     PYTHONPATH=src python3 benchmarks/gpu_check.py --out $OUT/run.jsonl [--bwd] [--parts ...]
 
-Correctness: every result against the float64 reference by DESIGN.md section 3 (2 heads at
+Correctness: every result against the float64 reference by docs/design.md (2 heads at
 32K, where 16 heads of float64 do not fit). Speed: CompileMask (Triton) and FlexAttention (Triton
 backend, ``create_block_mask`` on the natural mask_mod) side by side in this process, with
 ``triton.testing.do_bench`` (median), forward and, with ``--bwd``, forward+backward.
-Writes JSON lines with the keys of DESIGN.md "Results files" and prints a table.
+Writes JSON lines with the keys of docs/benchmarking.md "Results files" and prints a table.
 """
 
 from __future__ import annotations

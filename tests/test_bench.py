@@ -1,6 +1,6 @@
 """``compilemask bench`` on the CPU: the registry's skip reasons, the cuDNN endpoints built from
 a plan, the results rows, the TFLOP/s formula, the measuring loop on a small CPU case (check,
-failure, error, skip) and the report; the GPU run itself is in docs/gpu-runbook.md."""
+failure, error, skip) and the report; the GPU run itself is in docs/benchmarking.md."""
 
 from __future__ import annotations
 
@@ -361,3 +361,69 @@ def test_smoke_sweep_one_process_per_case(monkeypatch, tmp_path):
     )  # fmt: skip
     assert [r["status"] for r in rows] == ["ok"]
     assert set(rows[0]["errors"]) == {"out", "dq", "dk", "dv"}
+
+
+def test_results_file_names_carry_the_gpu_as_a_short_slug():
+    from compilemask.tools.bench_report import gpu_slug
+
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    assert gpu_slug("none") == "cpu"
+
+
+def _status_rows():
+    base = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "N0": 1024, "N": 1024}
+    return [
+        {**base, "commit": "aaa111", "workload": "hstu", "mode": "fwd",
+         "system": "compilemask-triton", "ms": 9.0},
+        {**base, "commit": "bbb222", "workload": "hstu", "mode": "fwd",
+         "system": "compilemask-triton", "ms": 2.0},
+        {**base, "commit": "bbb222", "workload": "hstu", "mode": "fwd",
+         "system": "flex-triton", "ms": 3.0},
+        {**base, "commit": "bbb222", "workload": "hstu", "mode": "fwd",
+         "system": "cudnn-fe", "ms": 1.0},
+        {**base, "commit": "bbb222", "workload": "hstu", "mode": "fwd+bwd",
+         "system": "compilemask-triton", "ms": 4.0},
+        {**base, "commit": "bbb222", "workload": "hstu", "mode": "plan",
+         "system": "compilemask-triton", "ms": 0.5},
+    ]  # fmt: skip
+
+
+def test_status_table_sets_ratios_of_one_commit_beside_each_peer():
+    from compilemask.tools.status import select, status_table
+
+    commit, rows = select(_status_rows())
+    assert commit == "bbb222"  # the file's last commit by default
+    lines = status_table(rows).splitlines()
+    assert lines[0] == "| workload | N | mode | CompileMask ms | Flex (Triton) | cuDNN-frontend |"
+    assert lines[2] == "| hstu | 1024 | fwd | 2.000 | 1.50x (3.000) | 0.50x (1.000) |"
+    assert lines[3] == "| hstu | 1024 | fwd+bwd | 4.000 | - | - |"  # no peer in that case
+    assert len(lines) == 4  # plan rows are not attention timings
+    _, old = select(_status_rows(), "aaa")
+    assert status_table(old).splitlines()[2] == "| hstu | 1024 | fwd | 9.000 |"
+
+
+def test_status_names_the_bad_argument(tmp_path):
+    from compilemask.errors import InputError
+    from compilemask.tools.status import read_results, select
+
+    with pytest.raises(InputError, match="commit 'ccc'"):
+        select(_status_rows(), "ccc")
+    with pytest.raises(InputError, match="does not exist"):
+        read_results(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ms": 1}\nnot json\n')
+    with pytest.raises(InputError, match="line 2"):
+        read_results(bad)
+
+
+def test_status_command_prints_the_table_and_draws_the_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from compilemask.tools.status import main
+
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _status_rows()))
+    assert main([str(path), "--plot", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    assert "commit bbb222" in out and "| hstu | 1024 | fwd | 2.000 | 1.50x (3.000)" in out
+    assert (tmp_path / "s.png").stat().st_size > 0

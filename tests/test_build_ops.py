@@ -1,13 +1,12 @@
 """Operation counts of a device-style plan build (CPU): on a GPU every operation is a launch and
 plan building is launch-bound, so these counts are what keeps it >= 20x faster than
-``create_block_mask`` (issue 6; benchmarks/build_op_counts.py, build-op-counts-cpu.jsonl).
-A change that adds operations to the build fails here first."""
+``create_block_mask`` (``compilemask.tools.op_counts``; benchmarks/results/
+cpu-build-op-counts-2026-11-30.jsonl). A change that adds operations to the build fails here
+first."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton builder runs interpreted
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from build_op_counts import _Count  # noqa: E402
-
 from compilemask import masks  # noqa: E402
 from compilemask.compiler.lower import lower  # noqa: E402
+from compilemask.tools.op_counts import (  # noqa: E402
+    OpCounter,
+    count_build_ops,
+    counting_builder_launches,
+)
 from compilemask.workloads import workload  # noqa: E402
 
 # measured (lower, N0 = 4096; a host table copied to the device counts as one): raise only with
@@ -31,7 +31,7 @@ LOWER_OPS = {"causal": 3, "hstu": 6, "shared_prompt": 6, "clear": 6}
 @pytest.mark.parametrize("name", list(LOWER_OPS))
 def test_lowering_the_seeds_stays_within_its_operation_count(name):
     w = workload(name, 4096)
-    with _Count() as counted:
+    with OpCounter() as counted:
         lower(w.mask, w.N, w.N, "cpu", trim=False)
     assert counted.real() <= LOWER_OPS[name], dict(counted.ops)
 
@@ -47,7 +47,7 @@ def test_clear_is_built_directly_whatever_its_text(grid, radius, text_len, ops):
     mask = masks.clear(grid, radius, text_len)
     n = text_len + grid[0] * grid[1]
     for trim in (False, True):
-        with _Count() as counted:
+        with OpCounter() as counted:
             lower(mask, n, n, "cpu", trim=trim)
         assert counted.real() == ops, dict(counted.ops)
 
@@ -67,39 +67,37 @@ def test_closed_forms_lower_in_a_few_operations(mask, ops):
     """[lo, hi) canonical by construction (aranges, a clamp, the counts); global_local as
     piecewise-affine rows (a host table, searchsorted, two gathers, an addcmul)."""
     for trim in (False, True):
-        with _Count() as counted:
+        with OpCounter() as counted:
             lower(mask, 4096, 4096, "cpu", trim=trim)
         assert counted.real() <= ops, dict(counted.ops)
 
 
 def test_the_triton_builder_launches_three_kernels_and_nothing_else():
-    import build_op_counts as boc
-
     import compilemask as cm
     from compilemask.kernels.triton import tile_builder
     from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
 
-    launches = {}
-    real = {}
-    for kernel in ("_classify_tiles", "_tile_lists", "_heaviest_first_kernel"):
-        real[kernel] = getattr(tile_builder, kernel)
-        launches[kernel] = boc._Launches(real[kernel])
-        setattr(tile_builder, kernel, launches[kernel])
-    try:
+    with counting_builder_launches() as launches:
         w = workload("hstu", 1024)
         with tile_builder.using(True):
             plan = cm.compile(w.mask, w.N, cache=False, block_m=128, block_n=128)
             forward_schedule(plan, 128, 128)  # the dummy bits tensor, once per device
             before = sum(x.n for x in launches.values())
-            with _Count() as counted:
+            with OpCounter() as counted:
                 plan = cm.compile(w.mask, w.N, cache=False, block_m=64, block_n=64)
                 tiles_launches = sum(x.n for x in launches.values()) - before
                 forward_schedule(plan, 64, 64)
                 dkdv_schedule(plan, 64, 64)
-    finally:
-        for kernel, fn in real.items():
-            setattr(tile_builder, kernel, fn)
     assert tiles_launches == 3
     assert sum(x.n for x in launches.values()) - before == 3  # schedules reuse the build's lists
     # lowering, plus the CPU build's host readbacks (a GPU build has none)
     assert counted.real() <= LOWER_OPS["hstu"] + 6, dict(counted.ops)
+
+
+def test_op_count_rows_name_every_stage_of_every_seed():
+    rows = count_build_ops(1024)
+    assert [r["workload"] for r in rows] == ["causal", "hstu", "shared_prompt", "clear"]
+    for r in rows:
+        assert r["lower_ops"] <= LOWER_OPS[r["workload"]]
+        assert r["tiles_ops"] > 0 and r["schedules_ops"] > 0 and r["slots"] >= 1
+        assert r["tile_builder"] == "tensor ops"

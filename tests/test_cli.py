@@ -12,7 +12,7 @@ from click import testing as click_testing
 
 from compilemask.tools.cli import cli, main
 
-# DESIGN.md, "Results files"
+# docs/benchmarking.md, "Results files"
 RESULT_KEYS = "date gpu torch triton commit workload N0 N B Hq Hkv D dtype mode system ms tflops"
 RESULT_KEYS = [*RESULT_KEYS.split(), "rel_err"]
 

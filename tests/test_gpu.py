@@ -1,7 +1,7 @@
 """GPU checks (run on the GPU machine, which has no hypothesis: ``PYTHONPATH=src python3 -m pytest
 -m gpu -q tests/test_gpu.py``).
 
-Each test skips without CUDA. Correctness uses the measure of DESIGN.md section 3 against the
+Each test skips without CUDA. Correctness uses the measure of docs/design.md against the
 float64 reference on 2 heads; the full-size runs and timings live in ``benchmarks/``.
 """
 

@@ -1,6 +1,6 @@
 """Hand-checked cases for the dense evaluator (language/semantics.py), which is the spec.
 
-Expected matrices are written out from the table of WORKLOADS.md / DESIGN.md section 1, not
+Expected matrices are written out from the table of docs/workloads.md / docs/design.md, not
 computed by another implementation.
 """
 

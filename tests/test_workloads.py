@@ -1,4 +1,4 @@
-"""The seed workloads follow the rules of WORKLOADS.md (checked rule by rule, not by stored
+"""The seed workloads follow the rules of docs/workloads.md (checked rule by rule, not by stored
 outputs)."""
 
 from __future__ import annotations

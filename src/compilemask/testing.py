@@ -1,4 +1,4 @@
-"""The correctness measure of DESIGN.md section 3, shared by tests, the demo and benchmarks.
+"""The correctness measure of docs/design.md, shared by tests, the demo and benchmarks.
 
 err(x) = max over (b, h) of ||x - ref64|| / ||ref64||, where ref64 is the reference in float64
 on the same (dtype-rounded) inputs. A kernel passes when
@@ -65,7 +65,7 @@ def relative_error(x: torch.Tensor, ref64: torch.Tensor) -> float:
 def check_close(
     out: torch.Tensor, ref64: torch.Tensor, ref_dtype: torch.Tensor, dtype: torch.dtype
 ) -> tuple[bool, float, float]:
-    """Apply the DESIGN.md section 3 rule to a kernel output.
+    """Apply the rule of docs/design.md ("Correctness measure") to a kernel output.
 
     Args:
         out: the kernel's result (e.g. [B, H, N, D]).

@@ -1,4 +1,4 @@
-"""The four seed workloads of ``WORKLOADS.md``, built exactly as defined there.
+"""The four seed workloads of ``docs/workloads.md``, built exactly as defined there.
 
 Every call of one batch row holds about 32K tokens: at nominal size ``N0`` a workload has
 ``B = 32768 // N0`` rows of ``N`` tokens each (``N = N0`` except for ``clear``, whose FLUX token

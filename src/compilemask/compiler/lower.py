@@ -11,7 +11,7 @@ Masks of packed parts (``document``, ``shared_prompt``, ``hstu``) are piecewise 
 split into pieces (runs of rows) in which every interval end is ``q + b`` or a constant ``b``.
 Their canonical form is worked out per piece on the host and expanded on the device by a few
 operations (:meth:`_Ctx.pieces`), whatever the number of parts: on a GPU every operation is a
-launch, and the build is launch-bound (``benchmarks/build_op_counts.py``). ``clear`` is built
+launch, and the build is launch-bound (``compilemask.tools.op_counts``). ``clear`` is built
 the same way: every row's intervals are clamps of ``x + a`` with ``a`` and the bounds worked out
 on the host (:func:`.grids.clear_table`), evaluated on the device by a few broadcast operations.
 """

@@ -1,4 +1,4 @@
-"""The token-permutation pass (DESIGN.md section 4): the intervals of a mask whose grid tokens
+"""The token-permutation pass (docs/design.md): the intervals of a mask whose grid tokens
 are reordered into 2-D tiles (``tile_grid``).
 
 With ``perm`` (tiled position -> original position) and ``inv`` its inverse, row ``i`` of the

@@ -1,6 +1,6 @@
 """Build rule blocks from Python; the result is the same IR the text gives.
 
-Example (the shared-prompt reward model of DESIGN.md, from Python and from text)::
+Example (the shared-prompt reward model of docs/design.md, from Python and from text)::
 
     >>> from compilemask.language.builders import regions, rule, seg
     >>> from compilemask.language.parser import parse

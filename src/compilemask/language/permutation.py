@@ -3,7 +3,7 @@
 A local 2-D window (a disc, a NATTEN window) over row-major grid tokens leaves almost every
 attention tile partially visible; with the grid's tokens reordered into tiles of ``th x tw``
 cells (tiles row-major over the grid, tokens row-major inside a tile) the window covers whole
-tiles and most attention tiles become FULL or EMPTY (DESIGN.md section 4).
+tiles and most attention tiles become FULL or EMPTY (docs/design.md, optimisation passes).
 
 ``grid_permutation(mask, axis_len, tile)`` is an int64 tensor ``perm`` of ``axis_len`` positions:
 position ``i`` of the tiled order holds the token at position ``perm[i]`` of the original order.

@@ -7,9 +7,9 @@ plainly as possible, with torch broadcasting, and builds dense masks from it. It
 lowering except :mod:`.resolve` (where the layout's segments lie), so every compiler stage can be
 property-tested against it.
 
-Semantics (from ``WORKLOADS.md`` and ``DESIGN.md`` section 1):
+Semantics (from ``docs/workloads.md`` and ``docs/design.md``, the language):
 
-* catalogue builtins -- exactly the table of ``WORKLOADS.md`` (one ``_builtin_*`` function each);
+* catalogue builtins -- exactly the table of docs/workloads.md (one ``_builtin_*`` function each);
 * :class:`RuleMask` -- the union of its rules; a rule ``Q -> K : REL`` pairs the parts of ``Q``
   and ``K`` (part ``p`` with part ``p`` when both carry the same index variable, every part with
   every range otherwise) and, inside a pair, compares ``q' = q - q_start`` with
@@ -365,7 +365,7 @@ def _visible(mask: Mask, q, k, q_len: int, kv_len: int, b: int, h: int) -> torch
 
 
 # --------------------------------------------------------------------------------------------
-# The catalogue (WORKLOADS.md, "The catalogue"), one function per constructor.
+# The catalogue (docs/workloads.md, "The catalogue"), one function per constructor.
 # ``q`` and ``k`` are int64 position tensors of one shape. Per-position tables (document id,
 # user, role, ...) are looked up at clamped indices; positions outside the axis are masked off by
 # ``visible``.
@@ -511,7 +511,7 @@ _BUILTINS = {
 
 
 # --------------------------------------------------------------------------------------------
-# Rule masks (DESIGN.md section 1)
+# Rule masks (docs/design.md, the language)
 # --------------------------------------------------------------------------------------------
 
 
@@ -528,7 +528,7 @@ def _rule_mask_visible(mask: RuleMask, q, k, q_len: int, kv_len: int) -> torch.T
 
 def _rule_pairs(rule, segs, axis_len: int):
     """The (query range, key range) pairs of a rule, each ``(start, length, grid)``, after the
-    checks of DESIGN.md: contiguous spans for relations other than ``full``, equal part lengths
+    checks of docs/design.md: contiguous spans for relations other than ``full``, equal part lengths
     for an indexed pair, and matching grids for grid relations."""
     kind = rule.relation.kind
     q_parts = span_ranges(rule.query, segs, axis_len)

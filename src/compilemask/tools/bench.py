@@ -8,7 +8,7 @@ every system), then for each mode (``fwd``, ``fwd+bwd``) and each system of :dat
    (FA4 / SDPA run dense causal only; the reference runs only up to N = 4096);
 2. prepare it (Flex: ``create_block_mask`` on the natural ``mask_mod``; cuDNN: its plan from our
    intervals) and check it against the float64 reference on the first 2 heads by the measure of
-   DESIGN.md section 3 (forward output; in ``fwd+bwd`` also dq, dk, dv); a failing system is
+   docs/design.md (forward output; in ``fwd+bwd`` also dq, dk, dv); a failing system is
    reported and not timed;
 3. time it with ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")``
    (``fwd+bwd``: ``out = fn(); out.backward(dout)``, gradients reset between steps).
@@ -85,7 +85,7 @@ def references(case: Case, bwd: bool) -> dict:
 
 
 def check_runner(runner: Runner, refs: dict, bwd: bool) -> tuple[bool, float, float, dict]:
-    """Run ``runner`` once (forward, or forward+backward) and apply DESIGN.md section 3.
+    """Run ``runner`` once (forward, or forward+backward) and apply docs/design.md's check.
 
     Returns:
         (ok, err, bound, detail): the worst error over out (and dq, dk, dv), its bound, and

@@ -1,4 +1,4 @@
-"""Mode ``plan`` of ``compilemask bench``: plan building timed as GPU.md defines it.
+"""Mode ``plan`` of ``compilemask bench``: plan building timed as docs/benchmarking.md defines it.
 
 Ours is ``compile(mask, N, device="cuda", cache=False)`` plus the forward and dK/dV tile
 schedules at 128 x 128 (everything the kernels read); Flex's baseline is

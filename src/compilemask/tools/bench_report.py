@@ -1,8 +1,8 @@
-"""Results of ``compilemask bench``: the JSON-lines rows of DESIGN.md ("Results files"), the
-effective TFLOP/s of WORKLOADS.md, the printed table and the PNG plot.
+"""Results of ``compilemask bench``: the JSON-lines rows of docs/benchmarking.md ("Results
+files"), the effective TFLOP/s of docs/workloads.md, the printed table and the PNG plot.
 
 Nothing here needs a GPU: ``compilemask bench --report FILE.jsonl`` prints the table and draws
-the plot of results fetched from the GPU machine.
+the plot of results measured elsewhere.
 
 A row holds exactly the keys of :data:`RESULT_KEYS`, in that order, followed by extra keys
 (``status``, ``reason``, ``plan_bytes``, ...). ``mode`` is ``fwd``, ``fwd+bwd`` or ``plan``;
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-#: The keys of one results line, in order (DESIGN.md, "Results files").
+#: The keys of one results line, in order (docs/benchmarking.md, "Results files").
 RESULT_KEYS = (
     "date", "gpu", "torch", "triton", "commit", "workload", "N0", "N", "B", "Hq", "Hkv", "D",
     "dtype", "mode", "system", "ms", "tflops", "rel_err",
@@ -37,7 +37,7 @@ RESULT_KEYS = (
 MODES = ("fwd", "fwd+bwd", "plan")
 #: The timed attention modes, in the order they run.
 ATTENTION_MODES = ("fwd", "fwd+bwd")
-#: fwd+bwd counts 3.5x the forward's work (forward 1 + backward 2.5; WORKLOADS.md).
+#: fwd+bwd counts 3.5x the forward's work (forward 1 + backward 2.5; docs/workloads.md).
 FWD_BWD_FACTOR = 3.5
 #: The system every ratio is taken against (per mode; plan rows use Flex's create_block_mask).
 BASELINE = {"fwd": "flex-triton", "fwd+bwd": "flex-triton", "plan": "flex-create_block_mask"}
@@ -82,9 +82,17 @@ def environment() -> dict:
     }
 
 
+def gpu_slug(name: str) -> str:
+    """The ``<gpu>`` of a results file name: ``"NVIDIA H200"`` -> ``"h200"``,
+    ``"NVIDIA GeForce RTX 4090"`` -> ``"geforce-rtx-4090"``, ``"none"`` -> ``"cpu"``."""
+    words = name.replace("NVIDIA", " ").lower().split()
+    slug = "-".join("".join(c for c in w if c.isalnum()) for w in words).strip("-")
+    return slug if slug and slug != "none" else "cpu"
+
+
 def commit() -> str:
     """The commit being measured: ``COMPILEMASK_COMMIT``, else git, else ``"unknown"`` (the
-    GPU machine receives the tree without ``.git``)."""
+    tree measured may be a copy without ``.git``)."""
     named = os.environ.get("COMPILEMASK_COMMIT")
     if named:
         return named
@@ -136,7 +144,7 @@ def result_row(
 
 
 def effective_tflops(B: int, H: int, D: int, pairs: float, ms: float, mode: str) -> float:
-    """Effective TFLOP/s of WORKLOADS.md: ``4 * B * H * D * pairs / time``, x3.5 for fwd+bwd.
+    """Effective TFLOP/s of docs/workloads.md: ``4 * B * H * D * pairs / time``, x3.5 for fwd+bwd.
 
     Args:
         B, H, D: batch rows, query heads, head_dim.

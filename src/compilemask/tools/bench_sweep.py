@@ -3,7 +3,7 @@ report (table and plot) at the end.
 
     compilemask bench [--workloads causal hstu ...] [--sizes 1024 4096 16384 32768]
                       [--modes plan fwd fwd+bwd] [--systems flex-triton ...]
-                      [--out benchmarks/results/bench-<date>.jsonl] [--plot PNG | --no-plot]
+                      [--out benchmarks/results/<gpu>-bench-<date>.jsonl] [--plot PNG | --no-plot]
                       [--no-check] [--one-per-process | --in-process] [--budget-s S]
     compilemask bench --report RESULTS.jsonl [--plot PNG]       table and plot, no GPU needed
     compilemask bench --list                                    which systems run here, and why not
@@ -11,10 +11,11 @@ report (table and plot) at the end.
 Every case runs all its systems side by side in one process; with more than one case the
 default is one subprocess per case (``--one-per-process``), so a crash or a hang costs one case
 and a full sweep can be split over several commands; ``--in-process`` runs all the cases of one
-command in one process (one workload at several sizes in one process is what GPU.md also
-allows, and it compiles each peer's kernels once). ``--budget-s`` stops starting cases when the
-budget is spent (one per process: also stops the running one), so a command ends before the
-machine's limit; every row is written to the JSON-lines file as soon as it is measured.
+command in one process (one workload at several sizes in one process compiles each peer's
+kernels once; ratios still hold, since every system of a case runs in the same process).
+``--budget-s`` stops starting cases when the budget is spent (one per process: also stops the
+running one), so a sweep ends within a time of your choosing; every row is written to the
+JSON-lines file as soon as it is measured.
 Without a CUDA GPU the command exits with status 2. Also runnable without click:
 ``python -m compilemask.tools.bench_sweep ...``.
 """
@@ -32,11 +33,11 @@ from pathlib import Path
 
 from .. import workloads as wl
 from . import progress
-from .bench_report import append_rows, format_table, plot_rows, read_rows
+from .bench_report import append_rows, format_table, gpu_slug, plot_rows, read_rows
 
 NO_GPU_MESSAGE = (
-    "compilemask bench needs a CUDA GPU and none was found. On the GPU machine run "
-    "`PYTHONPATH=src python3 -m compilemask bench ...` (docs/gpu-runbook.md); here, "
+    "compilemask bench needs a CUDA GPU and none was found. On a machine with one run "
+    "`compilemask bench ...` (docs/benchmarking.md); here, "
     "`compilemask bench --report RESULTS.jsonl` prints the table and plot of results, "
     "`compilemask bench --list` shows which systems would run, and "
     "`python benchmarks/bench_compile.py` times plan building on the CPU."
@@ -45,8 +46,12 @@ BUDGET_MARGIN_S = 15  # leave this much of --budget-s for the table and the plot
 
 
 def default_out() -> Path:
+    """``benchmarks/results/<gpu>-bench-<date>.jsonl`` (``gpu`` as :func:`gpu_slug` names it)."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     day = datetime.date.today().isoformat()
-    return Path("benchmarks") / "results" / f"bench-{day}.jsonl"
+    return Path("benchmarks") / "results" / f"{gpu_slug(name)}-bench-{day}.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="compilemask bench",
         description="Time CompileMask beside its peers on the seed workloads "
-        "(docs/gpu-runbook.md).",
+        "(docs/benchmarking.md).",
     )
     p.add_argument(
         "--workloads",
@@ -94,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="JSON-lines file rows are appended to "
-        "(default: benchmarks/results/bench-<date>.jsonl)",
+        "(default: benchmarks/results/<gpu>-bench-<date>.jsonl)",
     )
     p.add_argument(
         "--plot", type=Path, default=None, help="PNG of TFLOP/s bars (default: --out with .png)"
@@ -194,8 +199,8 @@ def _run_children(cases, args, out: Path, t0: float) -> list[str]:
         cmd += ["--systems", *args.systems, "--out", str(out), "--no-plot", "--no-table"]
         if args.no_check:
             cmd.append("--no-check")
-        # its own process group (not a new session: the machine's clean-up at the end of a
-        # command still reaches it), so a stop ends its compile workers too
+        # its own process group (not a new session, so a terminal's or a job runner's
+        # signals still reach it), so a stop ends its compile workers too
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         proc = subprocess.Popen(cmd, env=_child_env(), **group)
         try:

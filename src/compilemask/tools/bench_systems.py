@@ -48,7 +48,7 @@ class Case:
         workload: the :class:`~compilemask.workloads.Workload`.
         plan: its :class:`MaskPlan` on CUDA (broadcast over B and heads).
         q, k, v, dout: bf16 [B, H, N, D], random normal, shared by every system.
-        pairs: visible (q, k) pairs of one row-mask (the work of WORKLOADS.md's TFLOP/s).
+        pairs: visible (q, k) pairs of one row-mask (the work of docs/workloads.md's TFLOP/s).
         cache: per-case objects systems share (Flex's BlockMask, the references).
     """
 
@@ -229,7 +229,7 @@ def _compilemask(backend: str) -> Callable[[Case, bool], Runner]:
     return prepare
 
 
-#: Tiles of the token-permutation pass for grid masks (DESIGN.md section 4: 8 x 16 cells).
+#: Tiles of the token-permutation pass for grid masks (docs/design.md: 8 x 16 cells).
 GRID_TILE = (8, 16)
 
 

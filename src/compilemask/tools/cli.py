@@ -425,7 +425,7 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args):
-    """Time CompileMask beside its peers on the GPU (docs/gpu-runbook.md); `bench --help` lists
+    """Time CompileMask beside its peers on the GPU (docs/benchmarking.md); `bench --help` lists
     options."""
     from .bench_sweep import build_parser
     from .bench_sweep import main as bench_main

@@ -1,5 +1,5 @@
 """The attention part of ``compilemask demo``: run each seed workload through the best backend
-available here and check it against the reference by the measure of DESIGN.md section 3.
+available here and check it against the reference by the measure of docs/design.md.
 
 * CUDA: the Triton kernels on the workload's own shape (B rows, 16 heads, head_dim 128, bf16),
   timed with CUDA events (median of 10 after 3 warm-ups); the float64 check uses 2 heads.

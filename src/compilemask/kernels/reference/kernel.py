@@ -7,7 +7,7 @@ differentiably (chunks are recomputed in the backward, so the backward's memory 
 too), and traces under ``torch.compile`` without graph breaks for interval-encoded plans
 (static shapes, no host synchronisation).
 
-Two uses (DESIGN.md section 3):
+Two uses (docs/design.md, "Correctness measure"):
 
 - the float64 oracle: ``reference_attention(q, k, v, plan, compute_dtype=torch.float64)``;
 - the same-dtype reference: ``compute_dtype=torch.float32, matmul_dtype=q.dtype`` (matmuls in
@@ -188,7 +188,7 @@ def reference_attention_backward(
         compute_dtype: dtype of the softmax and the accumulation (float32 or float64; default
             float64 for float64 inputs, else float32).
         matmul_dtype: dtype of the matmuls (default ``compute_dtype``); pass q.dtype for the
-            same-dtype reference of DESIGN.md section 3 (P and dS are rounded to it before
+            same-dtype reference of docs/design.md (P and dS are rounded to it before
             their matmuls, as a kernel does).
 
     Returns:

@@ -2,7 +2,7 @@
 
 On a GPU the tensor-operation builder of ``compiler/tiles.py`` is launch-bound (89 operations
 for a 128x128 tile schedule and 40 for the kernels' schedules, against 3 launches and none with
-``kernels/triton/tile_builder.py``; ``benchmarks/results/build-op-counts-cpu.jsonl``). The
+``kernels/triton/tile_builder.py``; ``cpu-build-op-counts-2026-11-30.jsonl``). The
 compiler may not import the kernels, so this layer registers a builder that imports them on
 first use: ``import compilemask`` still loads no Triton. CPU plans keep the tensor builder.
 ``COMPILEMASK_TILE_BUILDER=tensor`` in the environment keeps the tensor builder everywhere.
