@@ -119,11 +119,6 @@ def test_classified_plans_compile_once_per_class(stub_kernels):
     assert counter.frame_count == len(classes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not done yet: the reference reads the plan's lengths as Python ints (guarded "
-    "constants), so dynamic=True still traces one graph per length",
-)
 def test_reference_traces_one_graph_for_every_length():
     """12 lengths with dynamic=True on the reference backend: no graph per length."""
     torch._dynamo.reset()
