@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="the Triton kernels need triton in
 
 import compilemask as cm  # noqa: E402
 from compilemask.errors import InputError  # noqa: E402
-from compilemask.kernels import reference as reference_mod  # noqa: E402
+from compilemask.kernels.reference import kernel as reference_mod  # noqa: E402
 from compilemask.kernels.reference import (  # noqa: E402
     reference_attention,
     reference_attention_backward,

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton", reason="the Triton kernels need triton in
 
 import compilemask as cm  # noqa: E402
 from compilemask.errors import CompileMaskError, InputError  # noqa: E402
-from compilemask.kernels import reference as reference_mod  # noqa: E402
+from compilemask.kernels.reference import kernel as reference_mod  # noqa: E402
 from compilemask.kernels.reference import reference_attention  # noqa: E402
 from compilemask.kernels.triton.configs import (  # noqa: E402
     FwdConfig,

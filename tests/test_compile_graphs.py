@@ -119,11 +119,6 @@ def test_classified_plans_compile_once_per_class(stub_kernels):
     assert counter.frame_count == len(classes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not done yet: the reference reads the plan's lengths as Python ints (guarded "
-    "constants), so dynamic=True still traces one graph per length",
-)
 def test_reference_traces_one_graph_for_every_length():
     """12 lengths with dynamic=True on the reference backend: no graph per length."""
     torch._dynamo.reset()
@@ -142,4 +137,26 @@ def test_reference_traces_one_graph_for_every_length():
         want, want_lse = f(q, k, v, plan)
         torch.testing.assert_close(out, want)
         torch.testing.assert_close(lse, want_lse)
+    assert counter.frame_count == 1
+
+
+def test_reference_backward_traces_one_graph_for_every_length():
+    """The training step (forward with per-chunk checkpointing, then backward) with
+    dynamic=True on the reference backend: one graph for 4 lengths, the gradients of eager."""
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    def f(q, k, v, plan):
+        return cm.attention(q, k, v, plan, backend="reference").square().sum()
+
+    cf = torch.compile(f, fullgraph=True, backend=counter, dynamic=True)
+    for n in (40, 47, 54, 61):
+        plan = cm.compile(cm.masks.sliding_window(9), n, device=DEVICE, cache=False)
+        q, k, v = _qkv(n, 32, torch.float32, grad=True, seed=n)
+        cf(q, k, v, plan).backward()
+        want = torch.autograd.grad(f(q, k, v, plan), (q, k, v))
+        for got, w in zip((q.grad, k.grad, v.grad), want):
+            torch.testing.assert_close(got, w)
     assert counter.frame_count == 1

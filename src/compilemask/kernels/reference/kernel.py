@@ -5,7 +5,8 @@ about 2^26 score elements per chunk), with the mask of each chunk from ``plan.de
 intervals, or tile bitmasks for bits-encoded plans). Runs on any device, in any float dtype,
 differentiably (chunks are recomputed in the backward, so the backward's memory is bounded
 too), and traces under ``torch.compile`` without graph breaks for interval-encoded plans
-(static shapes, no host synchronisation).
+(no host synchronisation; with ``dynamic=True`` one graph for every length whose rows fit one
+chunk: the lengths stay symbolic sizes).
 
 Two uses (docs/design.md, "Correctness measure"):
 
@@ -27,6 +28,20 @@ import torch
 import torch.utils.checkpoint
 
 _CHUNK_ELEMENTS = 1 << 26
+
+
+def _row_chunks(Nq, per_row: int) -> list[tuple]:
+    """``[start, end)`` query-row chunks of at most ``_CHUNK_ELEMENTS // per_row`` rows (at
+    least one row each; none when ``Nq == 0``). When every row fits, the one chunk
+    ``(0, Nq)`` takes no Python arithmetic on ``Nq``: under ``torch.compile(dynamic=True)``
+    the length stays symbolic (guarded by ``Nq * per_row <= _CHUNK_ELEMENTS``, not by its
+    value), so one graph serves every length that fits one chunk."""
+    if Nq == 0:
+        return []
+    if Nq * per_row <= _CHUNK_ELEMENTS:
+        return [(0, Nq)]
+    chunk = max(1, _CHUNK_ELEMENTS // per_row)
+    return [(start, min(Nq, start + chunk)) for start in range(0, Nq, chunk)]
 
 
 def _mask_for_chunk(plan, start: int, end: int, B: int, Hq: int, Hkv: int) -> torch.Tensor:
@@ -126,14 +141,15 @@ def reference_attention(
     kg, vg = k[:, :, None], v[:, :, None]
     slots = max(plan.row_lo.shape[-1], 1)
     per_row = max(B * Hq * max(Nk, 1), plan.num_masks * (max(Nk, 1) + slots))
-    chunk = max(1, min(Nq, _CHUNK_ELEMENTS // per_row))
     use_checkpoint = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
     )
 
+    if Nq == 0:
+        out = q.new_zeros((B, Hq, 0, D), dtype=out_dtype)
+        return out, q.new_zeros((B, Hq, 0), dtype=compute_dtype)
     outs, lses = [], []
-    for start in range(0, Nq, chunk):
-        end = min(Nq, start + chunk)
+    for start, end in _row_chunks(Nq, per_row):
         q_chunk = qg[:, :, :, start:end]
         args = (q_chunk, kg, vg, plan, start, end, scale, compute_dtype, matmul_dtype)
         if use_checkpoint:  # the chunk's mask is rebuilt in the backward, not kept
@@ -144,9 +160,6 @@ def reference_attention(
             o, lse = _masked_chunk_attention(*args)
         outs.append(o)
         lses.append(lse)
-    if Nq == 0:
-        out = q.new_zeros((B, Hq, 0, D), dtype=out_dtype)
-        return out, q.new_zeros((B, Hq, 0), dtype=compute_dtype)
     out = torch.cat(outs, dim=3).reshape(B, Hq, Nq, D).to(out_dtype)
     lse = torch.cat(lses, dim=3).reshape(B, Hq, Nq)
     return out, lse
@@ -226,13 +239,11 @@ def reference_attention_backward(
     kg, vg = k.to(mm)[:, :, None], v.to(mm)[:, :, None]
     slots = max(plan.row_lo.shape[-1], 1)
     per_row = max(B * Hq * max(Nk, 1), plan.num_masks * (max(Nk, 1) + slots))
-    chunk = max(1, min(Nq, _CHUNK_ELEMENTS // per_row))
 
     dk = torch.zeros((B, Hkv, Nk, D), dtype=compute_dtype, device=q.device)
     dv = torch.zeros_like(dk)
     dqs = []
-    for start in range(0, Nq, chunk):
-        end = min(Nq, start + chunk)
+    for start, end in _row_chunks(Nq, per_row):
         visible = _mask_for_chunk(plan, start, end, B, Hq, Hkv)
         qc, doc = qg[:, :, :, start:end], dog[:, :, :, start:end]
         scores = torch.matmul(qc, kg.transpose(-1, -2)).to(compute_dtype) * scale
