@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ class MaskPlan:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     #: a process-unique id (see :func:`live_plan`); "" for a plan made while Dynamo traces
     _uid: str = field(init=False, default="", repr=False, compare=False)
-    #: (state, field names, objects) recorded when the plan was checked (see _state)
+    #: (plain fields, objects, tensor versions) recorded when the plan was checked (_record)
     _verified: tuple | None = field(init=False, default=None, repr=False, compare=False)
     #: value checks queued on the device, not yet read back (GPU plans)
     _pending: list | None = field(init=False, default=None, repr=False, compare=False)
@@ -238,15 +239,30 @@ class MaskPlan:
             *(t._version for t in core if isinstance(t, torch.Tensor)),
         )  # fmt: skip
 
-    def _state(self) -> tuple:
-        p = self.permutation
-        return (*self._core_state(), id(p), -1 if p is None else p._version)
+    def _scalars(self) -> tuple:
+        s = self.schedule
+        return (
+            self.q_len, self.kv_len, self.batch, self.heads, self.encoding,
+            s.block_m, s.block_n, s.q_len, s.kv_len,
+        )  # fmt: skip
 
     def _record(self) -> None:
         # the objects are kept: their ids cannot be reused while the plan lives
         objs = self._objects()
         versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in objs)
-        object.__setattr__(self, "_verified", (self._state(), objs, versions))
+        object.__setattr__(self, "_verified", (self._scalars(), objs, versions))
+
+    def _changed(self) -> bool:
+        """Whether a field was replaced or a tensor written since :meth:`_record` (about 3 us:
+        identity and version compares)."""
+        scalars, objs, versions = self._verified
+        try:
+            now = self._objects()
+        except AttributeError:
+            return True
+        if any(map(operator.is_not, now, objs)) or self._scalars() != scalars:
+            return True
+        return any(v is not None and t._version != v for t, v in zip(now, versions))
 
     def check_unchanged(self) -> None:
         """Raise :class:`~compilemask.errors.PlanError` when the plan's tensors were modified
@@ -256,7 +272,7 @@ class MaskPlan:
         if ver is None:  # made while tracing and now used eagerly
             self._admit(keep_cache=True)
             self._register()
-        elif self._state() != ver[0]:
+        elif self._changed():
             self._raise_changed()
         if self._pending is not None:
             pending = self._pending
@@ -550,7 +566,7 @@ class MaskPlan:
             PlanError: the first violated invariant, naming the field; or the plan's tensors
                 were modified since it was built.
         """
-        if self._verified is not None and self._state() != self._verified[0]:
+        if self._verified is not None and self._changed():
             self._raise_changed()
         plan_check.check_structure(self)
         plan_check.raise_failed(plan_check.value_checks(self))
