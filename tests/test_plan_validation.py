@@ -75,6 +75,7 @@ def _get(plan, name: str):
 
 # ------------------------------------------------------------------ plans that enter are checked
 def test_compiled_plans_are_valid_and_bitmask_plans_are_covered(plans):
+    assert cm.PlanError is PlanError and issubclass(PlanError, CompileMaskError)
     for plan in plans.values():
         plan.verify()
     assert plans["from_dense_bits"].encoding == "bits"
