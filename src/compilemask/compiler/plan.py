@@ -58,8 +58,6 @@ _VERIFIED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _VERIFIED_LOCK = threading.Lock()
 #: ``MaskPlan._cache`` key of the core state the cached entries were derived from
 _BASIS = "basis"
-_SAVE_FORMAT = "compilemask.MaskPlan"
-_SAVE_VERSION = 1
 _FIELDS = ("q_len", "kv_len", "batch", "heads", "row_lo", "row_hi", "row_count", "schedule")
 
 
@@ -206,15 +204,17 @@ class MaskPlan:
 
         for name in ("row_lo", "row_hi", "row_count", "row_runs", "permutation"):
             t = getattr(self, name)
-            if fix(t) is not t:
-                object.__setattr__(self, name, fix(t))
+            new = fix(t)
+            if new is not t:
+                object.__setattr__(self, name, new)
         s = self.schedule
         if isinstance(s, TileSchedule):
             changed = {}
             for f in dataclasses.fields(s):
                 t = getattr(s, f.name)
-                if fix(t) is not t:
-                    changed[f.name] = fix(t)
+                new = fix(t)
+                if new is not t:
+                    changed[f.name] = new
             if changed:
                 object.__setattr__(self, "schedule", dataclasses.replace(s, **changed))
 
@@ -578,24 +578,9 @@ class MaskPlan:
     def save(self, path) -> None:
         """Write the plan to ``path`` (``torch.save`` of its tensors and fields; read back with
         :meth:`load`, which checks it). Derived tilings are not saved."""
-        s = self.schedule
-        meta = {
-            "q_len": self.q_len,
-            "kv_len": self.kv_len,
-            "batch": self.batch,
-            "heads": self.heads,
-            "source": self.source,
-            "encoding": self.encoding,
-            "block_m": s.block_m,
-            "block_n": s.block_n,
-        }
-        tensors = {"row_lo": self.row_lo, "row_hi": self.row_hi, "row_count": self.row_count}
-        for name in ("row_runs", "permutation"):
-            if getattr(self, name) is not None:
-                tensors[name] = getattr(self, name)
-        tensors.update({f"schedule.{k}": v for k, v in s.tensors().items()})
-        obj = {"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "meta": meta, "tensors": tensors}
-        torch.save(obj, path)
+        from .plan_file import save_plan
+
+        save_plan(self, path)
 
     @classmethod
     def load(cls, path, map_location=None) -> MaskPlan:
@@ -605,47 +590,9 @@ class MaskPlan:
         Raises:
             PlanError: the file is not a saved plan, or the plan in it is invalid.
         """
-        try:
-            obj = torch.load(path, map_location=map_location or "cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file is a PlanError
-            raise PlanError(f"cannot read a MaskPlan from {path!r}: {err}") from None
-        if not (
-            isinstance(obj, dict)
-            and obj.get("format") == _SAVE_FORMAT
-            and isinstance(obj.get("meta"), dict)
-            and isinstance(obj.get("tensors"), dict)
-        ):
-            raise PlanError(f"{path!r} does not hold a MaskPlan written by MaskPlan.save")
-        if obj.get("version") != _SAVE_VERSION:
-            raise PlanError(f"{path!r}: unknown MaskPlan file version {obj.get('version')!r}")
-        meta, tensors = obj["meta"], obj["tensors"]
-        sched_names = [f.name for f in dataclasses.fields(TileSchedule)][4:]
-        need = ["row_lo", "row_hi", "row_count"] + [f"schedule.{n}" for n in sched_names]
-        missing = [n for n in need if n not in tensors]
-        missing += [n for n in ("q_len", "kv_len", "block_m", "block_n") if n not in meta]
-        if missing:
-            raise PlanError(f"{path!r}: the saved plan has no {', '.join(missing)}")
-        schedule = TileSchedule(
-            meta["block_m"],
-            meta["block_n"],
-            meta["q_len"],
-            meta["kv_len"],
-            **{n: tensors[f"schedule.{n}"] for n in sched_names},
-        )
-        return cls(
-            meta["q_len"],
-            meta["kv_len"],
-            meta.get("batch"),
-            meta.get("heads"),
-            tensors["row_lo"],
-            tensors["row_hi"],
-            tensors["row_count"],
-            schedule,
-            source=meta.get("source", ""),
-            encoding=meta.get("encoding", "intervals"),
-            row_runs=tensors.get("row_runs"),
-            permutation=tensors.get("permutation"),
-        )
+        from .plan_file import load_plan
+
+        return load_plan(cls, path, map_location)
 
 
 @outside_inference_mode
