@@ -15,7 +15,7 @@ from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths, natural_lengths
 from .lower import lower
 from .permute import permute_rows
-from .plan import MaskPlan, outside_inference_mode
+from .plan import MaskPlan, built_plans, outside_inference_mode
 from .tiles import build_tiles
 
 _CACHE: OrderedDict = OrderedDict()
@@ -200,9 +200,10 @@ def build_plan(
     if perm is not None:
         lo, hi, count = permute_rows(lo, hi, perm, kv_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
-    return MaskPlan(
-        q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
-    )
+    with built_plans():  # correct by construction: the host-side checks only
+        return MaskPlan(
+            q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
+        )
 
 
 def clear_cache() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -56,9 +57,25 @@ _PLAN_UIDS = itertools.count()
 # plan (a copy, ``in_permuted_order``, a rebuild from its fields) skips the value checks.
 _VERIFIED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _VERIFIED_LOCK = threading.Lock()
+# Set (per thread) while the library's own builders construct a plan (``built_plans``).
+_BUILDING = threading.local()
 #: ``MaskPlan._cache`` key of the core state the cached entries were derived from
 _BASIS = "basis"
 _FIELDS = ("q_len", "kv_len", "batch", "heads", "row_lo", "row_hi", "row_count", "schedule")
+
+
+@contextlib.contextmanager
+def built_plans():
+    """Plans constructed inside are the output of the library's builders (``compile``,
+    ``MaskPlan.to``): their values hold by construction, so only the host-side checks of
+    their fields, dtypes, devices and shapes run (the value checks would double a GPU build's
+    kernel launches). Plans from anywhere else get every check."""
+    before = getattr(_BUILDING, "on", False)
+    _BUILDING.on = True
+    try:
+        yield
+    finally:
+        _BUILDING.on = before
 
 
 def live_plan(uid: str) -> MaskPlan:
@@ -104,7 +121,8 @@ class MaskPlan:
     Plans are validated where they enter: the constructor (also through
     ``dataclasses.replace``), copies, unpickling and :meth:`load` make the tensors contiguous
     and run the checks of :meth:`verify` (a :class:`~compilemask.errors.PlanError` names the
-    broken field). On a GPU the value checks are queued on the device and read back by the
+    broken field; plans of ``compile`` and :meth:`to`, correct by construction, get the
+    host-side checks only). On a GPU the value checks are queued on the device and read back by the
     plan's first ``attention`` call (:meth:`check_unchanged`). Plans are immutable: a plan
     whose tensors were modified afterwards (in place, or by replacing an attribute) is
     refused.
@@ -178,7 +196,9 @@ class MaskPlan:
         core = self._core_state()
         with _VERIFIED_LOCK:
             prior = _VERIFIED.get(core)
-        if prior is not None:  # the same tensors as a checked live plan
+        if getattr(_BUILDING, "on", False):
+            pending, checks = [], []
+        elif prior is not None:  # the same tensors as a checked live plan
             pending = list(prior._pending or [])
             checks = plan_check.permutation_checks(self)
         else:
@@ -522,6 +542,11 @@ class MaskPlan:
 
     @outside_inference_mode
     def _to(self, device: torch.device) -> MaskPlan:
+        self.check_unchanged()
+        with built_plans():
+            return self._moved(device)
+
+    def _moved(self, device: torch.device) -> MaskPlan:
         return MaskPlan(
             self.q_len,
             self.kv_len,
