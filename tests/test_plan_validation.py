@@ -375,8 +375,10 @@ def _backends():
 
 
 def test_fuzzed_plans_are_refused_or_exact():
-    out = _fuzz(60, seed=0, backends=_backends())
-    assert out["refused"] > 10 and out["ran"] > 5, out
+    out = _fuzz(150, seed=0, backends=_backends())
+    assert (
+        out["refused"] > 30 and out["ran"] > 10 and out["triton"] == out["ran"] or not HAS_TRITON
+    ), out
 
 
 @pytest.mark.slow
