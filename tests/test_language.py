@@ -227,6 +227,11 @@ def test_builder_errors():
         seg("not a name", 4)
     with pytest.raises(LayoutError):
         seg("a", -1)
+    # zero-length parts are refused, as document([3, 0, 2]) refuses an empty document
+    with pytest.raises(LayoutError, match="part 1 of segment 'a' has a bad length 0"):
+        seg("a", [3, 0, 2])
+    with pytest.raises(LayoutError, match="segment 'a' has a bad length 0"):
+        seg("a", 0)
     with pytest.raises(LayoutError, match="used twice"):
         regions([seg("a", 4), seg("a", 2)], [])
     with pytest.raises(MaskSyntaxError, match="unknown relation"):
@@ -282,6 +287,9 @@ def test_syntax_errors_show_position(text, message, line, column):
         ("layout a:[2,2]\na -> a[i] : full", LayoutError, "not bound"),
         ("layout a:[2,2] b:1\na|b[i] -> a : full", LayoutError, "single named span"),
         ("layout a:[]", MaskSyntaxError, "expected an integer"),
+        ("layout a:0 b:*", LayoutError, "segment 'a' has a bad length 0 (need an int >= 1"),
+        ("layout a:[3, 0, 2]", LayoutError, "part 1 of segment 'a' has a bad length 0"),
+        ("layout a:2x0 b:*", LayoutError, "part 0 of segment 'a' has a bad length 0"),
         ("sliding_window(0)", CompileMaskError, "window must be >= 1"),
         ("tree([0], 1)", CompileMaskError, "parents[0]"),
         ("per_head([])", CompileMaskError, "non-empty"),
@@ -374,11 +382,11 @@ def relations(draw):
 def segments(draw, name):
     shape = draw(st.sampled_from(["one", "repeat", "list", "open", "grid"]))
     if shape == "one":
-        return Segment(name, (draw(nonneg),))
+        return Segment(name, (draw(pos),))
     if shape == "repeat":
-        return Segment(name, (draw(nonneg),) * draw(st.integers(2, 5)))
+        return Segment(name, (draw(pos),) * draw(st.integers(2, 5)))
     if shape == "list":
-        return Segment(name, tuple(draw(st.lists(nonneg, min_size=2, max_size=5))))
+        return Segment(name, tuple(draw(st.lists(pos, min_size=2, max_size=5))))
     if shape == "open":
         return Segment(name, None)
     h, w = draw(pos), draw(pos)

@@ -16,13 +16,14 @@ from .compiler.migrate import from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
 from .compiler.plan import MaskPlan
 from .compiler.tiles import TileSchedule
-from .errors import CompileMaskError
+from .errors import CompileMaskError, PlanError
 from .language.parser import parse
 from .language.semantics import dense, visible
 
 __all__ = [
     "CompileMaskError",
     "MaskPlan",
+    "PlanError",
     "TileSchedule",
     "attention",
     "clear_cache",

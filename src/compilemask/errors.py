@@ -32,3 +32,9 @@ class LengthError(CompileMaskError):
 
 class InputError(CompileMaskError):
     """Tensors given to ``attention`` (or a dense mask) do not match what was expected."""
+
+
+class PlanError(CompileMaskError):
+    """A :class:`~compilemask.MaskPlan` breaks an invariant the kernels rely on (built by hand,
+    edited, or loaded from a corrupt file), or its tensors were modified after it was built.
+    The message names the field."""

@@ -67,6 +67,7 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    check_plan: bool = False,
 ):
     """Masked attention ``softmax(scale * q @ k^T + mask) @ v`` with the mask of ``plan``.
 
@@ -87,8 +88,13 @@ def attention(
         backend: "auto" (the first backend of ``kernels.registry.AUTO_TABLE`` that runs the
             call: Triton on CUDA, or on the CPU when TRITON_INTERPRET=1; else the reference;
             :func:`explain` says which and why), "triton", "reference" or any registered
-            name. An explicit backend that is unavailable or does not support the call
-            raises (never a silent fallback).
+            name ("cudnn": cuDNN-frontend interval attention, ``compilemask[cudnn]``). An
+            explicit backend that is unavailable or does not support the call raises (never
+            a silent fallback).
+        check_plan: verify every invariant of the plan on this call (O(N*K + Tq*Tk) work and
+            one host read; also with ``COMPILEMASK_CHECK_PLAN=1``). Plans are checked where
+            they enter (constructors, copies, unpickling, ``MaskPlan.load``) and refused when
+            modified afterwards, so this is for debugging.
 
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
     backward kernels, also under ``torch.compile``; cudnn: cuDNN-frontend's backward;
@@ -107,6 +113,7 @@ def attention(
             the Triton backend under a torch.func transform (grad, vjp, jvp, vmap) or on
             dual tensors of forward-mode AD (``torch.autograd.forward_ad``), an unknown
             backend name.
+        PlanError: the plan is invalid, or was modified after it was built.
 
     Example::
 
@@ -116,7 +123,7 @@ def attention(
     Source: FlashAttention-2 (Dao, 2023) over the plan's tile lists.
     """
     validate.check_tensors(q, k, v)
-    validate.check_plan(q, k, plan)
+    validate.check_plan(q, k, plan, full=check_plan)
     scale = validate.check_scale(scale, q.shape[-1])
     call = call_of(q, k, v, return_lse)
     impl = registry.resolve(backend, plan, call)

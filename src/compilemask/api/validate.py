@@ -69,8 +69,19 @@ def check_tensors(q: object, k: object, v: object) -> None:
         )
 
 
-def check_plan(q: torch.Tensor, k: torch.Tensor, plan: object) -> None:
-    """The plan was built for these lengths, this batch / head count, and q's device."""
+def check_plan(q: torch.Tensor, k: torch.Tensor, plan: object, full: bool = False) -> None:
+    """The plan was built for these lengths, this batch / head count, and q's device; it was
+    not modified since it was built (and checked: ``MaskPlan`` checks itself where it enters);
+    its device-side checks, queued when a GPU plan was built, are read back on its first call.
+
+    ``full=True``, or the environment variable ``COMPILEMASK_CHECK_PLAN=1``, runs every check
+    of :meth:`MaskPlan.verify` on every call (O(N*K + Tq*Tk) work and one host read each).
+    Under ``torch.compile`` only the shape checks run (they trace to nothing).
+
+    Raises:
+        InputError: not a plan, or a plan for other lengths / batch / heads / device.
+        PlanError: the plan is invalid or was modified after it was built.
+    """
     if not isinstance(plan, MaskPlan):
         from ..language.ast import Mask
 
@@ -81,9 +92,19 @@ def check_plan(q: torch.Tensor, k: torch.Tensor, plan: object) -> None:
             f"plan must be a compilemask.MaskPlan (from compilemask.compile or from_dense), "
             f"got {type(plan).__name__}{hint}"
         )
+    if not torch.compiler.is_compiling():
+        if full or os.environ.get("COMPILEMASK_CHECK_PLAN") == "1":
+            plan.verify()
+        else:
+            plan.check_unchanged()
     B, Hq, Nq, _ = q.shape
     Nk = k.shape[2]
     if plan.q_len != Nq or plan.kv_len != Nk:
+        if torch.compiler.is_compiling():  # Dynamo cannot format symbolic sizes
+            raise InputError(
+                f"the plan was compiled for q_len={plan.q_len}, kv_len={plan.kv_len}, but q's "
+                f"length (dim 2) or k's differs; compile the mask for the inputs' lengths"
+            )
         raise InputError(
             f"the plan was compiled for q_len={plan.q_len}, kv_len={plan.kv_len} but the inputs "
             f"have Nq={Nq} (q {_shape(q)}) and Nk={Nk} (k {_shape(k)}); compile the mask for "

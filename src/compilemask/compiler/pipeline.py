@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+import threading
 from collections import OrderedDict
 
 import torch
@@ -12,11 +15,17 @@ from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths, natural_lengths
 from .lower import lower
 from .permute import permute_rows
-from .plan import MaskPlan, outside_inference_mode
+from .plan import MaskPlan, built_plans, outside_inference_mode
 from .tiles import build_tiles
 
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64
+# lookups, inserts and evictions of _CACHE (plans are built outside it: threads compiling
+# different masks build concurrently; two threads building the same key keep the first plan)
+_CACHE_LOCK = threading.Lock()
+# bytes per tile of one mask in a default tile schedule and its build: 7 int32 [M, Tq, Tk]
+# tensors kept, and the int64 cumulative sums and sort keys of the build
+_BYTES_PER_TILE = 64
 
 
 def positive_int(value: object, name: str) -> int:
@@ -116,18 +125,60 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     device = resolve_device(device)
     key = (str(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
-    if cache and key in _CACHE:
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
+    if cache:
+        with _CACHE_LOCK:
+            hit = _CACHE.get(key)
+            if hit is not None:
+                _CACHE.move_to_end(key)
+                return hit
+    check_plan_size((batch or 1) * (heads or 1), q_len, kv_len, block_m, block_n, device)
     plan = build_plan(
         mask, q_len, kv_len, batch, heads, block_m, block_n, device,
         host_sync=device.type == "cpu", source=key[0],
     )  # fmt: skip
     if cache:
-        _CACHE[key] = plan
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        with _CACHE_LOCK:
+            plan = _CACHE.setdefault(key, plan)
+            _CACHE.move_to_end(key)
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
     return plan
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a plan on ``device`` (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_plan_size(masks: int, q_len: int, kv_len: int, block_m: int, block_n: int, device):
+    """Refuse, before building, a plan whose tile schedule (``[M, Tq, Tk]`` tensors, quadratic
+    in the lengths) would not fit in the memory free on ``device``."""
+    tiles = masks * math.ceil(q_len / block_m) * math.ceil(kv_len / block_n)
+    need = tiles * _BYTES_PER_TILE
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise CompileMaskError(
+            f"a plan for q_len={q_len}, kv_len={kv_len} at {block_m}x{block_n} tiles "
+            f"({masks} mask(s) x {math.ceil(q_len / block_m)} x {math.ceil(kv_len / block_n)} "
+            f"tiles) needs about {_gib(need)} to build, but {device} has {_gib(free)} free; "
+            f"use larger block_m / block_n or shorter lengths"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 @outside_inference_mode
@@ -149,11 +200,13 @@ def build_plan(
     if perm is not None:
         lo, hi, count = permute_rows(lo, hi, perm, kv_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
-    return MaskPlan(
-        q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
-    )
+    with built_plans():  # correct by construction: the host-side checks only
+        return MaskPlan(
+            q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
+        )
 
 
 def clear_cache() -> None:
     """Forget every cached plan."""
-    _CACHE.clear()
+    with _CACHE_LOCK:
+        _CACHE.clear()

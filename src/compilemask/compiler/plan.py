@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import operator
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CompileMaskError
+from ..errors import CompileMaskError, PlanError
+from . import plan_check
 from .intervals import dense_rows, from_dense_rows
 from .tiles import (
     EMPTY,
-    FULL,
-    PARTIAL,
-    PARTIAL_BITS,
     TileSchedule,
     build_tiles,
     build_tiles_from_dense,
@@ -39,6 +41,31 @@ def outside_inference_mode(fn):
 #: ``MaskPlan._cache`` key of the largest number of intervals of a row (an int, set by the
 #: kernels' first host read of the plan, ``kernels/triton/configs.tile_efficiency_128``).
 MAX_ROW_SLOTS = "max_row_slots"
+
+# Verified live plans by their core state (``MaskPlan._core_state``: the ids and versions of
+# their tensors, and their plain fields): a plan built from the very tensors of a verified live
+# plan (a copy, ``in_permuted_order``, a rebuild from its fields) skips the value checks.
+_VERIFIED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_VERIFIED_LOCK = threading.Lock()
+# Set (per thread) while the library's own builders construct a plan (``built_plans``).
+_BUILDING = threading.local()
+#: ``MaskPlan._cache`` key of the core state the cached entries were derived from
+_BASIS = "basis"
+_FIELDS = ("q_len", "kv_len", "batch", "heads", "row_lo", "row_hi", "row_count", "schedule")
+
+
+@contextlib.contextmanager
+def built_plans():
+    """Plans constructed inside are the output of the library's builders (``compile``,
+    ``MaskPlan.to``): their values hold by construction, so only the host-side checks of
+    their fields, dtypes, devices and shapes run (the value checks would double a GPU build's
+    kernel launches). Plans from anywhere else get every check."""
+    before = getattr(_BUILDING, "on", False)
+    _BUILDING.on = True
+    try:
+        yield
+    finally:
+        _BUILDING.on = before
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +102,15 @@ class MaskPlan:
 
     The dense mask is rebuilt as ``visible[m, q, k] = any(row_lo[m, q, j] <= k < row_hi[m, q, j])``
     (:meth:`to_dense`).
+
+    Plans are validated where they enter: the constructor (also through
+    ``dataclasses.replace``), copies, unpickling and :meth:`load` make the tensors contiguous
+    and run the checks of :meth:`verify` (a :class:`~compilemask.errors.PlanError` names the
+    broken field; plans of ``compile`` and :meth:`to`, correct by construction, get the
+    host-side checks only). On a GPU the value checks are queued on the device and read back by the
+    plan's first ``attention`` call (:meth:`check_unchanged`). Plans are immutable: a plan
+    whose tensors were modified afterwards (in place, or by replacing an attribute) is
+    refused.
     """
 
     q_len: int
@@ -96,6 +132,38 @@ class MaskPlan:
     #: plan besides its tensors and sizes, so a compiled graph serves every plan of the same
     #: shapes and class.
     shape_class: tuple = field(default=(), repr=False, compare=False)
+    #: (plain fields, objects, tensor versions) recorded when the plan was checked (_record)
+    _verified: tuple | None = field(init=False, default=None, repr=False, compare=False)
+    #: value checks queued on the device, not yet read back (GPU plans)
+    _pending: list | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if torch.compiler.is_compiling():  # made while tracing, from a checked plan's tensors
+            return
+        self._admit(keep_cache=True)
+
+    # (copies and unpickled plans are checked again; their derived caches are rebuilt)
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in ("_verified", "_pending", "_cache"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise PlanError(
+                f"invalid MaskPlan: a pickled state must be a dict, got {type(state).__name__}"
+            )
+        missing = [f.name for f in dataclasses.fields(self) if f.init and f.name not in state]
+        missing = [n for n in missing if n in _FIELDS]
+        if missing:
+            raise PlanError(f"invalid MaskPlan: the pickled plan has no {', '.join(missing)}")
+        defaults = {"source": "", "encoding": "intervals", "row_runs": None, "permutation": None}
+        self.__dict__.update(defaults)
+        self.__dict__.update(state)
+        self.__dict__.setdefault("shape_class", ())
+        self.__dict__.update(_verified=None, _pending=None, _cache={})
+        self._admit(keep_cache=False)
 
     # ------------------------------------------------------------------ backend state
     def cached(self, key, fn):
@@ -124,6 +192,148 @@ class MaskPlan:
             return
         rest = tuple((k, v) for k, v in self.shape_class if k != key)
         object.__setattr__(self, "shape_class", (*rest, (key, value)))
+
+    # ------------------------------------------------------------------ validation
+    @outside_inference_mode
+    def _admit(self, *, keep_cache: bool) -> None:
+        """Make the tensors contiguous, check the plan (values: at once on the CPU, queued on
+        a GPU), record its state, and keep ``_cache`` only when it was derived from these
+        very tensors."""
+        self._make_contiguous()
+        plan_check.check_structure(self)
+        core = self._core_state()
+        with _VERIFIED_LOCK:
+            prior = _VERIFIED.get(core)
+        if getattr(_BUILDING, "on", False):
+            pending, checks = [], []
+        elif prior is not None:  # the same tensors as a checked live plan
+            pending = list(prior._pending or [])
+            checks = plan_check.permutation_checks(self)
+        else:
+            pending, checks = [], plan_check.value_checks(self)
+        if self.device.type != "cuda":
+            plan_check.raise_failed(pending + checks)
+            pending = []
+        else:
+            pending += checks
+        object.__setattr__(self, "_pending", pending or None)
+        cache = self._cache
+        if not (keep_cache and isinstance(cache, dict) and cache.get(_BASIS) == core):
+            object.__setattr__(self, "_cache", {_BASIS: core})
+        self._record()
+        with _VERIFIED_LOCK:
+            _VERIFIED[core] = self
+
+    def _make_contiguous(self) -> None:
+        def fix(t):
+            if isinstance(t, torch.Tensor) and (t.is_inference() or not t.is_contiguous()):
+                return t.clone(memory_format=torch.contiguous_format)
+            return t
+
+        for name in ("row_lo", "row_hi", "row_count", "row_runs", "permutation"):
+            t = getattr(self, name)
+            new = fix(t)
+            if new is not t:
+                object.__setattr__(self, name, new)
+        s = self.schedule
+        if isinstance(s, TileSchedule):
+            changed = {}
+            for f in dataclasses.fields(s):
+                t = getattr(s, f.name)
+                new = fix(t)
+                if new is not t:
+                    changed[f.name] = new
+            if changed:
+                object.__setattr__(self, "schedule", dataclasses.replace(s, **changed))
+
+    def _objects(self) -> tuple:
+        """The schedule and every tensor, in ``plan_check.plan_tensor_fields`` order."""
+        s = self.schedule
+        return (
+            self.row_lo, self.row_hi, self.row_count, self.row_runs, self.permutation, s,
+            s.kind, s.pairs, s.jlo, s.jhi, s.bits_index, s.bits, s.q_count, s.q_list,
+            s.kv_count, s.kv_list, s.q_order, s.kv_order,
+        )  # fmt: skip
+
+    def _core_state(self) -> tuple:
+        """Plain fields, and ids and versions of every object but the permutation."""
+        objs = self._objects()
+        s = objs[5]
+        core = objs[:4] + objs[5:]
+        return (
+            self.q_len, self.kv_len, self.batch, self.heads, self.encoding,
+            s.block_m, s.block_n, s.q_len, s.kv_len,
+            *map(id, core),
+            *(t._version for t in core if isinstance(t, torch.Tensor)),
+        )  # fmt: skip
+
+    def _scalars(self) -> tuple:
+        s = self.schedule
+        return (
+            self.q_len, self.kv_len, self.batch, self.heads, self.encoding,
+            s.block_m, s.block_n, s.q_len, s.kv_len,
+        )  # fmt: skip
+
+    def _record(self) -> None:
+        # the objects are kept: their ids cannot be reused while the plan lives
+        objs = self._objects()
+        versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in objs)
+        object.__setattr__(self, "_verified", (self._scalars(), objs, versions))
+
+    def _changed(self) -> bool:
+        """Whether a field was replaced or a tensor written since :meth:`_record` (about 3 us:
+        identity and version compares)."""
+        scalars, objs, versions = self._verified
+        try:
+            now = self._objects()
+        except AttributeError:
+            return True
+        if any(map(operator.is_not, now, objs)) or self._scalars() != scalars:
+            return True
+        return any(v is not None and t._version != v for t, v in zip(now, versions))
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`~compilemask.errors.PlanError` when the plan's tensors were modified
+        since it was checked (in place, or by replacing an attribute), or when its queued
+        device-side checks fail (read back once). Cheap: integer compares per call."""
+        ver = self._verified
+        if ver is None:  # made while tracing and now used eagerly
+            self._admit(keep_cache=True)
+        elif self._changed():
+            self._raise_changed()
+        if self._pending is not None:
+            pending = self._pending
+            object.__setattr__(self, "_pending", None)
+            try:
+                plan_check.raise_failed(pending)
+            except PlanError:
+                object.__setattr__(self, "_pending", pending)
+                raise
+
+    def _raise_changed(self) -> None:
+        names = ["row_lo", "row_hi", "row_count", "row_runs", "permutation", "schedule"]
+        names += [f"schedule.{f.name}" for f in dataclasses.fields(TileSchedule)]
+        names = [
+            n for n in names if n.split(".")[-1] not in ("block_m", "block_n", "q_len", "kv_len")
+        ]
+        _, old_objs, old_versions = self._verified
+        what = "q_len, kv_len, batch, heads, encoding or the schedule's sizes"
+        try:
+            now = self._objects()
+        except AttributeError:
+            now = (None,) * len(old_objs)
+        for name, old, ver, new in zip(names, old_objs, old_versions, now):
+            if old is not new:
+                what = f"{name} (the attribute was replaced)"
+                break
+            if ver is not None and new._version != ver:
+                what = f"{name} (written in place)"
+                break
+        raise PlanError(
+            f"invalid MaskPlan: {what} was modified after the plan was built; plans are "
+            f"immutable: build a new one (compilemask.compile, or dataclasses.replace with new "
+            f"tensors)"
+        )
 
     # ------------------------------------------------------------------ basic facts
     @property
@@ -328,14 +538,22 @@ class MaskPlan:
 
     # ------------------------------------------------------------------ checks and moves
     def to(self, device) -> MaskPlan:
-        """The same plan with every tensor on ``device``."""
-        device = torch.device(device)
+        """The same plan with every tensor on ``device`` (a CompileMaskError for a device
+        this torch does not have)."""
+        from .pipeline import resolve_device
+
+        device = resolve_device(device)
         if device == self.device:
             return self
         return self._to(device)
 
     @outside_inference_mode
     def _to(self, device: torch.device) -> MaskPlan:
+        self.check_unchanged()
+        with built_plans():
+            return self._moved(device)
+
+    def _moved(self, device: torch.device) -> MaskPlan:
         return MaskPlan(
             self.q_len,
             self.kv_len,
@@ -371,65 +589,46 @@ class MaskPlan:
         return inverse
 
     def verify(self) -> None:
-        """Check every invariant (intervals sorted, disjoint, in bounds; tile classes and lists
-        consistent with the intervals). Raises :class:`CompileMaskError` on the first violation.
-        Cost O(N*K + Tq*Tk)."""
-        if self.encoding == "bits":
-            return self._verify_bits()
-        lo, hi, cnt = self.row_lo, self.row_hi, self.row_count
-        m, n, k = lo.shape
-        _require(n == self.q_len and lo.shape == hi.shape, "row interval shapes")
-        _require(lo.dtype == torch.int32 and hi.dtype == torch.int32, "row intervals must be int32")
-        slot = torch.arange(k, device=lo.device)
-        used = slot < cnt[..., None]
-        _require(bool(((lo < hi) == used).all()), "used slots non-empty, unused slots empty")
-        _require(bool((lo[used] >= 0).all() and (hi[used] <= self.kv_len).all()), "in bounds")
-        if k > 1:
-            gap = used[..., 1:]
-            _require(bool((hi[..., :-1][gap] < lo[..., 1:][gap]).all()), "sorted, disjoint")
-        s = self.schedule
-        fresh = build_tiles(
-            lo,
-            hi,
-            cnt,
-            self.q_len,
-            self.kv_len,
-            s.block_m,
-            s.block_n,
-            use_bits=bool((s.kind == PARTIAL_BITS).any()),
-        )
-        _require(torch.equal(fresh.pairs, s.pairs), "tile pair counts")
-        _require(torch.equal(fresh.kind > EMPTY, s.kind > EMPTY), "touched tiles")
-        _require(torch.equal(fresh.kind == FULL, s.kind == FULL), "FULL tiles")
-        _require(
-            torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
-            "tile lists",
-        )
-        bad = (s.kind == PARTIAL) & ((s.jlo > fresh.jlo) | (s.jhi < fresh.jhi))
-        _require(not bool(bad.any()), "PARTIAL slot ranges")
+        """Check every invariant the kernels rely on, now (reads the device's answer back):
+        field types, int32 dtypes, one device, contiguity and shapes; sorted, disjoint,
+        non-touching intervals inside ``[0, kv_len)`` with empty unused slots; tile kinds, pair
+        counts, slot ranges, bitmasks and work lists consistent with the intervals; a true
+        permutation. Cost O(N*K + Tq*Tk) (O(Nq*Nk) for ``encoding="bits"`` plans).
 
-    def _verify_bits(self) -> None:
-        s = self.schedule
-        _require(not bool((s.kind == PARTIAL).any()), "bits plans have no interval tiles")
-        rows = max(1, (1 << 22) // self.kv_len) // s.block_m * s.block_m or s.block_m
-        chunks = (self.dense_rows(r, min(self.q_len, r + rows)) for r in range(0, self.q_len, rows))
-        fresh = build_tiles_from_dense(
-            chunks, self.num_masks, self.q_len, self.kv_len, s.block_m, s.block_n
-        )
-        _require(torch.equal(fresh.pairs, s.pairs), "tile pair counts")
-        _require(torch.equal(fresh.kind, s.kind), "tile kinds")
-        _require(
-            torch.equal(fresh.q_list, s.q_list) and torch.equal(fresh.kv_list, s.kv_list),
-            "tile lists",
-        )
+        Raises:
+            PlanError: the first violated invariant, naming the field; or the plan's tensors
+                were modified since it was built.
+        """
+        if self._verified is not None and self._changed():
+            self._raise_changed()
+        plan_check.check_structure(self)
+        plan_check.raise_failed(plan_check.value_checks(self))
+        object.__setattr__(self, "_pending", None)
+        if self._verified is None:
+            self._record()
+
+    # ------------------------------------------------------------------ files
+    def save(self, path) -> None:
+        """Write the plan to ``path`` (``torch.save`` of its tensors and fields; read back with
+        :meth:`load`, which checks it). Derived tilings are not saved."""
+        from .plan_file import save_plan
+
+        save_plan(self, path)
+
+    @classmethod
+    def load(cls, path, map_location=None) -> MaskPlan:
+        """Read a plan written by :meth:`save` (onto ``map_location``, default: the CPU) and
+        check it like every plan.
+
+        Raises:
+            PlanError: the file is not a saved plan, or the plan in it is invalid.
+        """
+        from .plan_file import load_plan
+
+        return load_plan(cls, path, map_location)
 
 
 _MISSING = object()
-
-
-def _require(ok: bool, what: str) -> None:
-    if not ok:
-        raise CompileMaskError(f"MaskPlan.verify failed: {what}")
 
 
 @outside_inference_mode

@@ -54,10 +54,14 @@ def check_layout(layout: tuple[Segment, ...]) -> None:
             continue
         if not s.lengths:
             raise LayoutError(f"segment {s.name!r} has no parts")
-        for n in s.lengths:
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 2**31 - 1:
+        for i, n in enumerate(s.lengths):
+            part = (
+                f"segment {s.name!r}" if len(s.lengths) == 1 else f"part {i} of segment {s.name!r}"
+            )
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 2**31 - 1:
                 raise LayoutError(
-                    f"segment {s.name!r} has a bad length {n!r} (need an int >= 0, below 2**31)"
+                    f"{part} has a bad length {n!r} (need an int >= 1, below 2**31; "
+                    f"leave a part out instead of giving it no tokens)"
                 )
         if s.grid is not None:
             h, w = s.grid

@@ -141,8 +141,11 @@ def reference_attention(
     kg, vg = k[:, :, None], v[:, :, None]
     slots = max(plan.row_lo.shape[-1], 1)
     per_row = max(B * Hq * max(Nk, 1), plan.num_masks * (max(Nk, 1) + slots))
-    use_checkpoint = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad
+    # (not under torch.func transforms: checkpoint's saved-tensor hooks do not run there)
+    use_checkpoint = (
+        torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and not torch._C._are_functorch_transforms_active()
     )
 
     if Nq == 0:

@@ -1,0 +1,79 @@
+"""``MaskPlan.save`` / ``MaskPlan.load``: a plan's tensors and fields through ``torch.save``
+(``weights_only`` loading: no code runs), checked on load like every plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..errors import PlanError
+from .tiles import TileSchedule
+
+_SAVE_FORMAT = "compilemask.MaskPlan"
+_SAVE_VERSION = 1
+
+
+def save_plan(plan, path) -> None:
+    s = plan.schedule
+    meta = {
+        "q_len": plan.q_len,
+        "kv_len": plan.kv_len,
+        "batch": plan.batch,
+        "heads": plan.heads,
+        "source": plan.source,
+        "encoding": plan.encoding,
+        "block_m": s.block_m,
+        "block_n": s.block_n,
+    }
+    tensors = {"row_lo": plan.row_lo, "row_hi": plan.row_hi, "row_count": plan.row_count}
+    for name in ("row_runs", "permutation"):
+        if getattr(plan, name) is not None:
+            tensors[name] = getattr(plan, name)
+    tensors.update({f"schedule.{k}": v for k, v in s.tensors().items()})
+    obj = {"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "meta": meta, "tensors": tensors}
+    torch.save(obj, path)
+
+
+def load_plan(cls, path, map_location=None):
+    try:
+        obj = torch.load(path, map_location=map_location or "cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a PlanError
+        raise PlanError(f"cannot read a MaskPlan from {path!r}: {err}") from None
+    if not (
+        isinstance(obj, dict)
+        and obj.get("format") == _SAVE_FORMAT
+        and isinstance(obj.get("meta"), dict)
+        and isinstance(obj.get("tensors"), dict)
+    ):
+        raise PlanError(f"{path!r} does not hold a MaskPlan written by MaskPlan.save")
+    if obj.get("version") != _SAVE_VERSION:
+        raise PlanError(f"{path!r}: unknown MaskPlan file version {obj.get('version')!r}")
+    meta, tensors = obj["meta"], obj["tensors"]
+    sched_names = [f.name for f in dataclasses.fields(TileSchedule)][4:]
+    need = ["row_lo", "row_hi", "row_count"] + [f"schedule.{n}" for n in sched_names]
+    missing = [n for n in need if n not in tensors]
+    missing += [n for n in ("q_len", "kv_len", "block_m", "block_n") if n not in meta]
+    if missing:
+        raise PlanError(f"{path!r}: the saved plan has no {', '.join(missing)}")
+    schedule = TileSchedule(
+        meta["block_m"],
+        meta["block_n"],
+        meta["q_len"],
+        meta["kv_len"],
+        **{n: tensors[f"schedule.{n}"] for n in sched_names},
+    )
+    return cls(
+        meta["q_len"],
+        meta["kv_len"],
+        meta.get("batch"),
+        meta.get("heads"),
+        tensors["row_lo"],
+        tensors["row_hi"],
+        tensors["row_count"],
+        schedule,
+        source=meta.get("source", ""),
+        encoding=meta.get("encoding", "intervals"),
+        row_runs=tensors.get("row_runs"),
+        permutation=tensors.get("permutation"),
+    )
