@@ -9,6 +9,7 @@ Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
