@@ -42,6 +42,7 @@ and returns (from the 1.32.0 sources, ``cudnn/flex_attention/``):
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from dataclasses import dataclass
 
@@ -113,6 +114,29 @@ class CudnnPrepared:
     has_backward: bool
 
 
+@functools.cache
+def _availability() -> tuple[bool, str]:
+    try:
+        version = importlib.metadata.version("nvidia-cudnn-frontend")
+    except importlib.metadata.PackageNotFoundError:
+        return False, INSTALL_HINT
+    if _version_tuple(version) < MIN_VERSION:
+        return False, f"nvidia-cudnn-frontend {version} is too old: {INSTALL_HINT}"
+    try:
+        import cudnn.flex_attention  # noqa: F401
+        from cudnn.flex_attention.execution import _flex_attention_backward  # noqa: F401
+    except ImportError as exc:
+        return False, f"cudnn.flex_attention does not import ({exc}): {INSTALL_HINT}"
+    except Exception as exc:  # CUDA / cuDNN libraries missing or broken: not available
+        return False, f"cudnn.flex_attention does not load ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return False, "cudnn.flex_attention needs a CUDA GPU"
+    arch = _arch(torch.device("cuda"))
+    if arch not in SUPPORTED_ARCHS:
+        return False, f"cudnn.flex_attention runs on sm90, sm100 and sm103, not sm{arch}"
+    return True, ""
+
+
 class CudnnBackend:
     """CompileMask plans on ``cudnn.flex_attention`` (see the module docstring).
 
@@ -125,26 +149,9 @@ class CudnnBackend:
     name = "cudnn"
 
     def available(self) -> tuple[bool, str]:
-        """(True, "") when ``cudnn.flex_attention`` imports and a supported GPU is present."""
-        try:
-            version = importlib.metadata.version("nvidia-cudnn-frontend")
-        except importlib.metadata.PackageNotFoundError:
-            return False, INSTALL_HINT
-        if _version_tuple(version) < MIN_VERSION:
-            return False, f"nvidia-cudnn-frontend {version} is too old: {INSTALL_HINT}"
-        try:
-            import cudnn.flex_attention  # noqa: F401
-            from cudnn.flex_attention.execution import _flex_attention_backward  # noqa: F401
-        except ImportError as exc:
-            return False, f"cudnn.flex_attention does not import ({exc}): {INSTALL_HINT}"
-        except Exception as exc:  # CUDA / cuDNN libraries missing or broken: not available
-            return False, f"cudnn.flex_attention does not load ({type(exc).__name__}: {exc})"
-        if not torch.cuda.is_available():
-            return False, "cudnn.flex_attention needs a CUDA GPU"
-        arch = _arch(torch.device("cuda"))
-        if arch not in SUPPORTED_ARCHS:
-            return False, f"cudnn.flex_attention runs on sm90, sm100 and sm103, not sm{arch}"
-        return True, ""
+        """(True, "") when ``cudnn.flex_attention`` imports and a supported GPU is present
+        (probed once per process: the package lookup alone costs about a millisecond)."""
+        return _availability()
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether cuDNN runs this call; (False, reason) otherwise. Reads no tensor data."""
