@@ -373,21 +373,21 @@ class MaskPlan:
             own = self.schedule
             if not bits:
                 return own
-            if key in self._cache:  # rebuilt with bitmasks by an earlier eager call
-                return self._cache[key]
             if torch.compiler.is_compiling():  # bitmasks need a host read: keep intervals
                 return own
+            if key in self._cache:  # rebuilt with bitmasks by an earlier eager call
+                return self._cache[key]
             if not (self._bits_plan() and own.bits.shape[0] == 0):
                 return own
         for name, v in (("block_m", block_m), ("block_n", block_n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
+        if torch.compiler.is_compiling():
+            # built while tracing and not kept: the cache is not touched while tracing (a
+            # write would make every entry a guard), and an eager call builds its own
+            return self._build_tiles(block_m, block_n)
         if key not in self._cache:
-            self._build_tiles(key, block_m, block_n)
-            if torch.compiler.is_compiling():
-                # built while tracing: not kept (it has no bitmasks, and under inference_mode
-                # its tensors would be inference tensors); an eager call builds its own
-                return self._cache.pop(key)
+            self._cache[key] = self._build_tiles(block_m, block_n)
         return self._cache[key]
 
     def _bits_plan(self) -> bool:
@@ -401,36 +401,38 @@ class MaskPlan:
         return self.encoding == "intervals" and slots > BITS_MIN_SLOTS
 
     @outside_inference_mode
-    def _build_tiles(self, key, block_m: int, block_n: int) -> None:
-        if key not in self._cache and self.encoding == "bits":
+    def _build_tiles(self, block_m: int, block_n: int):
+        if self.encoding == "bits":
             rows = max(1, (1 << 22) // self.kv_len) // block_m * block_m or block_m
             chunks = (
                 self.dense_rows(r, min(self.q_len, r + rows)) for r in range(0, self.q_len, rows)
             )
-            self._cache[key] = build_tiles_from_dense(
+            return build_tiles_from_dense(
                 chunks, self.num_masks, self.q_len, self.kv_len, block_m, block_n
             )
-        if key not in self._cache:
-            self._cache[key] = build_tiles(
-                self.row_lo,
-                self.row_hi,
-                self.row_count,
-                self.q_len,
-                self.kv_len,
-                block_m,
-                block_n,
-                use_bits=True,  # one host read per tiling (kernels derive theirs on first use)
-            )
+        return build_tiles(
+            self.row_lo,
+            self.row_hi,
+            self.row_count,
+            self.q_len,
+            self.kv_len,
+            block_m,
+            block_n,
+            use_bits=True,  # one host read per tiling (kernels derive theirs on first use)
+        )
 
     def _columns(self):
-        if "cols" not in self._cache and self.encoding == "bits":  # O(Nq * Nk) for bits plans
-            cols = self.dense_rows(0, self.q_len).transpose(1, 2)
-            self._cache["cols"] = from_dense_rows(cols, self.q_len)
+        if torch.compiler.is_compiling():  # traced, not kept (see tiles)
+            return self._build_columns()
         if "cols" not in self._cache:
-            self._cache["cols"] = column_intervals(
-                self.row_lo, self.row_hi, self.q_len, self.kv_len
-            )
+            self._cache["cols"] = self._build_columns()
         return self._cache["cols"]
+
+    def _build_columns(self):
+        if self.encoding == "bits":  # O(Nq * Nk) for bits plans
+            cols = self.dense_rows(0, self.q_len).transpose(1, 2)
+            return from_dense_rows(cols, self.q_len)
+        return column_intervals(self.row_lo, self.row_hi, self.q_len, self.kv_len)
 
     @property
     def col_lo(self) -> torch.Tensor:
