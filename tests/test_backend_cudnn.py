@@ -155,12 +155,20 @@ def _call(**over):
         (dict(head_dim=192), "head_dim 192"),
         (dict(heads_kv=3), "not a multiple"),
         (dict(q_len=65), "q_len 64"),
+        (dict(return_lse=True), "no gradient through lse"),
     ],
 )
 def test_supports_names_the_reason(over, reason):
     plan = cm.compile(M.causal(), 64)
     ok, why = CudnnBackend().supports(plan, _call(**over))
     assert not ok and reason in why
+
+
+def test_refused_under_torch_compile(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    plan = cm.compile(M.causal(), 64)
+    for ok, why in (CudnnBackend().available(), CudnnBackend().supports(plan, _call())):
+        assert not ok and "torch.compile" in why
 
 
 def test_supports_checks_per_head_and_per_batch_plans():
@@ -235,7 +243,7 @@ def test_cudnn_forward_backward_match_the_reference(name, head_dim):
     scale = head_dim**-0.5
     call = SimpleNamespace(
         batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len,
-        head_dim=head_dim, dtype=DT, device=q.device, requires_grad=True, return_lse=True,
+        head_dim=head_dim, dtype=DT, device=q.device, requires_grad=True, return_lse=False,
     )  # fmt: skip
     be = CudnnBackend()
     assert be.supports(plan, call) == (True, "")

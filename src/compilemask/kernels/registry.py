@@ -58,6 +58,17 @@ class AutoRule:
 #: What ``backend="auto"`` tries, in order (first match that is available and supports the
 #: call). Rows from measurements go above the defaults.
 AUTO_TABLE: list[AutoRule] = [
+    AutoRule(
+        "cudnn",
+        device="cuda",
+        min_capability=(9, 0),
+        dtypes=(torch.float16, torch.bfloat16),
+        why=(
+            "cuDNN-frontend interval attention: faster than the Triton kernels on every seed "
+            "workload at 32K on an H200, forward and forward+backward "
+            "(benchmarks/results/h200-backends-2026-12-01.jsonl)"
+        ),
+    ),
     AutoRule("triton", why="the fused kernels (default wherever Triton runs)"),
     AutoRule("reference", why="plain PyTorch: runs everywhere"),
 ]

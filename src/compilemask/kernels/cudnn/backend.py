@@ -114,6 +114,9 @@ class CudnnPrepared:
     has_backward: bool
 
 
+UNDER_COMPILE = 'cudnn does not run under torch.compile (use backend="triton")'
+
+
 @functools.cache
 def _availability() -> tuple[bool, str]:
     try:
@@ -150,11 +153,20 @@ class CudnnBackend:
 
     def available(self) -> tuple[bool, str]:
         """(True, "") when ``cudnn.flex_attention`` imports and a supported GPU is present
-        (probed once per process: the package lookup alone costs about a millisecond)."""
+        (probed once per process: the package lookup alone costs about a millisecond).
+        Not under ``torch.compile``: its calls go through a plain autograd Function."""
+        if torch.compiler.is_compiling():
+            return False, UNDER_COMPILE
         return _availability()
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether cuDNN runs this call; (False, reason) otherwise. Reads no tensor data."""
+        if torch.compiler.is_compiling():
+            return False, UNDER_COMPILE
+        if call.return_lse and call.requires_grad:
+            return False, (
+                'no gradient through lse on cudnn: call without return_lse, or use backend="triton"'
+            )
         if call.device.type != "cuda":
             return False, f"cudnn runs on CUDA tensors, not {call.device.type}"
         if call.dtype not in _DTYPES:
