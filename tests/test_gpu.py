@@ -1,5 +1,5 @@
-"""GPU checks (run on the GPU machine, which has no hypothesis: ``PYTHONPATH=src python3 -m pytest
--m gpu -q tests/test_gpu.py``).
+"""GPU checks (``pytest -m gpu -q tests/test_gpu.py`` on a machine with a CUDA GPU; they need
+no hypothesis).
 
 Each test skips without CUDA. Correctness uses the measure of docs/design.md against the
 float64 reference on 2 heads; the full-size runs and timings live in ``benchmarks/``.

@@ -45,7 +45,7 @@ def test_plans_built_or_moved_under_inference_mode_still_train():
         plan = cm.compile(cm.masks.causal(), 64)
         dense_plan = cm.from_dense(torch.ones(64, 64, dtype=torch.bool).tril())
         window = cm.compile(cm.masks.sliding_window(9), 64)
-        # on a GPU machine: a CPU plan moved to the GPU under inference_mode
+        # with a GPU: a CPU plan moved to the GPU under inference_mode
         moved = window.to(DEVICE) if DEVICE != "cpu" else window
     assert cm.compile(cm.masks.causal(), 64) is plan  # the cached plan is handed out again
     g = torch.Generator().manual_seed(0)
