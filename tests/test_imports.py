@@ -1,4 +1,5 @@
-"""The import flow of the package (docs/design.md): language -> compiler -> kernels -> api -> tools / integrations.
+"""The import flow of the package (docs/design.md): language -> compiler -> kernels -> api ->
+tools / integrations.
 
 Every module of the package is parsed (not imported) and each of its imports, module-level or
 inside a function, must come from its own layer or a lower one. Triton is imported only under
