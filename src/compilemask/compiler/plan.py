@@ -373,18 +373,20 @@ class MaskPlan:
             own = self.schedule
             if not bits:
                 return own
-            if torch.compiler.is_compiling():  # bitmasks need a host read: keep intervals
-                return own
             if key in self._cache:  # rebuilt with bitmasks by an earlier eager call
                 return self._cache[key]
+            if torch.compiler.is_compiling():  # bitmasks need a host read: keep intervals
+                return own
             if not (self._bits_plan() and own.bits.shape[0] == 0):
                 return own
         for name, v in (("block_m", block_m), ("block_n", block_n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CompileMaskError(f"{name} must be a positive int, got {v!r}")
+        if key in self._cache:  # built by an earlier eager call (bitmasks included)
+            return self._cache[key]
         if torch.compiler.is_compiling():
-            # built while tracing and not kept: the cache is not touched while tracing (a
-            # write would make every entry a guard), and an eager call builds its own
+            # built while tracing and not kept: nothing is written to the cache while tracing
+            # (a traced write makes every entry a guard), and an eager call builds its own
             return self._build_tiles(block_m, block_n)
         if key not in self._cache:
             self._cache[key] = self._build_tiles(block_m, block_n)
@@ -422,8 +424,8 @@ class MaskPlan:
         )
 
     def _columns(self):
-        if torch.compiler.is_compiling():  # traced, not kept (see tiles)
-            return self._build_columns()
+        if "cols" not in self._cache and torch.compiler.is_compiling():
+            return self._build_columns()  # traced, not kept (see tiles)
         if "cols" not in self._cache:
             self._cache["cols"] = self._build_columns()
         return self._cache["cols"]
