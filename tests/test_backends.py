@@ -158,3 +158,22 @@ def test_register_rejects_an_incomplete_backend():
     with pytest.raises(TypeError, match="supports"):
         registry.register(NoBackward())
     assert "broken" not in registry.names()
+
+
+def test_auto_rules_match_on_length_and_backward():
+    from compilemask.kernels.interface import AttentionCall
+    from compilemask.kernels.registry import AutoRule
+
+    def call(q_len, grad):
+        return AttentionCall(
+            batch=1, heads_q=2, heads_kv=2, q_len=q_len, kv_len=q_len, head_dim=64,
+            dtype=torch.float16, device=torch.device("cpu"), requires_grad=grad,
+            return_lse=False,
+        )  # fmt: skip
+
+    rule = AutoRule("x", min_q_len=4096, requires_grad=True)
+    assert rule.matches(call(4096, True))
+    assert not rule.matches(call(4095, True))
+    assert not rule.matches(call(8192, False))
+    assert AutoRule("x", min_q_len=4096).matches(call(8192, False))
+    assert not AutoRule("x", device="cuda").matches(call(8192, False))

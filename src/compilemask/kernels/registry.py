@@ -32,6 +32,8 @@ class AutoRule:
         min_capability: least CUDA compute capability, e.g. (9, 0), or None.
         head_dims: head_dim values, or None.
         dtypes: input dtypes, or None.
+        min_q_len: least query length (tokens per batch row), or None.
+        requires_grad: True matches only calls that will run a backward, None any call.
         why: the measurement or reason behind the row (shown by :func:`explain`).
     """
 
@@ -40,6 +42,8 @@ class AutoRule:
     min_capability: tuple[int, int] | None = None
     head_dims: tuple[int, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
+    min_q_len: int | None = None
+    requires_grad: bool | None = None
     why: str = ""
 
     def matches(self, call: AttentionCall) -> bool:
@@ -48,6 +52,10 @@ class AutoRule:
         if self.head_dims is not None and call.head_dim not in self.head_dims:
             return False
         if self.dtypes is not None and call.dtype not in self.dtypes:
+            return False
+        if self.min_q_len is not None and call.q_len < self.min_q_len:
+            return False
+        if self.requires_grad is not None and call.requires_grad != self.requires_grad:
             return False
         if self.min_capability is not None:
             if call.device.type != "cuda" or _capability(call.device) < self.min_capability:
@@ -58,15 +66,30 @@ class AutoRule:
 #: What ``backend="auto"`` tries, in order (first match that is available and supports the
 #: call). Rows from measurements go above the defaults.
 AUTO_TABLE: list[AutoRule] = [
+    # H200, bf16, 16 heads, head_dim 128, each (workload, size) in one process:
+    # benchmarks/results/h200-backends-2026-12-01.jsonl
     AutoRule(
         "cudnn",
         device="cuda",
         min_capability=(9, 0),
         dtypes=(torch.float16, torch.bfloat16),
+        min_q_len=4096,
+        requires_grad=True,
         why=(
-            "cuDNN-frontend interval attention: faster than the Triton kernels on every seed "
-            "workload at 32K on an H200, forward and forward+backward "
-            "(benchmarks/results/h200-backends-2026-12-01.jsonl)"
+            "cuDNN-frontend interval attention: forward+backward faster than the Triton "
+            "kernels on every seed workload at 4K and 32K tokens per row (H200)"
+        ),
+    ),
+    AutoRule(
+        "cudnn",
+        device="cuda",
+        min_capability=(9, 0),
+        dtypes=(torch.float16, torch.bfloat16),
+        min_q_len=32768,
+        why=(
+            "cuDNN-frontend interval attention: forward faster than the Triton kernels on "
+            "every seed workload at 32K tokens per row (H200); shorter rows stay on Triton "
+            "(cheaper per call)"
         ),
     ),
     AutoRule("triton", why="the fused kernels (default wherever Triton runs)"),
