@@ -162,12 +162,16 @@ def _attn_fwd_inner(
             tl.load(BitsIndex + kt_next, mask=list_start < list_end, other=0), n_bits - 1
         )
     for i in range(list_start, list_end):
-        kt = kt_next
+        # clamped here, not where it is loaded: a clamp between the index load and the end of
+        # the iteration takes the whole loop out of Triton's software pipeliner (every K/V
+        # copy and MMA then waits for the previous one: clear at 32K 8.2 ms against 5.1)
+        kt = clamp(kt_next, kt_max)
         bidx = bidx_next
-        kt_next = clamp(tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0), kt_max)
+        kt_next = tl.load(TileList + i + 1, mask=i + 1 < list_end, other=0)
         if MASKED and HAS_BITS:
             bidx_next = clamp(
-                tl.load(BitsIndex + kt_next, mask=i + 1 < list_end, other=0), n_bits - 1
+                tl.load(BitsIndex + clamp(kt_next, kt_max), mask=i + 1 < list_end, other=0),
+                n_bits - 1,
             )
         start_n = kt * BLOCK_N
         offs_n = start_n + offs_n_local
