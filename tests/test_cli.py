@@ -128,6 +128,7 @@ BAD_INPUT = [
     (["bench", "--report", "missing.jsonl"], "missing.jsonl: No such file or directory"),
     (["bench", "--workloads", "no_such_workload"], "invalid choice"),
     (["bench", "--sizes", "abc"], "invalid int value"),
+    (["check", ""], "MASK is empty"),
 ]
 
 
@@ -254,3 +255,10 @@ def test_bench_compile_script_small(tmp_path):
         assert r["mode"] == "plan" and r["system"] == "compilemask-cpu"
         assert r["plan_bytes"] > 0 and r["flex_blockmask_bytes"] > 0
         assert set(RESULT_KEYS) <= set(r)
+
+
+def test_mask_text_longer_than_a_file_name(run):
+    """Mask text of any length is parsed (not refused as a file name that is too long)."""
+    text = "document([" + ", ".join(["10"] * 60) + "], causal=false) | sliding_window(4)"
+    result = run("check", text)
+    assert result.exit_code == 0, result.output

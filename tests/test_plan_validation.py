@@ -496,3 +496,10 @@ def test_gpu_plans_check_on_the_device_and_refuse_on_first_call():
         cm.attention(q, k, v, bad)
     with pytest.raises(PlanError, match="row_lo/row_hi"):
         cm.attention(q, k, v, bad)
+
+
+def test_meta_device_is_refused_with_a_reason():
+    with pytest.raises(cm.CompileMaskError, match="meta"):
+        cm.compile(cm.masks.causal(), 16, device="meta", cache=False)
+    with pytest.raises(cm.CompileMaskError, match="meta"):
+        cm.compile(cm.masks.causal(), 16, cache=False).to("meta")

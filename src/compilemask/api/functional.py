@@ -94,7 +94,8 @@ def attention(
         check_plan: verify every invariant of the plan on this call (O(N*K + Tq*Tk) work and
             one host read; also with ``COMPILEMASK_CHECK_PLAN=1``). Plans are checked where
             they enter (constructors, copies, unpickling, ``MaskPlan.load``) and refused when
-            modified afterwards, so this is for debugging.
+            modified afterwards, so this is for debugging. Under ``torch.compile`` only the
+            shape checks run (call ``plan.verify()`` before compiled code sees a plan).
 
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
     backward kernels, also under ``torch.compile``; cudnn: cuDNN-frontend's backward;

@@ -44,6 +44,11 @@ def resolve_device(device, default="cpu") -> torch.device:
         raise CompileMaskError(
             f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}: {err}"
         ) from None
+    if dev.type == "meta":
+        raise CompileMaskError(
+            f"device={device!r}: plans hold data (intervals and tile lists), not only shapes; "
+            "use 'cpu' or 'cuda'"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CompileMaskError(f"device={device!r}, but this torch has no CUDA device available")
     return dev

@@ -110,7 +110,12 @@ class MaskPlan:
     host-side checks only). On a GPU the value checks are queued on the device and read back by the
     plan's first ``attention`` call (:meth:`check_unchanged`). Plans are immutable: a plan
     whose tensors were modified afterwards (in place, or by replacing an attribute) is
-    refused.
+    refused on its next eager call. Two limits: writes that bypass the tensors' version
+    counters (``.data``, ``.numpy()``, raw storage) are caught only by ``verify()`` /
+    ``attention(..., check_plan=True)``, and calls traced by ``torch.compile`` check shapes
+    only (verify a plan before handing it to compiled code). The Triton kernels clamp every
+    index they read from a plan, so such a plan gives wrong numbers, never an out-of-bounds
+    access.
     """
 
     q_len: int

@@ -7,9 +7,10 @@ support the call raises :class:`InputError` with the backend's reason (never a s
 ``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that matches the call and whose backend
 is available and supports it. :func:`explain` says which one and why.
 
-The table is ordered and keyed by device kind, compute capability, head_dim and dtype. Today it
-holds the defaults (Triton wherever it runs, else the reference); it is to be filled from
-measurements (``benchmarks/``) as faster backends land, one row per measured win.
+The table is ordered and keyed by device kind, compute capability, head_dim, dtype, query
+length and whether a backward will run; each row carries the measurement behind it (one row per
+measured win, from ``compilemask bench``), then the defaults (Triton wherever it runs, else the
+reference).
 """
 
 from __future__ import annotations

@@ -164,7 +164,11 @@ def mask_text(mask: Mask) -> str:
 def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) -> MaskSpec:
     """Turn the MASK argument into a mask and its lengths (see the module docstring)."""
     path = Path(spec)
-    if spec in wl.SEED_WORKLOADS and not path.is_file():
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except OSError:  # mask text longer than a file name may be (ENAMETOOLONG)
+        is_file = is_dir = False
+    if spec in wl.SEED_WORKLOADS and not is_file:
         if q_len is not None or kv_len is not None:
             raise CompileMaskError(
                 f"{spec} is a seed workload: its length comes from --size N0 "
@@ -172,12 +176,14 @@ def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) ->
             )
         w = wl.workload(spec, size)
         return MaskSpec(f"{spec}@{size}", w.mask, w.N, w.N, w.B)
-    if path.is_file():
+    if is_file:
         try:
             text, label = path.read_text(), path.name
         except UnicodeDecodeError as err:
             raise CompileMaskError(f"MASK file {spec!r} is not UTF-8 text ({err.reason})") from None
-    elif path.is_dir():
+    elif not spec.strip():
+        raise CompileMaskError("MASK is empty: give a mask file, mask text or a seed workload")
+    elif is_dir:
         raise CompileMaskError(f"MASK {spec!r} is a folder, not a mask file")
     elif any(c in spec for c in "(\n{") or spec.startswith("layout"):
         # a label for file names: the text's words, e.g. "document_30_34_prefix_lm_16"

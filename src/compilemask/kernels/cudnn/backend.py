@@ -119,10 +119,11 @@ UNDER_COMPILE = 'cudnn does not run under torch.compile (use backend="triton")'
 
 @functools.cache
 def _availability() -> tuple[bool, str]:
+    no_gpu = "" if torch.cuda.is_available() else "it needs a CUDA GPU (sm90 / sm100), none here; "
     try:
         version = importlib.metadata.version("nvidia-cudnn-frontend")
     except importlib.metadata.PackageNotFoundError:
-        return False, INSTALL_HINT
+        return False, no_gpu + INSTALL_HINT
     if _version_tuple(version) < MIN_VERSION:
         return False, f"nvidia-cudnn-frontend {version} is too old: {INSTALL_HINT}"
     try:
