@@ -199,7 +199,7 @@ def _run_children(cases, args, out: Path, t0: float) -> list[str]:
         cmd += ["--systems", *args.systems, "--out", str(out), "--no-plot", "--no-table"]
         if args.no_check:
             cmd.append("--no-check")
-        # its own process group (not a new session, so a terminal's or a job runner's
+        # its own process group (not setsid, so a terminal's or a job runner's
         # signals still reach it), so a stop ends its compile workers too
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         proc = subprocess.Popen(cmd, env=_child_env(), **group)

@@ -86,6 +86,17 @@ def _masked_chunk_attention(q, k, v, plan, start, end, scale, compute_dtype, mat
     return _chunk_attention(q, k, v, visible, scale, compute_dtype, matmul_dtype)
 
 
+def _precision(in_dtype, head_dim, compute_dtype, matmul_dtype, scale):
+    """``(compute_dtype, matmul_dtype, out_dtype, scale)`` with the defaults filled in: softmax
+    and accumulation in float64 for float64 inputs, else float32; matmuls in compute_dtype;
+    outputs in float64 for a float64 computation, else the inputs' dtype; 1 / sqrt(D)."""
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if in_dtype == torch.float64 else torch.float32
+    out_dtype = torch.float64 if compute_dtype == torch.float64 else in_dtype
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    return compute_dtype, matmul_dtype or compute_dtype, out_dtype, scale
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,11 +142,9 @@ def reference_attention(
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if compute_dtype is None:
-        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    matmul_dtype = matmul_dtype or compute_dtype
-    out_dtype = torch.float64 if compute_dtype == torch.float64 else q.dtype
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    compute_dtype, matmul_dtype, out_dtype, scale = _precision(
+        q.dtype, D, compute_dtype, matmul_dtype, scale
+    )
 
     qg = q.view(B, Hkv, G, Nq, D) if q.is_contiguous() else q.reshape(B, Hkv, G, Nq, D)
     kg, vg = k[:, :, None], v[:, :, None]
@@ -230,11 +239,7 @@ def reference_attention_backward(
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if compute_dtype is None:
-        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    mm = matmul_dtype or compute_dtype
-    out_dtype = torch.float64 if compute_dtype == torch.float64 else q.dtype
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    compute_dtype, mm, out_dtype, scale = _precision(q.dtype, D, compute_dtype, matmul_dtype, scale)
 
     qg = q.reshape(B, Hkv, G, Nq, D).to(mm)
     dog = do.reshape(B, Hkv, G, Nq, D).to(mm)
