@@ -1,5 +1,5 @@
 """``backend="cudnn"``: the lowering of plans to cuDNN endpoints (CPU) and the backend against
-the reference (GPU, ``-m gpu``; skipped without cuDNN-frontend or CUDA)."""
+a stand-in cuDNN (CPU); the GPU suite of every backend is ``test_backends_gpu.py``."""
 
 from __future__ import annotations
 
@@ -13,66 +13,12 @@ import compilemask as cm
 from compilemask.errors import CompileMaskError
 from compilemask.kernels.cudnn import CudnnBackend, endpoints
 from compilemask.kernels.cudnn.lower import expand_endpoints
+from plan_catalogue import catalogue, plan_dense
 
 M = cm.masks
 
 
-def _catalogue():
-    """(id, plan, B, Hq) for every kind of plan the lowering meets."""
-    g = torch.Generator().manual_seed(0)
-    random_dense = torch.rand(3, 2, 40, 56, generator=g) < 0.5
-    random_dense[:, :, 7] = False  # some rows see nothing
-    out = [
-        ("causal", cm.compile(M.causal(), 37, block_m=16, block_n=16), 2, 3),
-        ("sliding_window", cm.compile(M.sliding_window(5), 41, block_m=16, block_n=16), 2, 1),
-        ("document", cm.compile(M.document([7, 12, 20]), block_m=16, block_n=16), 3, 2),
-        ("shared_prompt", cm.compile(M.shared_prompt(9, [5, 7, 4]), block_m=16, block_n=16), 2, 2),
-        ("hstu", cm.compile(M.hstu([20, 14], [3, 2], contextual=2), block_m=16, block_n=16), 2, 2),
-        ("clear", cm.compile(M.clear((6, 8), 3, 5), block_m=16, block_n=16), 1, 2),
-        (
-            "clear_tile_grid",
-            cm.compile(M.tile_grid(M.clear((8, 8), 3, 4), (4, 4)), block_m=16, block_n=16),
-            2,
-            1,
-        ),
-        ("tree", cm.compile(M.tree([-1, 0, 0, 1, 3, -1, 5], 11), block_m=16, block_n=16), 2, 2),
-        (
-            "per_head",
-            cm.compile(
-                M.per_head([M.causal(), M.sliding_window(3), M.chunked(8)]),
-                30,
-                heads=3,
-                block_m=16,
-                block_n=16,
-            ),
-            2,
-            3,
-        ),
-        (
-            "per_batch",
-            cm.compile(
-                M.per_batch([M.causal(), M.prefix_lm(9)]), 29, batch=2, block_m=16, block_n=16
-            ),
-            2,
-            4,
-        ),
-        # q_len > kv_len + window: the last rows see no key
-        ("empty_rows", cm.compile(M.sliding_window(4), 50, 30, block_m=16, block_n=16), 2, 2),
-        ("from_dense", cm.from_dense(random_dense, block_m=16, block_n=16), 3, 2),
-        ("from_dense_2d", cm.from_dense(random_dense[0, 0], block_m=16, block_n=16), 2, 3),
-    ]
-    return out
-
-
-CATALOGUE = _catalogue()
-
-
-def _plan_dense(plan, batch, heads_q):
-    """plan.to_dense() broadcast to [B, Hq, Nq, Nk]."""
-    d = plan.to_dense()
-    if d.dim() == 2:
-        d = d[None, None]
-    return d.expand(batch, heads_q, plan.q_len, plan.kv_len)
+CATALOGUE = catalogue()
 
 
 @pytest.mark.parametrize("name,plan,batch,heads", CATALOGUE, ids=[c[0] for c in CATALOGUE])
@@ -89,7 +35,7 @@ def test_endpoints_expand_to_the_plan(name, plan, batch, heads, trim):
     assert bool((f[:, 1:] >= f[:, :-1]).all()), "endpoints must be non-decreasing"
     assert bool((f >= 0).all() and (f <= plan.kv_len).all())
     got = expand_endpoints(f, batch, plan.kv_len)  # [B, Hmask, Nq, Nk]
-    want = _plan_dense(plan, batch, heads)
+    want = plan_dense(plan, batch, heads)
     assert torch.equal(got.expand_as(want), want)
     if plan.heads is None:  # the one mask head broadcasts to every query head
         assert got.shape[1] == 1
@@ -199,81 +145,6 @@ def test_available_names_the_install_extra_without_cudnn():
         assert not ok and "compilemask[cudnn]" in why
     else:
         pytest.skip("cudnn.flex_attention is installed here")
-
-
-# ---------------------------------------------------------------------------------- GPU
-_READY, _WHY = CudnnBackend().available()
-DT = torch.bfloat16
-
-
-PER_HEAD_4 = M.per_head([M.causal(), M.sliding_window(100), M.chunked(256), M.prefix_lm(300)])
-
-
-def _gpu_cases():
-    return {
-        "causal": (M.causal(), 1024, 1024, None, 4, 4),
-        "hstu": (M.hstu([300, 500, 224], [20, 40, 10]), None, None, None, 4, 4),
-        "shared_prompt": (M.shared_prompt(256, [256, 256, 256]), None, None, None, 4, 4),
-        "clear": (M.clear((24, 40), 8, 64), None, None, None, 4, 4),
-        "clear_tile_grid": (M.tile_grid(M.clear((24, 40), 8, 64)), None, None, None, 4, 4),
-        "per_head": (PER_HEAD_4, 1024, 1024, 4, 4, 4),
-        "gqa": (M.causal(), 1024, 1024, None, 4, 1),
-        "empty_rows": (M.sliding_window(64), 1100, 900, None, 4, 2),
-    }
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _READY, reason=_WHY)
-@pytest.mark.parametrize("name", list(_gpu_cases()))
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_cudnn_forward_backward_match_the_reference(name, head_dim):
-    from compilemask.kernels.reference import reference_attention, reference_attention_backward
-    from compilemask.testing import check_close
-
-    mask, nq, nk, heads, hq, hkv = _gpu_cases()[name]
-    plan = cm.compile(mask, nq, nk, heads=heads, device="cuda").in_permuted_order()
-    b = 2
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, hq, plan.q_len, head_dim, device="cuda", dtype=DT, generator=g)
-    k, v = (
-        torch.randn(b, hkv, plan.kv_len, head_dim, device="cuda", dtype=DT, generator=g)
-        for _ in range(2)
-    )
-    do = torch.randn_like(q)
-    scale = head_dim**-0.5
-    call = SimpleNamespace(
-        batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len,
-        head_dim=head_dim, dtype=DT, device=q.device, requires_grad=True, return_lse=False,
-    )  # fmt: skip
-    be = CudnnBackend()
-    assert be.supports(plan, call) == (True, "")
-    prepared = be.prepare(plan, call)
-    assert be.prepare(plan, call) is prepared  # cached on the plan
-    out, lse = be.forward(q, k, v, plan, prepared, scale)
-    assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)
-    assert lse.dtype == torch.float32
-    ref64, lse64 = reference_attention(q, k, v, plan, scale, compute_dtype=torch.float64)
-    refdt, _ = reference_attention(
-        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=DT
-    )
-    ok, err, bound = check_close(out, ref64, refdt, DT)
-    assert ok, f"out: {err:.3g} > {bound:.3g}"
-    seen = torch.isfinite(lse64)
-    assert torch.equal(torch.isneginf(lse), ~seen)  # -inf exactly on the rows that see nothing
-    torch.testing.assert_close(lse[seen], lse64[seen].float(), rtol=0, atol=2e-2)
-    assert bool((out[~seen] == 0).all())
-    if name == "empty_rows":
-        assert bool((~seen).any())
-    dq, dk, dv = be.backward(q, k, v, out, lse, do, plan, prepared, scale)
-    g64 = reference_attention_backward(q, k, v, plan, do, scale, compute_dtype=torch.float64)
-    gdt = reference_attention_backward(
-        q, k, v, plan, do, scale, compute_dtype=torch.float32, matmul_dtype=DT
-    )
-    for nm, got, a, c in zip(("dq", "dk", "dv"), (dq, dk, dv), g64, gdt):
-        assert got.shape == a.shape
-        ok, err, bound = check_close(got, a, c, DT)
-        assert ok, f"{nm}: {err:.3g} > {bound:.3g}"
-    assert bool((dq[~seen] == 0).all())
 
 
 # ------------------------------------------------ the backend's plumbing, on a stand-in cuDNN

@@ -29,7 +29,8 @@ ENV = {"date": "2026-12-01T00:00:00+00:00", "gpu": "test", "torch": "x", "triton
 def test_system_names_are_the_design_names():
     assert bench.SYSTEM_NAMES == (
         "compilemask-triton", "compilemask-triton-tiled", "compilemask-cudnn",
-        "compilemask-cudnn-tiled", "compilemask-auto", "compilemask-auto-tiled", "flex-triton",
+        "compilemask-cudnn-tiled", "compilemask-fa4", "compilemask-fa4-tiled", "compilemask-auto",
+        "compilemask-auto-tiled", "flex-triton",
         "flex-fa4", "cudnn-fe", "fa4", "sdpa-cudnn", "sdpa-flash", "compilemask-reference",
     )  # fmt: skip
     tiled = next(s for s in bench.SYSTEMS if s.name == "compilemask-triton-tiled")
@@ -253,6 +254,38 @@ def test_plan_rows_on_cpu(monkeypatch):
         assert r["mode"] == "plan" and r["status"] == "ok" and r["ms"] > 0, r
     assert rows[0]["plan_bytes"] > 0 and rows[0]["sync_free"] is None  # checked on CUDA only
     assert rows[1]["blockmask_bytes"] > 0
+
+
+def test_fresh_rows_time_a_new_mask_every_step(monkeypatch):
+    from compilemask.tools import bench_fresh
+
+    monkeypatch.setattr(bench_fresh, "FRESH_WARMUP", 0)
+    monkeypatch.setattr(bench_fresh, "FRESH_STEPS", 2)
+    monkeypatch.setattr(bench_fresh, "FRESH_SYSTEMS", ("compilemask-reference", "flex-triton"))
+    drawn = []
+    real = bench_fresh.wl.workload
+
+    def spy(name, N0, seed=0):
+        drawn.append(seed)
+        return real(name, N0, seed=seed)
+
+    monkeypatch.setattr(bench_fresh.wl, "workload", spy)
+    monkeypatch.setitem(
+        bench_fresh.STEPS, "compilemask-reference", lambda: bench_fresh._ours("reference")
+    )
+    opts = {"device": "cpu", "heads": 1, "head_dim": 32, "dtype": torch.float32}
+    rows = bench_fresh.fresh_rows("hstu", 1024, bench.SYSTEMS, ENV, opts)
+    by = {r["system"]: r for r in rows}
+    assert set(by) == {"compilemask-reference", "flex-triton"}
+    ours = by["compilemask-reference"]
+    assert ours["status"] == "ok" and ours["ms"] > 0 and ours["steps"] == 2, ours
+    assert ours["syncs"] == 0 and ours["mode"] == "fresh"
+    assert tuple(ours)[: len(RESULT_KEYS)] == RESULT_KEYS
+    assert by["flex-triton"]["status"] == "skipped" and by["flex-triton"]["reason"]
+    assert drawn[1:4] == [1, 2, 3]  # a new draw every step (after the case's own, seed 0)
+    assert real("hstu", 1024, seed=1).mask != real("hstu", 1024, seed=2).mask
+    skipped = bench_fresh.fresh_rows("causal", 1024, bench.SYSTEMS, ENV, opts)
+    assert all(r["status"] == "skipped" for r in skipped)
 
 
 # ------------------------------------------------------------------------------ command

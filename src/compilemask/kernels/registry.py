@@ -1,11 +1,11 @@
 """Attention backends by name, and the table ``backend="auto"`` reads.
 
-``get(name)`` returns a registered backend (``reference``, ``triton`` and ``cudnn`` are registered
-at import, each loading its library on first use; ``register`` adds others). ``resolve(name, plan,
-call)`` returns the backend that runs a call: an explicit name that is unavailable or does not
-support the call raises :class:`InputError` with the backend's reason (never a silent fallback);
-``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that matches the call and whose backend
-is available and supports it. :func:`explain` says which one and why.
+``get(name)`` returns a registered backend (``reference``, ``triton``, ``cudnn`` and ``fa4`` are
+registered at import, each loading its library on first use; ``register`` adds others).
+``resolve(name, plan, call)`` returns the backend that runs a call: an explicit name that is
+unavailable or does not support the call raises :class:`InputError` with the backend's reason
+(never a silent fallback); ``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that
+matches the call and whose backend is available and supports it. :func:`explain` says which one and why.
 
 The table is ordered and keyed by device kind, compute capability, head_dim, dtype, query
 length and whether a backward will run; each row carries the measurement behind it (one row per
@@ -186,12 +186,14 @@ def _register_builtin() -> None:
     # at import, not on first use: a registry filled while torch.compile traces would change
     # a guarded global and recompile the next call
     from .cudnn.backend import CudnnBackend
+    from .fa4.backend import Fa4Backend
     from .reference.backend import BACKEND as reference
     from .triton.backend import BACKEND as triton
 
     register(reference)
     register(triton)
     register(CudnnBackend())  # imports cuDNN-frontend on first use only
+    register(Fa4Backend())  # imports FlashAttention-4 on first use only
 
 
 _register_builtin()

@@ -13,7 +13,8 @@ every system), then for each mode (``fwd``, ``fwd+bwd``) and each system of :dat
 3. time it with ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")``
    (``fwd+bwd``: ``out = fn(); out.backward(dout)``, gradients reset between steps).
 
-Mode ``plan`` times plan building (:mod:`compilemask.tools.bench_plan`).
+Mode ``plan`` times plan building (:mod:`compilemask.tools.bench_plan`); mode ``fresh`` a
+training step on a mask drawn anew every step (:mod:`compilemask.tools.bench_fresh`).
 
 Rows go to JSON lines (:mod:`compilemask.tools.bench_report`) as they are measured.
 
@@ -226,8 +227,14 @@ def run_case(
 ) -> None:
     """Measure one (workload, size) in this process; ``emit`` receives each row as it is
     made (the caller writes and prints it)."""
+    from .bench_fresh import fresh_rows
     from .bench_plan import plan_rows
 
+    if "fresh" in modes:
+        for r in fresh_rows(name, N0, systems, env, case_options()):
+            emit(r)
+        if not set(modes) - {"fresh"}:
+            return
     case = make_case(name, N0, **case_options())
     if "plan" in modes:
         for r in plan_rows(case, env):

@@ -34,7 +34,7 @@ RESULT_KEYS = (
     "date", "gpu", "torch", "triton", "commit", "workload", "N0", "N", "B", "Hq", "Hkv", "D",
     "dtype", "mode", "system", "ms", "tflops", "rel_err",
 )  # fmt: skip
-MODES = ("fwd", "fwd+bwd", "plan")
+MODES = ("fwd", "fwd+bwd", "plan", "fresh")
 #: The timed attention modes, in the order they run.
 ATTENTION_MODES = ("fwd", "fwd+bwd")
 #: fwd+bwd counts 3.5x the forward's work (forward 1 + backward 2.5; docs/workloads.md).
@@ -121,7 +121,7 @@ def result_row(
     Args:
         env: :func:`environment` (date, gpu, torch, triton, commit).
         shape: the workload and attention shape.
-        mode: ``fwd``, ``fwd+bwd`` or ``plan``.
+        mode: ``fwd``, ``fwd+bwd``, ``plan`` or ``fresh``.
         system: ``compilemask-<backend>``, ``flex-triton``, ``flex-fa4``, ``cudnn-fe``,
             ``fa4``, ``sdpa-cudnn``, ``sdpa-flash`` (plan rows: ``compilemask-cuda``,
             ``flex-create_block_mask``).

@@ -2,7 +2,7 @@
 report (table and plot) at the end.
 
     compilemask bench [--workloads causal hstu ...] [--sizes 1024 4096 16384 32768]
-                      [--modes plan fwd fwd+bwd] [--systems flex-triton ...]
+                      [--modes plan fwd fwd+bwd fresh] [--systems flex-triton ...]
                       [--out benchmarks/results/<gpu>-bench-<date>.jsonl] [--plot PNG | --no-plot]
                       [--no-check] [--one-per-process | --in-process] [--budget-s S]
     compilemask bench --report RESULTS.jsonl [--plot PNG]       table and plot, no GPU needed
@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         nargs="+",
         default=["plan", "fwd", "fwd+bwd"],
-        choices=["plan", "fwd", "fwd+bwd"],
-        help="what to time (default: all)",
+        choices=["plan", "fwd", "fwd+bwd", "fresh"],
+        help="what to time (default: plan fwd fwd+bwd; fresh: a training step on a new mask "
+        "every step, hstu and shared_prompt)",
     )
     p.add_argument(
         "--systems",

@@ -409,6 +409,13 @@ SYSTEMS: tuple[System, ...] = (
         _compilemask_tiled("cudnn"),
         applies=_grid_only,
     ),
+    System("compilemask-fa4", _all(_cuda, _backend_ok("fa4")), _compilemask("fa4")),
+    System(
+        "compilemask-fa4-tiled",
+        _all(_cuda, _backend_ok("fa4")),
+        _compilemask_tiled("fa4"),
+        applies=_grid_only,
+    ),
     System("compilemask-auto", _cuda, _compilemask("auto")),
     System("compilemask-auto-tiled", _cuda, _compilemask_tiled("auto"), applies=_grid_only),
     System("flex-triton", _FLEX_OK, _flex(None)),

@@ -1,0 +1,172 @@
+"""``backend="fa4"``: CompileMask plans run on FlashAttention-4's block-sparse kernels.
+
+The kernels are ``flash_attn.cute`` (package ``flash-attn-4``, CuTe DSL; imported lazily,
+inside the methods). What they read and return (from the 4.0.0b36 sources):
+
+- Mask: ``block_sparse_tensors`` (``BlockSparseTensorsTorch``: per q-block the PARTIAL
+  ("mask") and FULL kv-blocks, counts ``[B, H, Tq]`` and indices ``[B, H, Tq, Tk]``) for the
+  forward, the transposed lists for the backward, at ``128 x 128`` token blocks (sm90, head_dim
+  64 and 128: the forward tile; the backward runs 64-row tiles, two per block). FULL blocks run
+  without a mask; every element of a PARTIAL block goes through a CuTe ``mask_mod`` reading
+  ``aux_tensors`` (:mod:`.mask_mod`: a lookup in the tile bitmasks of :mod:`.lower`). Blocks
+  not listed are skipped. Broadcast batch / head dims are passed with stride 0.
+- Layout: BSHD ``q [B, Nq, Hq, D]``, ``k, v [B, Nk, Hkv, D]`` (a transpose view of our
+  ``[B, H, N, D]`` is passed as it is; FlashAttention copies only tensors whose last dim is
+  strided). GQA: ``Hq % Hkv == 0``, called with ``pack_gqa=False`` (the masks are indexed by
+  query head). ``Nq != Nk``: supported.
+- ``flash_attn_func(..., return_lse=True)`` returns ``out [B, Nq, Hq, D]`` and ``lse`` fp32
+  ``[B, Hq, Nq]``, natural log; a row whose sum is zero gets ``lse = -inf`` and ``out = 0``
+  from the kernel's softmax finalisation.
+- Backward: ``flash_attn_func`` is an autograd Function whose backward calls
+  ``flash_attn.cute.interface._flash_attn_bwd(q, k, v, out, dout, lse, ...)``.
+  :meth:`Fa4Backend.backward` calls that function directly with the saved ``out`` and ``lse``
+  (the same kernels, no graph kept between the calls); :meth:`available` checks it exists.
+- Costs paid once: the lowering per plan (cached on the plan; two host reads, see
+  :mod:`.lower`); FlashAttention JIT-compiles each kernel configuration on first use (seconds;
+  cached by FlashAttention in the process).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+import torch
+
+from ...compiler.plan import MaskPlan
+from ...errors import CompileMaskError
+from .lower import BLOCK, Fa4Blocks, lower
+
+INSTALL_HINT = "install compilemask[fa4] (flash-attn-4>=4.0.0b36)"
+_DTYPES = (torch.float16, torch.bfloat16)
+#: head dims whose sm90 kernel tiles equal the 128-token sparse block, forward and backward
+HEAD_DIMS = (64, 128)
+UNDER_COMPILE = 'fa4 does not run under torch.compile (use backend="triton")'
+
+
+@functools.cache
+def _availability() -> tuple[bool, str]:
+    try:
+        importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return False, INSTALL_HINT
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: F401
+        from flash_attn.cute.interface import _flash_attn_bwd  # noqa: F401
+    except ImportError as exc:
+        return False, f"flash_attn.cute does not import ({exc}): {INSTALL_HINT}"
+    except Exception as exc:  # CUDA / CuTe DSL libraries missing or broken
+        return False, f"flash_attn.cute does not load ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return False, "flash_attn.cute needs a CUDA GPU"
+    major, _ = torch.cuda.get_device_capability()
+    if major != 9:
+        return False, f"the fa4 backend runs FlashAttention-4's sm90 kernels, not sm{major}x"
+    return True, ""
+
+
+def _sparse(lists, batch: int, heads: int, block: int):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    def full_shape(t):
+        return t.expand(batch, heads, *t.shape[2:])
+
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=full_shape(lists.mask_cnt),
+        mask_block_idx=full_shape(lists.mask_idx),
+        full_block_cnt=full_shape(lists.full_cnt),
+        full_block_idx=full_shape(lists.full_idx),
+        block_size=(block, block),
+    )
+
+
+class Fa4Backend:
+    """CompileMask plans on FlashAttention-4 (see the module docstring).
+
+    Example::
+
+        >>> be = Fa4Backend()
+        >>> ok, why = be.available()  # (False, "install compilemask[fa4] ...") without it
+    """
+
+    name = "fa4"
+
+    def available(self) -> tuple[bool, str]:
+        """(True, "") when ``flash_attn.cute`` imports and an sm90 GPU is present."""
+        if torch.compiler.is_compiling():
+            return False, UNDER_COMPILE
+        return _availability()
+
+    def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
+        """Whether FlashAttention-4 runs this call; (False, reason) otherwise."""
+        if torch.compiler.is_compiling():
+            return False, UNDER_COMPILE
+        if call.return_lse and call.requires_grad:
+            return False, 'no gradient through lse on fa4: call without return_lse, or use "triton"'
+        if call.device.type != "cuda":
+            return False, f"fa4 runs on CUDA tensors, not {call.device.type}"
+        if call.dtype not in _DTYPES:
+            return False, f"fa4 runs float16 / bfloat16, not {call.dtype}"
+        if call.head_dim not in HEAD_DIMS:
+            return False, (
+                f"fa4 runs head_dim {' and '.join(map(str, HEAD_DIMS))} here (its block-sparse "
+                f"kernels need {BLOCK}-key tiles), not {call.head_dim}"
+            )
+        if call.heads_kv < 1 or call.heads_q % call.heads_kv:
+            return False, f"heads_q {call.heads_q} is not a multiple of heads_kv {call.heads_kv}"
+        if (plan.q_len, plan.kv_len) != (call.q_len, call.kv_len):
+            return False, (
+                f"the plan is for q_len {plan.q_len}, kv_len {plan.kv_len}; "
+                f"the call has {call.q_len}, {call.kv_len}"
+            )
+        return True, ""
+
+    def prepare(self, plan: MaskPlan, call) -> Fa4Blocks:
+        """The block lists and tile bitmasks of :func:`.lower.lower`, built once per plan and
+        cached on it (shared by every call shape: batch and heads broadcast at the call)."""
+        if plan.device != call.device and not (
+            plan.device.type == call.device.type == "cuda"
+            and (plan.device.index or 0) == (call.device.index or 0)
+        ):
+            raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
+        return plan.cached(("fa4", BLOCK), lambda: lower(plan, BLOCK))
+
+    @staticmethod
+    def _aux(blocks: Fa4Blocks, batch: int, heads: int) -> list[torch.Tensor]:
+        index = blocks.tile_index.expand(batch, heads, *blocks.tile_index.shape[2:])
+        return [index, blocks.bits]
+
+    def forward(self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float):
+        """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``; ``out`` is a transpose view."""
+        from flash_attn.cute import flash_attn_func
+
+        from .mask_mod import plan_bits_mask_mod
+
+        B, Hq = q.shape[:2]
+        with torch.no_grad():
+            out, lse = flash_attn_func(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                softmax_scale=scale, pack_gqa=False, mask_mod=plan_bits_mask_mod(),
+                aux_tensors=self._aux(blocks, B, Hq),
+                block_sparse_tensors=_sparse(blocks.forward, B, Hq, blocks.block),
+                return_lse=True,
+            )  # fmt: skip
+        return out.transpose(1, 2), lse
+
+    def backward(self, q, k, v, out, lse, dout, plan: MaskPlan, blocks: Fa4Blocks, scale: float):
+        """``(dq, dk, dv)`` in the shapes of q, k, v, from the forward's ``out`` and ``lse``."""
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        from .mask_mod import plan_bits_mask_mod
+
+        B, Hq = q.shape[:2]
+        qb, kb, vb, ob, dob = (t.transpose(1, 2) for t in (q, k, v, out, dout))
+        dob = dob if dob.stride(-1) == 1 else dob.contiguous()
+        with torch.no_grad():
+            dq, dk, dv = _flash_attn_bwd(
+                qb, kb, vb, ob, dob, lse.contiguous(), softmax_scale=scale,
+                mask_mod=plan_bits_mask_mod(), aux_tensors=self._aux(blocks, B, Hq),
+                block_sparse_tensors=_sparse(blocks.backward, B, Hq, blocks.block),
+            )[:3]  # fmt: skip
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

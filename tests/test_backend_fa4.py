@@ -1,0 +1,115 @@
+"""``backend="fa4"``: the lowering of plans to FlashAttention-4's block lists and tile bitmasks
+(CPU, against the dense mask) and the backend's answers without FlashAttention-4. The GPU
+suite of every backend is ``test_backends_gpu.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask.kernels.fa4 import Fa4Backend
+from compilemask.kernels.fa4.lower import expand, lower
+from plan_catalogue import catalogue
+
+M = cm.masks
+CATALOGUE = catalogue()
+
+
+def _dense(plan):
+    return plan.to_dense().reshape(plan.batch or 1, plan.heads or 1, plan.q_len, plan.kv_len)
+
+
+@pytest.mark.parametrize("name,plan,batch,heads", CATALOGUE, ids=[c[0] for c in CATALOGUE])
+@pytest.mark.parametrize("block", [32, 64])
+def test_block_lists_and_bits_rebuild_the_plan(name, plan, batch, heads, block):
+    blocks = lower(plan, block)
+    want = _dense(plan)
+    for backward in (False, True):
+        got = expand(blocks, plan.q_len, plan.kv_len, backward=backward)
+        assert torch.equal(got, want), (name, backward)
+    # FULL blocks are whole in-bounds blocks with every pair visible; PARTIAL ones hold one
+    tq, tk = blocks.tile_index.shape[2:]
+    padded = torch.zeros(*want.shape[:2], tq * block, tk * block, dtype=torch.bool)
+    padded[..., : plan.q_len, : plan.kv_len] = want
+    per_tile = padded.view(*want.shape[:2], tq, block, tk, block).sum((3, 5))
+    f = blocks.forward
+    for bi in range(want.shape[0]):
+        for hi in range(want.shape[1]):
+            for qt in range(tq):
+                full = f.full_idx[bi, hi, qt, : int(f.full_cnt[bi, hi, qt])].tolist()
+                part = f.mask_idx[bi, hi, qt, : int(f.mask_cnt[bi, hi, qt])].tolist()
+                assert full == sorted(full) and part == sorted(part)
+                assert not set(full) & set(part)
+                for kt in range(tk):
+                    n = int(per_tile[bi, hi, qt, kt])
+                    assert (kt in full) == (n == block * block), (qt, kt)
+                    assert (kt in full or kt in part) == (n > 0), (qt, kt)
+
+
+def test_bits_lookup_is_defined_for_every_tile():
+    plan = cm.compile(M.causal(), 100, block_m=16, block_n=16)
+    blocks = lower(plan, 32)
+    assert blocks.bits.shape[1:] == (32, 1)
+    assert int(blocks.bits[0].abs().sum()) == 0 and bool((blocks.bits[1] == -1).all())
+    assert int(blocks.tile_index.max()) < blocks.bits.shape[0]
+    assert int(blocks.tile_index.min()) >= 0
+
+
+def test_lowering_is_cached_on_the_plan():
+    plan = cm.compile(M.sliding_window(8), 64, block_m=16, block_n=16)
+    call = SimpleNamespace(device=plan.device)
+    be = Fa4Backend()
+    assert be.prepare(plan, call) is be.prepare(plan, call)
+
+
+def test_lower_rejects_a_block_size_that_is_not_a_word_multiple():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        lower(cm.compile(M.causal(), 64), 48)
+
+
+def _call(**over):
+    base = dict(
+        batch=2, heads_q=4, heads_kv=2, q_len=256, kv_len=256, head_dim=128,
+        dtype=torch.bfloat16, device=torch.device("cuda"), requires_grad=True, return_lse=False,
+    )  # fmt: skip
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    "over,reason",
+    [
+        ({"device": torch.device("cpu")}, "CUDA"),
+        ({"dtype": torch.float32}, "float16 / bfloat16"),
+        ({"head_dim": 96}, "head_dim"),
+        ({"heads_kv": 3}, "multiple"),
+        ({"return_lse": True}, "lse"),
+        ({"q_len": 128}, "q_len"),
+    ],
+)
+def test_supports_names_the_reason(over, reason):
+    plan = cm.compile(M.causal(), 256)
+    ok, why = Fa4Backend().supports(plan, _call(**over))
+    assert not ok and reason in why
+
+
+def test_available_names_the_install_extra_without_flash_attn_4():
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:
+        ok, why = Fa4Backend().available()
+        assert not ok and "compilemask[fa4]" in why
+    else:
+        pytest.skip("flash_attn.cute is installed here")
+
+
+def test_explicit_request_without_flash_attn_4_raises_input_error():
+    if Fa4Backend().available()[0]:
+        pytest.skip("flash_attn.cute runs here")
+    plan = cm.compile(M.causal(), 64)
+    q = torch.randn(1, 2, 64, 64)
+    with pytest.raises(cm.CompileMaskError, match="fa4"):
+        cm.attention(q, q, q, plan, backend="fa4")
