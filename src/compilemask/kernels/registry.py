@@ -1,6 +1,6 @@
 """Attention backends by name, and the table ``backend="auto"`` reads.
 
-``get(name)`` returns a registered backend (``reference``, ``triton`` and ``cudnn`` are registered
+``get(name)`` returns a registered backend (``reference``, ``triton``, ``cudnn`` and ``cute`` are registered
 at import, each loading its library on first use; ``register`` adds others). ``resolve(name, plan,
 call)`` returns the backend that runs a call: an explicit name that is unavailable or does not
 support the call raises :class:`InputError` with the backend's reason (never a silent fallback);
@@ -186,12 +186,14 @@ def _register_builtin() -> None:
     # at import, not on first use: a registry filled while torch.compile traces would change
     # a guarded global and recompile the next call
     from .cudnn.backend import CudnnBackend
+    from .cute.backend import CuteBackend
     from .reference.backend import BACKEND as reference
     from .triton.backend import BACKEND as triton
 
     register(reference)
     register(triton)
     register(CudnnBackend())  # imports cuDNN-frontend on first use only
+    register(CuteBackend())  # imports cutlass (nvidia-cutlass-dsl) on first use only
 
 
 _register_builtin()

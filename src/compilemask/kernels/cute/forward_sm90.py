@@ -175,9 +175,7 @@ class FlashFwdSm90:
             barrier_storage=st.kv_bar.data_ptr(),
             num_stages=KV_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 2 * WG_THREADS // 32
-            ),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32),
             tx_count=self.kv_bytes,
             defer_sync=True,
         ).make_participants()
@@ -344,8 +342,8 @@ class FlashFwdSm90:
 
     @staticmethod
     def mn_layout(n: int):
-        """(row, col) view of a 64 x n wgmma accumulator ``((2, 2, n/8), 1, 1)``: row
-        ``r`` in {0, 1} is ``lane // 4 + 8 r``; col ``c`` is ``8 (c // 2) + 2 (lane % 4) + c % 2``."""
+        """(row, col) view of a 64 x n wgmma accumulator ``((2, 2, n/8), 1, 1)``: row ``r``
+        in {0, 1} is ``lane // 4 + 8 r``; col ``c`` is ``8 (c // 2) + 2 (lane % 4) + c % 2``."""
         return cute.make_layout((2, (2, n // 8)), stride=(2, (1, 4)))
 
     @staticmethod
