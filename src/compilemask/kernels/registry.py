@@ -5,7 +5,8 @@ are registered at import, each loading its library on first use; ``register`` ad
 ``resolve(name, plan, call)`` returns the backend that runs a call: an explicit name that is
 unavailable or does not support the call raises :class:`InputError` with the backend's reason
 (never a silent fallback); ``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that
-matches the call and whose backend is available and supports it. :func:`explain` says which one and why.
+matches the call and whose backend is available and supports it. :func:`explain` says which
+one and why.
 
 The table is ordered and keyed by device kind, compute capability, head_dim, dtype, query
 length and whether a backward will run; each row carries the measurement behind it (one row per
