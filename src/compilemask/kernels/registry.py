@@ -1,7 +1,8 @@
 """Attention backends by name, and the table ``backend="auto"`` reads.
 
-``get(name)`` returns a registered backend (``reference``, ``triton``, ``cudnn`` and ``fa4`` are
-registered at import, each loading its library on first use; ``register`` adds others).
+``get(name)`` returns a registered backend (``reference``, ``triton``, ``cudnn``, ``fa4`` and
+``cute`` are registered at import, each loading its library on first use; ``register`` adds
+others).
 ``resolve(name, plan, call)`` returns the backend that runs a call: an explicit name that is
 unavailable or does not support the call raises :class:`InputError` with the backend's reason
 (never a silent fallback); ``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that
@@ -187,6 +188,7 @@ def _register_builtin() -> None:
     # at import, not on first use: a registry filled while torch.compile traces would change
     # a guarded global and recompile the next call
     from .cudnn.backend import CudnnBackend
+    from .cute.backend import CuteBackend
     from .fa4.backend import Fa4Backend
     from .reference.backend import BACKEND as reference
     from .triton.backend import BACKEND as triton
@@ -195,6 +197,7 @@ def _register_builtin() -> None:
     register(triton)
     register(CudnnBackend())  # imports cuDNN-frontend on first use only
     register(Fa4Backend())  # imports FlashAttention-4 on first use only
+    register(CuteBackend())  # imports cutlass (nvidia-cutlass-dsl) on first use only
 
 
 _register_builtin()

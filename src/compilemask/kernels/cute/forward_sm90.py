@@ -1,0 +1,425 @@
+"""Warp-specialised Hopper (sm90) attention forward over a lowered MaskPlan (CuTe DSL).
+
+One CTA of 384 threads: warpgroup 0 is the producer (one warp issues TMA loads; registers
+lowered with ``setmaxnreg``), warpgroups 1 and 2 are consumers, each owning 64 of the 128
+query rows of a work item (registers raised). The CTAs are persistent: CTA ``c`` takes the
+entries ``c, c + grid, ...`` of the lowered work list (``lower.work``, heaviest first), so the
+producer and both consumers walk the same sequence without any shared scheduler state.
+
+Per work item ``(b, hq, qt, m)`` the producer loads the two 64-row Q halves into their own
+stages, then K and V of every kv-tile of ``kv_list[m, qt]`` into one shared-memory ring of
+``KV_STAGES`` stages guarded by mbarriers (``PipelineTmaAsync``: full barriers count the TMA
+bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
+wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
+registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask arithmetic;
+PARTIAL ones hide every key outside the row's intervals, read through :func:`row_bounds`.
+A row that sees no key ends with a zero sum: out 0, lse -inf.
+
+Tensors (all with dynamic shapes and strides; one compiled kernel per (head_dim, dtype)):
+q ``(Nq, D, Hq, B)``, k ``(Nk, D, Hkv, B)``, v ``(D, Nk, Hkv, B)`` (views of our
+``[B, H, N, D]`` tensors, D contiguous), out like q, lse ``(Nq, Hq, B)`` fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .lower import BLOCK_M, BLOCK_N
+
+WG_THREADS = 128
+ROWS_PER_WG = 64
+KV_STAGES = 4  # K and V tiles alternate in the ring: two kv-tiles in flight
+LOAD_REGS = 24
+MMA_REGS = 240
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@cute.jit
+def row_bounds(row_lo: cute.Tensor, row_hi: cute.Tensor, m: Int32, row: Int32, slot: Int32):
+    """Interval ``slot`` of query row ``row`` of mask ``m``: keys ``[lo, hi)`` (empty when
+    ``lo >= hi``). The one place the kernel reads the row descriptor: PARTIAL tiles ask for
+    the slots ``[jlo, jhi)`` of their tile."""
+    return row_lo[m, row, slot], row_hi[m, row, slot]
+
+
+class FlashFwdSm90:
+    """The kernel for one ``(head_dim, dtype)``; ``__call__`` is the ``cute.jit`` host side."""
+
+    def __init__(self, head_dim: int, dtype):
+        assert head_dim in (64, 128)
+        assert BLOCK_M == 2 * ROWS_PER_WG
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.block_n = BLOCK_N
+        self.threads = 3 * WG_THREADS
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        work: cute.Tensor,
+        kv_list: cute.Tensor,
+        kv_count: cute.Tensor,
+        full_count: cute.Tensor,
+        jlo: cute.Tensor,
+        jhi: cute.Tensor,
+        row_lo: cute.Tensor,
+        row_hi: cute.Tensor,
+        scale_log2: Float32,
+        num_ctas: Int32,
+        stream,
+    ):
+        D, N = self.head_dim, self.block_n
+        dt = self.dtype
+        k_major = warpgroup.OperandMajorMode.K
+        mn_major = warpgroup.OperandMajorMode.MN
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (ROWS_PER_WG, N)
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, (1, 1, 1), (ROWS_PER_WG, D),
+            warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        row_major = utils.LayoutEnum.ROW_MAJOR  # K-major operands
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_WG, N, D), dt, 2)
+        sK_layout = sm90_utils.make_smem_layout_b(row_major, (ROWS_PER_WG, N, D), dt, KV_STAGES)
+        sV_layout = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.COL_MAJOR, (ROWS_PER_WG, D, N), dt, KV_STAGES
+        )
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (ROWS_PER_WG, D)
+        )
+        tma_k, tK = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (N, D)
+        )
+        tma_v, tV = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, N)
+        )
+        self.q_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
+        self.kv_bytes = cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0)))
+
+        @cute.struct
+        class Storage:
+            q_bar: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+
+        self.storage = Storage
+        self.kernel(
+            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE,
+            work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi,
+            scale_log2, sQ_layout, sK_layout, sV_layout,
+        ).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        tV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        work: cute.Tensor,
+        kv_list: cute.Tensor,
+        kv_count: cute.Tensor,
+        full_count: cute.Tensor,
+        jlo: cute.Tensor,
+        jhi: cute.Tensor,
+        row_lo: cute.Tensor,
+        row_hi: cute.Tensor,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+    ):
+        D, N = self.head_dim, self.block_n
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+
+        smem = utils.SmemAllocator()
+        st = smem.allocate(self.storage)
+        q_prod, q_cons = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.q_bar.data_ptr(),
+            num_stages=2,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
+            tx_count=self.q_bytes,
+            defer_sync=True,
+        ).make_participants()
+        kv_prod, kv_cons = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.kv_bar.data_ptr(),
+            num_stages=KV_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32),
+            tx_count=self.kv_bytes,
+            defer_sync=True,
+        ).make_participants()
+        sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        # V tiles live in the same ring as K tiles (same size), with V's swizzle
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        num_work = work.shape[0]
+        group = tQ.shape[2] // tK.shape[2]
+
+        if wg == 0:
+            # ------------------------------------------------------------ producer
+            cute.arch.setmaxregister_decrease(LOAD_REGS)
+            if warp == 0:
+                cpasync.prefetch_descriptor(tma_q)
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+                item = bidx
+                while item < num_work:
+                    b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
+                    hk = hq // group
+                    gQ = cute.local_tile(tQ[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
+                    tQs, tQg = cpasync.tma_partition(
+                        tma_q, 0, cute.make_layout(1),
+                        cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2),
+                    )  # fmt: skip
+                    for half in cutlass.range_constexpr(2):
+                        h = q_prod.acquire_and_advance()
+                        cute.copy(
+                            tma_q, tQg[None, qt * 2 + half], tQs[None, h.index],
+                            tma_bar_ptr=h.barrier,
+                        )  # fmt: skip
+                    gK = cute.local_tile(tK[None, None, hk, b], (N, D), (None, 0))
+                    tKs, tKg = cpasync.tma_partition(
+                        tma_k, 0, cute.make_layout(1),
+                        cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
+                    )  # fmt: skip
+                    gV = cute.local_tile(tV[None, None, hk, b], (D, N), (0, None))
+                    tVs, tVg = cpasync.tma_partition(
+                        tma_v, 0, cute.make_layout(1),
+                        cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
+                    )  # fmt: skip
+                    n = kv_count[m, qt]
+                    for i in cutlass.range(n, unroll=1):
+                        kt = kv_list[m, qt, i]
+                        h = kv_prod.acquire_and_advance()
+                        cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
+                        h = kv_prod.acquire_and_advance()
+                        cute.copy(tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier)
+                    item += grid
+        else:
+            # ------------------------------------------------------------ consumers
+            cute.arch.setmaxregister_increase(MMA_REGS)
+            cw = wg - 1
+            wtid = tidx % WG_THREADS
+            lane = tidx % 32
+            warp_in_wg = wtid // 32
+            qk_thr = qk_mma.get_slice(wtid)
+            pv_thr = pv_mma.get_slice(wtid)
+            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+            s_shape = qk_thr.partition_shape_C((ROWS_PER_WG, N))
+            o_shape = pv_thr.partition_shape_C((ROWS_PER_WG, D))
+            q_len = tQ.shape[0]
+            item = bidx
+            while item < num_work:
+                b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
+                n = kv_count[m, qt]
+                nf = full_count[m, qt]
+                row0 = qt * (2 * ROWS_PER_WG) + cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4
+                if cw == 1:
+                    q_cons.advance()
+                qh = q_cons.wait()
+                acc_o = pv_thr.make_fragment_C(o_shape)
+                acc_o.fill(0.0)
+                row_max = cute.make_rmem_tensor((2,), Float32)
+                row_sum = cute.make_rmem_tensor((2,), Float32)
+                row_max.fill(-Float32.inf)
+                row_sum.fill(0.0)
+                kv_cons = self.kv_steps(
+                    False, Int32(0), nf, kv_cons, qh, qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV,
+                    s_shape, acc_o, row_max, row_sum, scale_log2, kv_list, jlo, jhi, row_lo,
+                    row_hi, m, qt, row0, q_len, lane,
+                )  # fmt: skip
+                kv_cons = self.kv_steps(
+                    True, nf, n, kv_cons, qh, qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV,
+                    s_shape, acc_o, row_max, row_sum, scale_log2, kv_list, jlo, jhi, row_lo,
+                    row_hi, m, qt, row0, q_len, lane,
+                )  # fmt: skip
+                qh.release()
+                if cw == 0:
+                    q_cons.advance()
+                q_cons.advance()
+                self.epilogue(acc_o, row_max, row_sum, scale_log2, mO, mLSE, b, hq, row0,
+                              q_len, lane)  # fmt: skip
+                item += grid
+
+    @cute.jit
+    def kv_steps(
+        self, masked: cutlass.Constexpr, start: Int32, stop: Int32, kv_cons, qh,
+        qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV, s_shape, acc_o, row_max, row_sum,
+        scale_log2: Float32, kv_list, jlo, jhi, row_lo, row_hi, m, qt, row0, q_len, lane,
+    ):  # fmt: skip
+        """Entries ``[start, stop)`` of the q-tile's kv list: S = Q K^T, (mask,) online
+        softmax, O += P V. ``masked`` (a compile-time flag): the PARTIAL entries."""
+        N, D = self.block_n, self.head_dim
+        for i in cutlass.range(start, stop, unroll=1):
+            kh = kv_cons.wait_and_advance()
+            acc_s = qk_thr.make_fragment_C(s_shape)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(
+                    qk_mma, acc_s, tSrQ[None, None, kb, qh.index], tSrK[None, None, kb, kh.index],
+                    acc_s,
+                )  # fmt: skip
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
+            s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
+            o_mn = cute.make_tensor(acc_o.iterator, self.mn_layout(D))
+            if cutlass.const_expr(masked):
+                kt = kv_list[m, qt, i]
+                self.apply_mask(s_mn, kt, jlo[m, qt, kt], jhi[m, qt, kt], row_lo, row_hi, m,
+                                row0, q_len, lane)  # fmt: skip
+            for r in cutlass.range_constexpr(2):
+                mx = row_max[r]
+                for c in cutlass.range_constexpr(N // 4):
+                    mx = cute.arch.fmax(mx, s_mn[r, c])
+                mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
+                base = mx
+                if mx == -Float32.inf:
+                    base = Float32(0.0)
+                corr = cute.math.exp2((row_max[r] - base) * scale_log2, fastmath=True)
+                row_max[r] = mx
+                shift = base * scale_log2
+                total = Float32(0.0)
+                for c in cutlass.range_constexpr(N // 4):
+                    p = cute.math.exp2(s_mn[r, c] * scale_log2 - shift, fastmath=True)
+                    s_mn[r, c] = p
+                    total += p
+                row_sum[r] = row_sum[r] * corr + total
+                for c in cutlass.range_constexpr(D // 4):
+                    o_mn[r, c] = o_mn[r, c] * corr
+            # P in registers as the A operand of the PV wgmma (16-bit: same element order)
+            rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+            rP.store(acc_s.load().to(self.dtype))
+            tOrP = cute.make_tensor(rP.iterator, self.a_layout(N))
+            vh = kv_cons.wait_and_advance()
+            warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(N // 16):
+                cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, vh.index],
+                          acc_o)  # fmt: skip
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            kh.release()
+            vh.release()
+        return kv_cons
+
+    @staticmethod
+    def mn_layout(n: int):
+        """(row, col) view of a 64 x n wgmma accumulator ``((2, 2, n/8), 1, 1)``: row ``r``
+        in {0, 1} is ``lane // 4 + 8 r``; col ``c`` is ``8 (c // 2) + 2 (lane % 4) + c % 2``."""
+        return cute.make_layout((2, (2, n // 8)), stride=(2, (1, 4)))
+
+    @staticmethod
+    def a_layout(n: int):
+        """The accumulator's registers as the wgmma A operand ``((2, 2, 2), 1, n/16)``."""
+        return cute.make_layout(((2, 2, 2), 1, n // 16), stride=((1, 2, 4), 0, 8))
+
+    @cute.jit
+    def apply_mask(self, s_mn, kt, j0, j1, row_lo, row_hi, m, row0, q_len, lane):
+        """Hide (-inf) every key of kv-tile ``kt`` outside the intervals of each row."""
+        N = self.block_n
+        col0 = kt * N + 2 * (lane % 4)
+        for r in cutlass.range_constexpr(2):
+            row = cutlass.min(row0 + 8 * r, q_len - 1)
+            keep = cute.make_rmem_tensor((N // 4,), Float32)
+            keep.fill(-Float32.inf)
+            for slot in cutlass.range(j0, j1, unroll=1):
+                lo, hi = row_bounds(row_lo, row_hi, m, row, slot)
+                for c in cutlass.range_constexpr(N // 4):
+                    col = col0 + 8 * (c // 2) + c % 2
+                    if col >= lo and col < hi:
+                        keep[c] = s_mn[r, c]
+            for c in cutlass.range_constexpr(N // 4):
+                s_mn[r, c] = keep[c]
+
+    @cute.jit
+    def epilogue(self, acc_o, row_max, row_sum, scale_log2, mO, mLSE, b, hq, row0, q_len, lane):
+        """out = O / sum (0 where the sum is 0), lse = ln(sum) + max * scale (-inf there)."""
+        D = self.head_dim
+        o_mn = cute.make_tensor(acc_o.iterator, self.mn_layout(D))
+        col0 = 2 * (lane % 4)
+        for r in cutlass.range_constexpr(2):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = 1.0 / total
+                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            row = row0 + 8 * r
+            if row < q_len:
+                for c in cutlass.range_constexpr(D // 4):
+                    col = col0 + 8 * (c // 2) + c % 2
+                    mO[row, col, hq, b] = (o_mn[r, c] * inv).to(self.dtype)
+                if lane % 4 == 0:
+                    mLSE[row, hq, b] = lse
+
+
+_TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
+    """The kernel's arguments from torch tensors: q, out ``[B, Hq, Nq, D]``, k, v
+    ``[B, Hkv, Nk, D]`` (D contiguous, 16-byte aligned), lse fp32 ``[B, Hq, Nq]`` and the
+    lowered plan ``low`` (:class:`~.lower.CuteLowered`)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    def dyn(t, leading):
+        return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=leading)
+
+    def ints(t):
+        return from_dlpack(t, assumed_align=4).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    return (
+        dyn(q.permute(2, 3, 1, 0), 1),
+        dyn(k.permute(2, 3, 1, 0), 1),
+        dyn(v.permute(3, 2, 1, 0), 0),
+        dyn(out.permute(2, 3, 1, 0), 1),
+        from_dlpack(lse.permute(2, 1, 0), assumed_align=4).mark_layout_dynamic(leading_dim=0),
+        ints(low.work), ints(low.kv_list), ints(low.kv_count), ints(low.full_count),
+        ints(low.jlo), ints(low.jhi), ints(low.row_lo), ints(low.row_hi),
+        Float32(scale * LOG2E), Int32(num_ctas),
+    )  # fmt: skip
+
+
+def compile_forward(head_dim: int, dtype_name: str, example_args: tuple, stream):
+    """``cute.compile`` of :class:`FlashFwdSm90` for ``(head_dim, dtype)`` on
+    ``example_args`` (from :func:`kernel_args`; only their types and ranks matter)."""
+    kernel = FlashFwdSm90(head_dim, _TORCH_TO_CUTLASS[dtype_name])
+    return cute.compile(kernel, *example_args, stream)

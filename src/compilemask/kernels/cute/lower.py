@@ -1,0 +1,164 @@
+"""A :class:`~compilemask.MaskPlan` lowered to what the sm90 CuTe forward reads (pure torch).
+
+The kernel runs ``BLOCK_M x BLOCK_N`` = 128 x 128 tiles (two consumer warpgroups of 64 query
+rows share one kv-tile list). Per plan and call shape it reads:
+
+- ``work``: int32 ``[W, 4]``, one entry ``(b, hq, qt, m)`` per (batch row, query head,
+  q-tile), ``W = B * Hq * Tq``, in the order the persistent CTAs take them: most touched
+  kv-tiles first (stable), ties in ``(b, kv head, qt, head in the group)`` order, so the
+  heads of one kv group run side by side and share their K/V tiles in L2. ``m`` is the
+  plan's mask index of ``(b, hq)``.
+- ``kv_list``: int32 ``[M, Tq, Tk]``: per q-tile its touched kv-tiles, FULL tiles first (each
+  group ascending), then PARTIAL ones; ``kv_count`` / ``full_count`` int32 ``[M, Tq]``.
+- ``jlo`` / ``jhi``: int32 ``[M, Tq, Tk]``: the slots ``[jlo, jhi)`` of ``row_lo`` /
+  ``row_hi`` whose intervals can meet a PARTIAL tile (the plan's own, see
+  ``compiler.tiles``); the kernel's ``row_bounds`` reads the intervals of one row from them.
+- ``row_lo`` / ``row_hi``: the plan's int32 ``[M, Nq, K]`` row intervals.
+
+Everything is built with tensor operations of static shapes on the plan's device: no host
+synchronisation (a plan whose tiling is not 128 x 128 gets one derived with
+``build_tiles(use_bits=False)``, which reads nothing back either).
+
+Example::
+
+    >>> import compilemask as cm
+    >>> plan = cm.compile(cm.masks.causal(), 256, block_m=128, block_n=128)
+    >>> low = lower(plan, batch=1, heads_q=2, heads_kv=1)
+    >>> low.work.tolist()  # q-tile 1 touches 2 kv-tiles, q-tile 0 one
+    [[0, 0, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0], [0, 1, 0, 0]]
+    >>> low.kv_list[0, 1].tolist(), low.full_count[0].tolist()
+    ([0, 1], [0, 1])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...compiler.plan import MaskPlan
+from ...compiler.tiles import FULL, build_tiles
+from ...errors import CompileMaskError
+from ..triton.schedule import split_full_first
+
+#: the kernel's tile: query rows per CTA (2 consumer warpgroups x 64) and keys per kv-tile
+BLOCK_M = 128
+BLOCK_N = 128
+
+
+@dataclass(frozen=True)
+class CuteLowered:
+    """What :func:`lower` builds (see the module docstring for shapes and meaning)."""
+
+    work: torch.Tensor
+    kv_list: torch.Tensor
+    kv_count: torch.Tensor
+    full_count: torch.Tensor
+    jlo: torch.Tensor
+    jhi: torch.Tensor
+    row_lo: torch.Tensor
+    row_hi: torch.Tensor
+    block_m: int
+    block_n: int
+
+
+def schedule_for_kernel(plan: MaskPlan, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    """The plan's tile schedule at ``block_m x block_n``: its own when the tiling matches,
+    else one derived from the intervals without bitmask tiles (no host read). The kernel
+    masks every non-FULL tile with the row intervals, so PARTIAL_BITS tiles are read as
+    PARTIAL ones (their ``jlo`` / ``jhi`` are kept)."""
+    if (plan.block_m, plan.block_n) == (block_m, block_n):
+        return plan.schedule
+    return build_tiles(
+        plan.row_lo, plan.row_hi, plan.row_count, plan.q_len, plan.kv_len, block_m, block_n,
+        use_bits=False,
+    )  # fmt: skip
+
+
+def work_order(
+    q_count: torch.Tensor, batch: int, heads_q: int, heads_kv: int, plan_batch, plan_heads
+) -> torch.Tensor:
+    """int32 ``[B * Hq * Tq, 4]`` entries ``(b, hq, qt, m)``, heaviest first (see module).
+
+    ``q_count``: int32 ``[M, Tq]`` touched kv-tiles per q-tile of each mask.
+    """
+    dev = q_count.device
+    tq = q_count.shape[1]
+    group = heads_q // heads_kv
+    # enumerate in (b, kv head, qt, head in group) order: that is the tie order
+    b = torch.arange(batch, device=dev).view(batch, 1, 1, 1)
+    hk = torch.arange(heads_kv, device=dev).view(1, heads_kv, 1, 1)
+    qt = torch.arange(tq, device=dev).view(1, 1, tq, 1)
+    g = torch.arange(group, device=dev).view(1, 1, 1, group)
+    shape = (batch, heads_kv, tq, group)
+    b, hq, qt = b.expand(shape), (hk * group + g).expand(shape), qt.expand(shape)
+    m = (b if plan_batch else torch.zeros_like(b)) * (plan_heads or 1)
+    m = m + (hq if plan_heads else torch.zeros_like(hq))
+    b, hq, qt, m = (t.reshape(-1) for t in (b, hq, qt, m))
+    weight = q_count[m, qt]
+    order = torch.sort(-weight, stable=True).indices
+    work = torch.stack((b, hq, qt, m), -1)[order]
+    return work.to(torch.int32).contiguous()
+
+
+def lower(plan: MaskPlan, batch: int, heads_q: int, heads_kv: int) -> CuteLowered:
+    """The kernel's view of ``plan`` for ``batch`` rows, ``heads_q`` / ``heads_kv`` heads.
+
+    Raises:
+        CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
+            or ``batch`` / heads that are not positive or contradict the plan.
+    """
+    for name, value in (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
+    if heads_q % heads_kv:
+        raise CompileMaskError(f"heads_q {heads_q} is not a multiple of heads_kv {heads_kv}")
+    if plan.encoding == "bits":
+        raise CompileMaskError("the cute kernel reads row intervals; this plan stores bitmasks")
+    if plan.batch is not None and plan.batch != batch:
+        raise CompileMaskError(f"batch={batch} but the plan is per-batch for {plan.batch} rows")
+    if plan.heads is not None and plan.heads != heads_q:
+        raise CompileMaskError(f"heads_q={heads_q} but the plan is per-head for {plan.heads}")
+    s = schedule_for_kernel(plan)
+    kv_list, full_count = split_full_first(s.kind, s.q_list, s.q_count)
+    work = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads)
+    return CuteLowered(
+        work=work,
+        kv_list=kv_list,
+        kv_count=s.q_count.contiguous(),
+        full_count=full_count.contiguous(),
+        jlo=s.jlo.contiguous(),
+        jhi=s.jhi.contiguous(),
+        row_lo=plan.row_lo,
+        row_hi=plan.row_hi,
+        block_m=s.block_m,
+        block_n=s.block_n,
+    )
+
+
+def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> torch.Tensor:
+    """Boolean ``[Nq, Nk]`` of mask ``m`` as the kernel sees it: FULL tiles whole, PARTIAL
+    tiles through the rows' intervals in slots ``[jlo, jhi)``, untouched tiles hidden (the
+    kernel's rule, for tests). O(Nq * Nk * K)."""
+    bm, bn = low.block_m, low.block_n
+    dense = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    kv_list, count, full = (t.cpu() for t in (low.kv_list, low.kv_count, low.full_count))
+    jlo, jhi, lo, hi = (t.cpu() for t in (low.jlo, low.jhi, low.row_lo, low.row_hi))
+    key = torch.arange(kv_len)
+    for qt in range(count.shape[1]):
+        r0, r1 = qt * bm, min(q_len, qt * bm + bm)
+        for i in range(int(count[m, qt])):
+            kt = int(kv_list[m, qt, i])
+            c0, c1 = kt * bn, min(kv_len, kt * bn + bn)
+            if i < int(full[m, qt]):
+                dense[r0:r1, c0:c1] = True
+                continue
+            for r in range(r0, r1):
+                for j in range(int(jlo[m, qt, kt]), int(jhi[m, qt, kt])):
+                    l_, h_ = int(lo[m, r, j]), int(hi[m, r, j])
+                    sel = (key[c0:c1] >= l_) & (key[c0:c1] < h_)
+                    dense[r, c0:c1] |= sel
+    return dense
+
+
+__all__ = ["BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "lower", "work_order"]

@@ -1,0 +1,221 @@
+"""``backend="cute"``: the lowering of plans to the sm90 kernel's work list and tile lists
+(CPU, no ``cutlass`` needed) and the kernel against the float64 reference (GPU, ``-m gpu``;
+skipped without ``nvidia-cutlass-dsl`` or an sm90 GPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask.compiler.tiles import FULL
+from compilemask.errors import CompileMaskError
+from compilemask.kernels.cute.backend import CuteBackend
+from compilemask.kernels.cute.lower import dense_from_lowered, lower
+
+M = cm.masks
+
+
+def _catalogue():
+    """(id, plan, B, Hq, Hkv) for the kinds of plan the lowering meets."""
+    return [
+        ("causal", cm.compile(M.causal(), 300), 2, 2, 1),
+        ("causal_kv_longer", cm.compile(M.causal(), 200, 330), 1, 2, 2),
+        ("sliding_window", cm.compile(M.sliding_window(40), 410), 1, 4, 2),
+        ("shared_prompt", cm.compile(M.shared_prompt(90, [50, 70, 40])), 2, 2, 2),
+        ("hstu", cm.compile(M.hstu([200, 140], [30, 20], contextual=2)), 2, 2, 1),
+        ("clear", cm.compile(M.clear((6, 8), 3, 50)), 1, 2, 2),
+        ("clear_tile_grid", cm.compile(M.tile_grid(M.clear((24, 40), 8, 64))), 1, 1, 1),
+        (
+            "per_head",
+            cm.compile(M.per_head([M.causal(), M.sliding_window(30), M.chunked(80)]), 300, heads=3),
+            2,
+            3,
+            1,
+        ),  # fmt: skip
+        (
+            "per_batch",
+            cm.compile(M.per_batch([M.causal(), M.prefix_lm(90)]), 290, batch=2),
+            2,
+            4,
+            2,
+        ),  # fmt: skip
+        ("empty_rows", cm.compile(M.sliding_window(40), 500, 300), 2, 2, 2),
+        ("plan_tiles_128", cm.compile(M.causal(), 384, block_m=128, block_n=128), 1, 1, 1),
+    ]
+
+
+CATALOGUE = _catalogue()
+IDS = [c[0] for c in CATALOGUE]
+
+
+@pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
+def test_lowered_tiles_rebuild_the_dense_mask(name, plan, batch, hq, hkv):
+    low = lower(plan.in_permuted_order(), batch, hq, hkv)
+    dense = plan.in_permuted_order().to_dense()
+    dense = dense.view(-1, plan.q_len, plan.kv_len)
+    for m in range(dense.shape[0]):
+        got = dense_from_lowered(low, plan.q_len, plan.kv_len, m)
+        assert torch.equal(got, dense[m]), f"mask {m}"
+
+
+@pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
+def test_kv_lists_put_full_tiles_first(name, plan, batch, hq, hkv):
+    low = lower(plan, batch, hq, hkv)
+    assert (low.block_m, low.block_n) == (128, 128)
+    from compilemask.kernels.cute.lower import schedule_for_kernel
+
+    kind = schedule_for_kernel(plan).kind
+    for m in range(low.kv_list.shape[0]):
+        for qt in range(low.kv_list.shape[1]):
+            n, nf = int(low.kv_count[m, qt]), int(low.full_count[m, qt])
+            tiles = low.kv_list[m, qt, :n].tolist()
+            kinds = [int(kind[m, qt, t]) for t in tiles]
+            assert all(k == FULL for k in kinds[:nf])
+            assert all(k != FULL for k in kinds[nf:])
+            assert sorted(tiles) == sorted(set(tiles))  # each touched tile once
+
+
+@pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
+def test_work_list_covers_every_q_tile_heaviest_first(name, plan, batch, hq, hkv):
+    low = lower(plan, batch, hq, hkv)
+    tq = low.kv_count.shape[1]
+    work = low.work.tolist()
+    assert len(work) == batch * hq * tq
+    assert sorted((b, h, t) for b, h, t, _ in work) == [
+        (b, h, t) for b in range(batch) for h in range(hq) for t in range(tq)
+    ]
+    weights = [int(low.kv_count[m, t]) for _, _, t, m in work]
+    assert weights == sorted(weights, reverse=True)
+    for b, h, _, m in work:
+        assert m == plan.mask_index(b, h)
+    # ties: the heads of one kv group are adjacent
+    group = hq // hkv
+    for i in range(len(work) - 1):
+        (b0, h0, t0, _), (b1, h1, t1, _) = work[i], work[i + 1]
+        if weights[i] == weights[i + 1] and (b0, h0 // group, t0) == (b1, h1 // group, t1):
+            assert h1 == h0 + 1
+
+
+def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
+    plan = cm.compile(M.causal(), 256)
+    call = SimpleNamespace(batch=1, heads_q=2, heads_kv=1, device=plan.device)
+    be = CuteBackend()
+    assert be.prepare(plan, call) is be.prepare(plan, call)
+    with pytest.raises(CompileMaskError, match="heads_q"):
+        lower(plan, 1, 3, 2)
+    with pytest.raises(CompileMaskError, match="batch"):
+        lower(plan, 0, 1, 1)
+    dense = cm.from_dense(torch.rand(64, 64) < 0.5)
+    if dense.encoding == "bits":
+        with pytest.raises(CompileMaskError, match="bitmask"):
+            lower(dense, 1, 1, 1)
+
+
+def _call(**over):
+    base = dict(
+        batch=1, heads_q=2, heads_kv=1, q_len=256, kv_len=256, head_dim=128,
+        dtype=torch.bfloat16, device=torch.device("cuda"), requires_grad=False, return_lse=False,
+    )  # fmt: skip
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    "over,reason",
+    [
+        ({"requires_grad": True}, "forward only"),
+        ({"device": torch.device("cpu")}, "CUDA"),
+    ],
+)
+def test_supports_names_the_reason(over, reason):
+    plan = cm.compile(M.causal(), 256)
+    ok, why = CuteBackend().supports(plan, _call(**over))
+    assert not ok and reason in why
+
+
+def test_available_says_why_not():
+    ok, why = CuteBackend().available()
+    if not ok:
+        assert "cute" in why or "sm90" in why or "cutlass" in why
+
+
+# ---------------------------------------------------------------------------- GPU
+_READY, _WHY = CuteBackend().available()
+DT = torch.bfloat16
+
+GPU_CASES = {
+    # name: (mask, q_len, kv_len, heads of the plan, B, Hq, Hkv)
+    "causal": (M.causal(), 1024, 1024, None, 2, 4, 4),
+    "hstu": (M.hstu([300, 500, 224], [20, 40, 10]), None, None, None, 2, 4, 4),
+    "shared_prompt": (M.shared_prompt(256, [256, 256, 256]), None, None, None, 2, 4, 4),
+    "clear": (M.clear((24, 40), 8, 64), None, None, None, 2, 4, 4),
+    "clear_tile_grid": (M.tile_grid(M.clear((24, 40), 8, 64)), None, None, None, 2, 4, 4),
+    "per_head": (
+        M.per_head([M.causal(), M.sliding_window(100), M.chunked(256), M.prefix_lm(300)]),
+        1024,
+        1024,
+        4,
+        2,
+        4,
+        4,
+    ),  # fmt: skip
+    "gqa": (M.causal(), 1024, 1024, None, 2, 4, 1),
+    "empty_rows": (M.sliding_window(64), 1100, 900, None, 2, 4, 2),
+    "q_len_lt_kv_len": (M.causal(), 700, 1000, None, 1, 2, 2),
+}
+
+
+def check_gpu_case(name: str, head_dim: int = 128) -> str:
+    """Run one case of :data:`GPU_CASES` on the GPU and assert it matches the reference;
+    returns a one-line summary."""
+    from compilemask.kernels.reference import reference_attention
+    from compilemask.testing import check_close
+
+    mask, nq, nk, heads, b, hq, hkv = GPU_CASES[name]
+    plan = cm.compile(mask, nq, nk, heads=heads, device="cuda").in_permuted_order()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, hq, plan.q_len, head_dim, device="cuda", dtype=DT, generator=g)
+    k, v = (
+        torch.randn(b, hkv, plan.kv_len, head_dim, device="cuda", dtype=DT, generator=g)
+        for _ in range(2)
+    )
+    scale = head_dim**-0.5
+    call = _call(
+        batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len,
+        head_dim=head_dim, device=q.device,
+    )  # fmt: skip
+    be = CuteBackend()
+    assert be.supports(plan, call) == (True, "")
+    prepared = be.prepare(plan, call)
+    out, lse = be.forward(q, k, v, plan, prepared, scale)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)
+    ref64, lse64 = reference_attention(q, k, v, plan, scale, compute_dtype=torch.float64)
+    refdt, _ = reference_attention(
+        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=DT
+    )
+    ok, err, bound = check_close(out, ref64, refdt, DT)
+    assert ok, f"out: {err:.3g} > {bound:.3g}"
+    seen = torch.isfinite(lse64)
+    assert torch.equal(torch.isneginf(lse), ~seen), "lse -inf exactly on rows that see nothing"
+    torch.testing.assert_close(lse[seen], lse64[seen].float(), rtol=0, atol=2e-2)
+    assert bool((out[~seen] == 0).all())
+    if name == "empty_rows":
+        assert bool((~seen).any())
+    return f"{name} d={head_dim}: err {err:.3g} <= {bound:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_cute_forward_matches_the_reference(name):
+    check_gpu_case(name, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+def test_cute_forward_head_dim_64():
+    check_gpu_case("causal", 64)
