@@ -37,7 +37,7 @@ class _Counting:
         self.calls.append(("prepare", call))
         return plan.in_permuted_order()
 
-    def forward(self, q, k, v, plan, prepared, scale):
+    def forward(self, q, k, v, plan, prepared, scale, need_lse=True):
         self.calls.append(("forward",))
         out, lse = reference_attention(q, k, v, prepared, scale)
         return out.to(q.dtype), lse.float()

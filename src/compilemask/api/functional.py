@@ -135,7 +135,7 @@ def attention(
         q, k, v = (_permute_tokens(t, perm, inv, gather) for t in (q, k, v))
         out, lse = _run(impl, q, k, v, plan, prepared, scale, call)
         out = _permute_tokens(out, inv, perm, gather)
-        lse = _permute_tokens(lse, inv, perm, gather)
+        lse = None if lse is None else _permute_tokens(lse, inv, perm, gather)
     else:
         out, lse = _run(impl, q, k, v, plan, prepared, scale, call)
     return (out, lse) if return_lse else out
@@ -148,7 +148,7 @@ def _run(impl, q, k, v, plan, prepared, scale, call):
         return attend(q, k, v, plan, prepared, scale, call)
     if call.requires_grad:
         return BackendAttention.apply(q, k, v, impl, plan, prepared, scale)
-    return impl.forward(q, k, v, plan, prepared, scale)
+    return impl.forward(q, k, v, plan, prepared, scale, need_lse=call.return_lse)
 
 
 def explain(plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:

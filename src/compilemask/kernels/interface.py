@@ -77,8 +77,11 @@ class Backend(Protocol):
         host synchronisation where the kernel allows."""
         ...
 
-    def forward(self, q, k, v, plan, prepared, scale) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``, lse float32."""
+    def forward(
+        self, q, k, v, plan, prepared, scale, need_lse: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, lse)``, lse float32. ``need_lse=False``: the caller discards lse (a forward
+        without gradients or ``return_lse``); a backend may skip it and return None."""
         ...
 
     def backward(

@@ -224,19 +224,21 @@ class CudnnBackend:
         return CudnnPrepared(mask_func, mask_plan, build_backward)
 
     def forward(
-        self, q, k, v, plan: MaskPlan, prepared: CudnnPrepared, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q, k, v, plan: MaskPlan, prepared: CudnnPrepared, scale: float, need_lse=True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` of q ``[B, Hq, Nq, D]``, k, v
         ``[B, Hkv, Nk, D]`` in the plan's token order. ``out`` is a transpose view of cuDNN's
-        BSHD output."""
+        BSHD output. ``need_lse=False`` asks cuDNN for no lse (None is returned)."""
         from cudnn.flex_attention import flex_attn_func
 
         qb, kb, vb = (_native(t.transpose(1, 2)) for t in (q, k, v))
         with torch.no_grad():
-            out, lse = flex_attn_func(
-                qb, kb, vb, mask_plan=prepared.mask_plan, softmax_scale=scale, return_lse=True
-            )
-        return out.transpose(1, 2), lse
+            res = flex_attn_func(
+                qb, kb, vb, mask_plan=prepared.mask_plan, softmax_scale=scale,
+                return_lse=need_lse,
+            )  # fmt: skip
+        out, lse = res if isinstance(res, tuple) else (res, None)
+        return out.transpose(1, 2), (lse if need_lse else None)
 
     def backward(
         self, q, k, v, out, lse, dout, plan: MaskPlan, prepared: CudnnPrepared, scale: float

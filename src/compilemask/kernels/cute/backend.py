@@ -111,7 +111,7 @@ class CuteBackend:
         return plan.cached(key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv))
 
     def forward(
-        self, q, k, v, plan: MaskPlan, prepared: CuteLowered, scale: float
+        self, q, k, v, plan: MaskPlan, prepared: CuteLowered, scale: float, need_lse=True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` of q ``[B, Hq, Nq, D]``, k, v
         ``[B, Hkv, Nk, D]`` in the plan's token order."""

@@ -137,8 +137,9 @@ class Fa4Backend:
         index = blocks.tile_index.expand(batch, heads, *blocks.tile_index.shape[2:])
         return [index, blocks.bits]
 
-    def forward(self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float):
-        """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``; ``out`` is a transpose view."""
+    def forward(self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float, need_lse=True):
+        """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``; ``out`` is a transpose view;
+        ``need_lse=False`` asks FlashAttention for no lse (None is returned)."""
         from flash_attn.cute import flash_attn_func
 
         from .mask_mod import plan_bits_mask_mod
@@ -150,9 +151,9 @@ class Fa4Backend:
                 softmax_scale=scale, pack_gqa=False, mask_mod=plan_bits_mask_mod(),
                 aux_tensors=self._aux(blocks, B, Hq),
                 block_sparse_tensors=_sparse(blocks.forward, B, Hq, blocks.block),
-                return_lse=True,
+                return_lse=need_lse,
             )  # fmt: skip
-        return out.transpose(1, 2), lse
+        return out.transpose(1, 2), (lse if need_lse else None)
 
     def backward(self, q, k, v, out, lse, dout, plan: MaskPlan, blocks: Fa4Blocks, scale: float):
         """``(dq, dk, dv)`` in the shapes of q, k, v, from the forward's ``out`` and ``lse``."""

@@ -34,7 +34,7 @@ class ReferenceBackend:
         out, lse = reference_attention(q, k, v, prepared, scale)
         return out.to(q.dtype), lse.to(torch.float32)
 
-    def forward(self, q, k, v, plan, prepared, scale: float):
+    def forward(self, q, k, v, plan, prepared, scale: float, need_lse: bool = True):
         with torch.no_grad():
             out, lse = reference_attention(q, k, v, prepared, scale)
         return out.to(q.dtype), lse.to(torch.float32)

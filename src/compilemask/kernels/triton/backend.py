@@ -473,7 +473,7 @@ class TritonBackend:
             p.mask_stride_b, p.mask_stride_h, p.config, p.bwd_config,
         )  # fmt: skip
 
-    def forward(self, q, k, v, plan, p: TritonPrepared, scale: float):
+    def forward(self, q, k, v, plan, p: TritonPrepared, scale: float, need_lse: bool = True):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return _attention_fwd_impl(
             q, k, v, plan.row_lo, plan.row_hi, p.schedule, scale, p.mask_stride_b,
