@@ -406,14 +406,20 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
     def ints(t):
         return from_dlpack(t, assumed_align=4).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
+    plan_views = low.kernel_views.get("ints")
+    if plan_views is None:  # the plan's tensors do not change: their views are made once
+        plan_views = low.kernel_views["ints"] = tuple(
+            ints(t)
+            for t in (low.work, low.kv_list, low.kv_count, low.full_count, low.jlo, low.jhi,
+                      low.row_lo, low.row_hi)
+        )  # fmt: skip
     return (
         dyn(q.permute(2, 3, 1, 0), 1),
         dyn(k.permute(2, 3, 1, 0), 1),
         dyn(v.permute(3, 2, 1, 0), 0),
         dyn(out.permute(2, 3, 1, 0), 1),
         from_dlpack(lse.permute(2, 1, 0), assumed_align=4).mark_layout_dynamic(leading_dim=0),
-        ints(low.work), ints(low.kv_list), ints(low.kv_count), ints(low.full_count),
-        ints(low.jlo), ints(low.jhi), ints(low.row_lo), ints(low.row_hi),
+        *plan_views,
         Float32(scale * LOG2E), Int32(num_ctas),
     )  # fmt: skip
 

@@ -32,7 +32,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,9 @@ class CuteLowered:
     row_hi: torch.Tensor
     block_m: int
     block_n: int
+    #: the kernel's views of the tensors above, made on the first launch and reused (making
+    #: them costs tens of microseconds each per call)
+    kernel_views: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def schedule_for_kernel(plan: MaskPlan, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
