@@ -219,3 +219,26 @@ def test_cute_forward_matches_the_reference(name):
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_cute_forward_head_dim_64():
     check_gpu_case("causal", 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+def test_cute_calls_after_the_first_make_no_host_synchronisation():
+    """Warm calls through ``compilemask.attention``: no host synchronisation (torch's sync
+    debug mode raises on one), the lowering is not rebuilt, and 50 calls give the same output."""
+    plan = cm.compile(M.hstu([300, 500, 224], [20, 40, 10]), device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, plan.q_len, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(3)
+    )
+    first = cm.attention(q, k, v, plan, backend="cute")
+    torch.cuda.synchronize()
+    cached = dict(plan._cache)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [cm.attention(q, k, v, plan, backend="cute") for _ in range(50)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert plan._cache.keys() == cached.keys()
+    assert all(torch.equal(o, first) for o in outs)
