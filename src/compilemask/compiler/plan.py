@@ -90,7 +90,8 @@ class MaskPlan:
             derives and caches others from the same intervals).
         col_lo, col_hi, col_count: the same for key columns (which query rows see key ``k``),
             ``[M, Nk, Kc]``, computed on first use by a sweep (the kernels do not need them).
-        source: the mask text (or ``"from_dense"`` / ``"from_mask_mod"``).
+        source: the mask text (or ``"from_dense"``, ``"from_mask_mod:<path>"``,
+            ``"from_block_mask:<path>"``).
         encoding: ``"intervals"`` (the default), or ``"bits"`` for plans from ``from_dense`` /
             ``from_mask_mod`` whose rows hold so many intervals that per-tile bitmasks are
             smaller: then every PARTIAL tile is a PARTIAL_BITS tile, ``row_lo``/``row_hi`` hold
@@ -486,7 +487,9 @@ class MaskPlan:
             ``intervals_per_row_max`` / ``_mean``, ``tiles_full`` / ``tiles_partial``
             (``tiles_partial_bits`` of them as bitmasks) / ``tiles_empty`` at the default
             tiling, ``tile_efficiency`` (visible pairs / pairs inside touched tiles, clipped to
-            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding`` and the sizes.
+            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding``, ``source`` (the mask text, or how a
+            ``from_mask_mod`` plan was built: ``from_mask_mod:lifted`` / ``:broadcast`` /
+            ``:vmap``) and the sizes.
 
         Example::
 
@@ -516,6 +519,7 @@ class MaskPlan:
             "intervals_per_row_max": int(runs.max()),
             "intervals_per_row_mean": float(runs.float().mean()),
             "encoding": self.encoding,
+            "source": self.source,
             "block_m": s.block_m,
             "block_n": s.block_n,
             "tiles_full": counts["full"],

@@ -1,0 +1,99 @@
+"""from_mask_mod / from_dense against FlexAttention's own mask (``create_mask``), exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+import compilemask as cm
+from compilemask.compiler.migrate import modeval
+from compilemask.errors import CompileMaskError
+from flex_masks import CASES
+
+
+def flex_dense(mask_mod, q_len, kv_len, batch, heads):
+    return create_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu")
+
+
+def plan_dense(plan, batch, heads):
+    d = plan.to_dense()
+    if d.dim() == 2:
+        d = d[None, None]
+    return d.expand(batch or 1, heads or 1, *d.shape[-2:])
+
+
+def check_plan(plan):
+    plan.verify()
+    return plan
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("lifting", [False, True], ids=["evaluated", "auto"])
+def test_mask_mod_gives_flex_mask(case, lifting):
+    name, fn, nq, nk, batch, heads = case
+    want = flex_dense(fn, nq, nk, batch, heads)
+    plan = cm.from_mask_mod(
+        fn, nq, nk, batch=batch, heads=heads, block_m=16, block_n=16, lifting=lifting
+    )
+    check_plan(plan)
+    assert plan.source.startswith("from_mask_mod:")
+    assert plan.stats()["source"] == plan.source
+    assert torch.equal(plan_dense(plan, batch, heads), want), (name, plan.source)
+
+
+@pytest.mark.parametrize("name", ["flamingo"])
+def test_scalar_only_mask_mod_takes_vmap(name):
+    _, fn, nq, nk, b, h = next(c for c in CASES if c[0] == name)
+    assert modeval.choose_mode(fn, nq, nk, [(0, 0)], torch.device("cpu")) == "vmap"
+    plan = cm.from_mask_mod(fn, nq, nk, lifting=False)
+    assert plan.source == "from_mask_mod:vmap"
+
+
+def test_broadcast_mask_mod_takes_broadcast():
+    plan = cm.from_mask_mod(lambda b, h, q, k: q >= k, 40, lifting=False)
+    assert plan.source == "from_mask_mod:broadcast"
+
+
+def test_broadcast_only_mask_mod_still_accepted():
+    """A mask_mod vmap refuses (a Python branch on the index) still works on broadcast."""
+
+    def branchy(b, h, q, k):
+        if bool((q >= 0).all()):  # data-dependent control flow: vmap raises
+            return q >= k
+        return q < k
+
+    plan = cm.from_mask_mod(branchy, 30, lifting=False)
+    assert plan.source == "from_mask_mod:broadcast"
+    assert torch.equal(plan.to_dense(), torch.ones(30, 30, dtype=torch.bool).tril())
+
+
+def test_mask_mod_chunked_across_rows(monkeypatch):
+    """Several chunks (rows split across them) give the same plan as one."""
+    monkeypatch.setenv("COMPILEMASK_CHUNK_ELEMS", "300")
+    _, fn, nq, nk, b, h = next(c for c in CASES if c[0] == "document_causal")
+    plan = cm.from_mask_mod(fn, nq, nk, block_m=4, block_n=16, lifting=False)
+    assert torch.equal(plan.to_dense(), flex_dense(fn, nq, nk, None, None)[0, 0])
+    d = torch.rand(2, 3, 37, 29, generator=torch.Generator().manual_seed(1)) < 0.7
+    assert torch.equal(cm.from_dense(d, block_m=4, block_n=8).to_dense(), d)
+
+
+def test_from_dense_many_runs_goes_bits(monkeypatch):
+    monkeypatch.setenv("COMPILEMASK_CHUNK_ELEMS", "512")
+    d = torch.zeros(40, 512, dtype=torch.bool)
+    d[:, ::2] = True
+    d[:20] = torch.ones(20, 512, dtype=torch.bool).tril(300)[:20]
+    plan = check_plan(cm.from_dense(d, block_m=8, block_n=64))
+    assert plan.encoding == "bits"
+    assert torch.equal(plan.to_dense(), d)
+
+
+def test_mask_mod_errors():
+    with pytest.raises(CompileMaskError, match="mask_mod raised ZeroDivisionError"):
+        cm.from_mask_mod(lambda b, h, q, k: 1 // 0, 8)
+    with pytest.raises(CompileMaskError, match="bool"):
+        cm.from_mask_mod(lambda b, h, q, k: q - k, 8)
+    with pytest.raises(CompileMaskError, match="callable"):
+        cm.from_mask_mod("causal", 8)
+    with pytest.raises(CompileMaskError, match="block_m"):
+        cm.from_mask_mod(lambda b, h, q, k: q >= k, 8, block_m=0)
