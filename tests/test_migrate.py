@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import compilemask as cm
+from compilemask.compiler.intervals import from_dense_rows
 from compilemask.compiler.migrate import modeval
+from compilemask.compiler.migrate.evaluate import RunCollector
 from compilemask.errors import CompileMaskError
 from flex_masks import CASES
 
@@ -97,3 +101,29 @@ def test_mask_mod_errors():
         cm.from_mask_mod("causal", 8)
     with pytest.raises(CompileMaskError, match="block_m"):
         cm.from_mask_mod(lambda b, h, q, k: q >= k, 8, block_m=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nq=st.integers(1, 40),
+    nk=st.integers(1, 90),
+    runs=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_run_extraction_matches_dense(nq, nk, runs, seed):
+    """Rows of a few runs (8-key words) and noisy rows (every key) both give exact intervals."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randint(0, nk + 1, (nq, 2 * runs), generator=g), -1).values
+    keys = torch.arange(nk)
+    d = torch.zeros(nq, nk, dtype=torch.bool)
+    for j in range(runs):
+        d |= (keys >= cuts[:, 2 * j, None]) & (keys < cuts[:, 2 * j + 1, None])
+    for mask in (d, d ^ (torch.rand(nq, nk, generator=g) < 0.05)):
+        col = RunCollector(nq, nk, None, "cpu")
+        col.add(mask[: nq // 2])
+        col.add(mask[nq // 2 :])
+        lo, hi, count = col.finish()
+        want_lo, want_hi, want_count = from_dense_rows(mask, nk)
+        assert torch.equal(count, want_count)
+        assert torch.equal(lo[:, : want_lo.shape[1]], want_lo)
+        assert torch.equal(hi[:, : want_hi.shape[1]], want_hi)

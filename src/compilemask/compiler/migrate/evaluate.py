@@ -2,7 +2,8 @@
 
 One pass over the mask in chunks of query rows (at most ``chunk_elems()`` (query, key) pairs
 exist at once): each chunk's run boundaries (``rows[k] != rows[k - 1]``, with False outside
-the row) are found by one comparison and one ``nonzero``, which lists every interval
+the row) are found 8 keys at a time (an int64 word of 8 booleans: only words that are not
+uniform or differ from their left neighbour are opened), which lists every interval
 ``[lo, hi)`` of the chunk in row order; the intervals of all chunks are scattered into the
 ``[M, Nq, K]`` slots at the end (K, the most intervals of a row, is the one size that depends
 on the data). The tile schedule is then built from the intervals. When a row holds so many
@@ -56,14 +57,12 @@ class RunCollector:
 
     def add(self, rows: torch.Tensor) -> None:
         r, nk = rows.shape
-        if self.buf is None or self.buf.shape[0] < r:
-            self.buf = torch.empty((r, nk + 1), dtype=torch.bool, device=rows.device)
-        edge = self.buf[:r]
-        # edge[:, k] = rows[:, k] != rows[:, k - 1], with rows False at -1 and at nk
-        edge[:, 0] = rows[:, 0]
-        torch.ne(rows[:, 1:], rows[:, :-1], out=edge[:, 1:nk])
-        edge[:, nk] = rows[:, nk - 1]
-        row, col = edge.nonzero(as_tuple=True)
+        width = (nk + 8) // 8 * 8  # at least one False column after the row
+        if self.buf is None or self.buf.shape[0] < r or self.buf.shape[1] != width:
+            self.buf = torch.zeros((r, width), dtype=torch.bool, device=rows.device)
+        row, col = _edges_by_words(rows, self.buf[:r])
+        if row is None:  # most 8-key words hold a boundary: scan every key
+            row, col = _edges_by_keys(rows)
         row = row[0::2]
         if self.k_limit is not None and row.numel() > self.k_limit:
             if int(torch.bincount(row).max()) > self.k_limit:
@@ -87,6 +86,43 @@ class RunCollector:
         lo[row, slot] = torch.cat(self.los).to(torch.int32)
         hi[row, slot] = torch.cat(self.his).to(torch.int32)
         return lo, hi, count.to(torch.int32)
+
+
+_ONES = 0x0101010101010101  # eight True bytes as one int64
+
+
+def _edges_by_words(rows: torch.Tensor, buf: torch.Tensor):
+    """Run boundaries ``(row, col)`` of boolean ``rows`` ``[r, nk]`` in row-major order (a
+    boundary at ``col`` when ``rows[col] != rows[col - 1]``, False outside the row), looking
+    at 8 keys at once: only the int64 words that are not uniform, or differ from the word
+    before, are opened. ``buf``: bool ``[r, W * 8]``, ``W * 8 > nk``, False after ``nk``.
+    Returns ``(None, None)`` when too many words need opening (then scan every key)."""
+    r, nk = rows.shape
+    buf[:, :nk].copy_(rows)
+    w = buf.view(torch.int64)  # [r, W]
+    cand = (w != 0) & (w != _ONES)
+    cand[:, 0] |= w[:, 0] != 0
+    cand[:, 1:] |= w[:, 1:] != w[:, :-1]
+    cr, cj = cand.nonzero(as_tuple=True)
+    if cr.numel() * 16 > w.numel():
+        return None, None
+    n_words = w.shape[1]
+    flat = buf.view(-1).view(torch.uint8)
+    first = cr * (8 * n_words) + cj * 8  # the word's first key
+    keys = flat[first[:, None] + torch.arange(8, device=rows.device)]  # [C, 8]
+    before = torch.where(cj > 0, flat[(first - 1).clamp(min=0)], 0)[:, None]
+    hit = torch.cat([before, keys], 1)
+    ci, ii = (hit[:, 1:] != hit[:, :-1]).nonzero(as_tuple=True)
+    return cr[ci], cj[ci] * 8 + ii
+
+
+def _edges_by_keys(rows: torch.Tensor):
+    r, nk = rows.shape
+    edge = torch.empty((r, nk + 1), dtype=torch.bool, device=rows.device)
+    edge[:, 0] = rows[:, 0]
+    torch.ne(rows[:, 1:], rows[:, :-1], out=edge[:, 1:nk])
+    edge[:, nk] = rows[:, nk - 1]
+    return edge.nonzero(as_tuple=True)
 
 
 def runs_per_row(rows: torch.Tensor) -> torch.Tensor:
