@@ -70,6 +70,14 @@ def mask_mod_for(name: str, n: int, device) -> tuple:
     return flex_mask_mod(masks.causal(), device), n
 
 
+def systems_for(mm, n: int, device) -> dict:
+    return {
+        "flex-create_block_mask": lambda: create_block_mask(mm, None, None, n, n, device=device),
+        "compilemask-evaluated": lambda: cm.from_mask_mod(mm, n, device=device, lifting=False),
+        "compilemask-auto": lambda: cm.from_mask_mod(mm, n, device=device),
+    }
+
+
 def median_s(fn, device, repeat: int) -> float:
     fn()
     times = []
@@ -112,15 +120,7 @@ def main() -> None:
     for n0 in args.sizes:
         for name in args.masks:
             mm, n = mask_mod_for(name, n0, device)
-            systems = {
-                "flex-create_block_mask": lambda: create_block_mask(
-                    mm, None, None, n, n, device=device
-                ),
-                "compilemask-evaluated": lambda: cm.from_mask_mod(
-                    mm, n, device=device, lifting=False
-                ),
-                "compilemask-auto": lambda: cm.from_mask_mod(mm, n, device=device),
-            }
+            systems = systems_for(mm, n, device)
             for system, fn in systems.items():
                 s = median_s(fn, device, args.repeat)
                 row = {
