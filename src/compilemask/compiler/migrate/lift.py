@@ -212,10 +212,7 @@ class Lifter:
         tq = t if t.dim() == 0 else t.view(-1, *([1] * (r.dim() - 1)))
         tt = (tq - gmin + 1).clamp(0, span - 1)
         target = r * span + tt
-        shape = target.shape
-        flat = target.reshape(-1)
-        left = torch.searchsorted(key, flat).view(shape)
-        right = torch.searchsorted(key, flat, right=True).view(shape)
+        left, right = _search(key, target)
         if op == "ge":
             x, y = left, b
         elif op == "gt":
@@ -263,6 +260,10 @@ class Lifter:
         if kinds & set(_MIXED) or (QV in kinds and KV in kinds):
             return self.mixed(name, args, kwargs)
         fn = _callable(node)
+        if name == "getitem" and not kwargs:
+            direct = _gather(*args)
+            if direct is not None:
+                return direct
         for cls in (QV, KV):
             if cls in kinds:
                 return cls(_vmapped(fn, args, kwargs, cls))
@@ -320,6 +321,47 @@ def _runs(g: torch.Tensor):
     counts = torch.zeros(n_runs, dtype=torch.int64, device=g.device).scatter_add_(0, run, ones)
     run_end = torch.cumsum(counts, 0)
     return key, run, n_runs, run_end - counts, run_end, gmin, span, sign
+
+
+def _search(key: torch.Tensor, target: torch.Tensor):
+    """``searchsorted(key, target)`` left and right for a sorted non-negative int64 ``key``:
+    through a table of the key's value range when it is small (O(range + targets), cheaper
+    than a binary search per target on the CPU), else by binary search."""
+    top = int(key[-1]) + 2
+    if top <= 4 * key.numel() + 1024:
+        counts = torch.bincount(key, minlength=top)
+        right_of = torch.cumsum(counts, 0)
+        t = target.clamp(0, top - 1)
+        right = right_of[t]
+        return right - counts[t], right
+    flat = target.reshape(-1)
+    left = torch.searchsorted(key, flat).view(target.shape)
+    return left, torch.searchsorted(key, flat, right=True).view(target.shape)
+
+
+def _gather(table, index):
+    """``table[index]`` for a constant tensor indexed by ints, 0-d integer tensors and one kind
+    of per-index integer values (QV or KV, 1-D): plain advanced indexing gives what vmap with
+    ``aten.index`` gives, without its cost. None for any other form."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not isinstance(table, torch.Tensor) or len(items) > table.dim():
+        return None
+    kinds = {type(i) for i in items if isinstance(i, (QV, KV))}
+    if len(kinds) != 1:
+        return None
+    cls = kinds.pop()
+    idx = []
+    for i in items:
+        t = i.t if isinstance(i, (QV, KV)) else i
+        if isinstance(t, bool) or not isinstance(t, (int, torch.Tensor)):
+            return None
+        t = torch.as_tensor(t, device=table.device)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
+            return None
+        if t.dim() == 1 and not isinstance(i, (QV, KV)):
+            return None
+        idx.append(t)
+    return cls(table[tuple(idx)])
 
 
 def _callable(node):
