@@ -212,3 +212,116 @@ def test_lifted_forms_match_evaluation(expr, nq, nk):
     want = create_mask(mask_mod, None, None, nq, nk, device="cpu")[0, 0]
     assert torch.equal(dense_rows(lo, hi, nk), want)
     assert torch.equal(count, (lo < hi).sum(-1, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ BlockMask interop
+def _block_mask_dense(bm, batch, heads):
+    """The mask a BlockMask applies: full blocks, and partial blocks where mask_mod holds."""
+    q_len, kv_len = bm.seq_lengths
+    bq, bk = bm.BLOCK_SIZE
+    b0, h0 = bm.kv_num_blocks.shape[:2]
+    out = torch.zeros(batch or 1, heads or 1, q_len, kv_len, dtype=torch.bool)
+    mm = bm.mask_mod
+    pairs = [(bm.kv_num_blocks, bm.kv_indices, False)]
+    if bm.full_kv_num_blocks is not None:
+        pairs.append((bm.full_kv_num_blocks, bm.full_kv_indices, True))
+    for b in range(batch or 1):
+        for h in range(heads or 1):
+            ev = create_mask(mm, None, None, q_len, kv_len, device="cpu")[0, 0] if mm else None
+            if mm is not None and (batch or heads):
+                fixed = lambda _b, _h, q, k, b=b, h=h: mm(torch.tensor(b), torch.tensor(h), q, k)  # noqa: E731
+                ev = create_mask(fixed, None, None, q_len, kv_len, device="cpu")[0, 0]
+            for num, idx, full in pairs:
+                for i in range(num.shape[2]):
+                    for j in idx[b % b0, h % h0, i, : num[b % b0, h % h0, i]].tolist():
+                        rows = slice(i * bq, (i + 1) * bq)
+                        cols = slice(j * bk, (j + 1) * bk)
+                        out[b, h, rows, cols] |= True if full or ev is None else ev[rows, cols]
+    return out
+
+
+@pytest.mark.parametrize("name", ["document_causal", "fa4_document", "natten", "vsa_sizes"])
+def test_from_block_mask_is_flex_mask(name):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, fn, nq, nk, batch, heads = next(c for c in CASES if c[0] == name)
+    bm = create_block_mask(fn, batch, heads, nq, nk, device="cpu", BLOCK_SIZE=16)
+    plan = check_plan(cm.from_block_mask(bm))
+    assert plan.source.startswith("from_block_mask:")
+    assert (plan.block_m, plan.block_n) == (16, 16)
+    assert torch.equal(plan_dense(plan, batch, heads), flex_dense(fn, nq, nk, batch, heads))
+
+
+def test_from_block_mask_keeps_block_sparsity():
+    """A hand-made BlockMask (a noop mask_mod over a block list) keeps exactly its blocks."""
+    from torch.nn.attention.flex_attention import BlockMask, noop_mask
+
+    num = torch.tensor([[[1, 2, 1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1, 2], [2, 0, 1], [1, 0, 2]]]], dtype=torch.int32)
+    full_num = torch.tensor([[[0, 1, 0]]], dtype=torch.int32)
+    full_idx = torch.tensor([[[[0, 0, 0], [1, 0, 0], [0, 0, 0]]]], dtype=torch.int32)
+    causal_mod = lambda b, h, q, k: q >= k  # noqa: E731
+    for mm in (noop_mask, causal_mod):
+        bm = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=8,
+                                      mask_mod=mm, seq_lengths=(20, 22))  # fmt: skip
+        plan = check_plan(cm.from_block_mask(bm))
+        assert torch.equal(plan_dense(plan, None, None), _block_mask_dense(bm, None, None))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: cm.compile(
+            cm.masks.hstu([30, 25, 9], [3, 2, 1], contextual=2), 64, block_m=16, block_n=16
+        ),  # fmt: skip
+        lambda: cm.from_dense(
+            torch.rand(2, 3, 40, 50, generator=torch.Generator().manual_seed(2)) < 0.6,
+            block_m=16,
+            block_n=16,
+        ),  # fmt: skip
+        lambda: cm.compile(
+            cm.masks.per_head([cm.masks.causal(), cm.masks.sliding_window(5)]),
+            45,
+            37,
+            heads=2,
+            block_m=16,
+            block_n=8,
+        ),  # fmt: skip
+    ],
+    ids=["hstu", "bits", "per_head"],
+)
+def test_to_block_mask_round_trip(make):
+    plan = make()
+    bm = plan.to_block_mask()
+    assert bm.BLOCK_SIZE == (plan.block_m, plan.block_n)
+    want = plan_dense(plan, plan.batch, plan.heads)
+    assert torch.equal(_block_mask_dense(bm, plan.batch, plan.heads), want)
+    back = check_plan(cm.from_block_mask(bm))
+    assert torch.equal(plan_dense(back, plan.batch, plan.heads), want)
+
+
+def test_to_block_mask_runs_in_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    plan = cm.compile(cm.masks.document([20, 13, 31], causal=True), 64, block_m=16, block_n=16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    want = cm.attention(q, k, v, plan, backend="reference")
+    got = flex_attention(q, k, v, block_mask=plan.to_block_mask())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_to_block_mask_refuses_permuted_plans():
+    plan = cm.compile(cm.tile_grid(cm.masks.natten2d((8, 8), (3, 3)), (2, 4)), 64)
+    with pytest.raises(CompileMaskError, match="in_permuted_order"):
+        plan.to_block_mask()
+    assert plan.in_permuted_order().to_block_mask().seq_lengths == (64, 64)
+
+
+def test_plans_persist(tmp_path):
+    _, fn, nq, nk, batch, heads = next(c for c in CASES if c[0] == "fa4_document")
+    plan = cm.from_mask_mod(fn, nq, nk, batch=batch, heads=heads, block_m=16, block_n=16)
+    plan.save(tmp_path / "p.pt")
+    back = cm.load_plan(tmp_path / "p.pt")
+    assert back.source == plan.source
+    assert torch.equal(back.to_dense(), plan.to_dense())

@@ -487,9 +487,9 @@ class MaskPlan:
             ``intervals_per_row_max`` / ``_mean``, ``tiles_full`` / ``tiles_partial``
             (``tiles_partial_bits`` of them as bitmasks) / ``tiles_empty`` at the default
             tiling, ``tile_efficiency`` (visible pairs / pairs inside touched tiles, clipped to
-            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding``, ``source`` (the mask text, or how a
-            ``from_mask_mod`` plan was built: ``from_mask_mod:lifted`` / ``:broadcast`` /
-            ``:vmap``) and the sizes.
+            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding``, ``source`` (the mask
+            text, or how a ``from_mask_mod`` plan was built: ``from_mask_mod:lifted`` /
+            ``:broadcast`` / ``:vmap``) and the sizes.
 
         Example::
 
@@ -619,6 +619,21 @@ class MaskPlan:
         object.__setattr__(self, "_pending", None)
         if self._verified is None:
             self._record()
+
+    def to_block_mask(self):
+        """A FlexAttention ``BlockMask`` with this plan's mask: FULL tiles as full blocks,
+        PARTIAL tiles as partial blocks, and a ``mask_mod`` that reads the row intervals (or
+        the bitmask tiles of ``encoding="bits"`` plans); ``BLOCK_SIZE`` is the plan's tiling,
+        ``[B or 1, H or 1, Tq, Tk]`` as the plan depends on them. ``flex_attention(q, k, v,
+        block_mask=plan.to_block_mask())`` gives the output of ``compilemask.attention``.
+
+        Raises:
+            CompileMaskError: the plan reorders tokens (``tile_grid``); use
+                ``plan.in_permuted_order().to_block_mask()`` with tokens in tiled order.
+        """
+        from .migrate.blockmask import to_block_mask
+
+        return to_block_mask(self)
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> None:

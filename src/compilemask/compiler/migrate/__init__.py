@@ -19,11 +19,12 @@ from ...errors import CompileMaskError
 from ..pipeline import positive_int, resolve_device
 from ..plan import MaskPlan, outside_inference_mode
 from . import lift, modeval
+from .blockmask import from_block_mask
 from .evaluate import build_plan, check_dense, chunk_rows
 
 log = logging.getLogger("compilemask.migrate")
 
-__all__ = ["from_dense", "from_mask_mod"]
+__all__ = ["from_block_mask", "from_dense", "from_mask_mod"]
 
 
 @outside_inference_mode
