@@ -175,8 +175,17 @@ def atoms(draw):
     fq = _index_terms(draw)
     fk = _index_terms(draw)
     op = draw(st.sampled_from(["ge", "gt", "le", "lt", "eq", "ne"]))
-    shape = draw(st.sampled_from(["plain", "abs", "sum", "const"]))
-    w = draw(st.integers(0, 12))
+    shape = draw(st.sampled_from(["plain", "abs", "sum", "const", "disc"]))
+    w = draw(st.integers(0, 40))
+    if shape == "disc":
+        gq, gk = _index_terms(draw), _index_terms(draw)
+        dop = draw(st.sampled_from(["lt", "le", "gt", "ge"]))
+
+        def disc(q, k):
+            dy, dx = fq(q) - fk(k), gq(q) - gk(k)
+            return getattr(torch, dop)(dy * dy + dx * dx, w)
+
+        return disc
     if shape == "abs":
         return lambda q, k: getattr(torch, op)((fq(q) - fk(k)).abs(), w)
     if shape == "sum":
@@ -212,6 +221,28 @@ def test_lifted_forms_match_evaluation(expr, nq, nk):
     want = create_mask(mask_mod, None, None, nq, nk, device="cpu")[0, 0]
     assert torch.equal(dense_rows(lo, hi, nk), want)
     assert torch.equal(count, (lo < hi).sum(-1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "hstu",
+                                  "shared_prompt", "clear"])  # fmt: skip
+def test_seed_workload_mask_mods_lift(name):
+    """The seed workloads written as a Flex user writes them are lifted, and exact."""
+    from compilemask.tools.peers import flex_mask_mod
+
+    mask = {
+        "causal": cm.masks.causal(),
+        "sliding_window": cm.masks.sliding_window(7),
+        "document": cm.masks.document([9, 1, 30, 24]),
+        "hstu": cm.masks.hstu([30, 25, 9], [3, 2, 1], contextual=2),
+        "shared_prompt": cm.masks.shared_prompt([10, 6], [[8, 9], [20, 11]]),
+        "clear": cm.masks.clear((6, 9), 3, 10),
+    }[name]
+    n = 64
+    mm = flex_mask_mod(mask, "cpu")
+    plan = check_plan(cm.from_mask_mod(mm, n, block_m=16, block_n=16))
+    assert plan.source == "from_mask_mod:lifted"
+    assert torch.equal(plan.to_dense(), flex_dense(mm, n, n, None, None)[0, 0])
+    assert torch.equal(plan.to_dense(), cm.dense(mask, n))
 
 
 # ------------------------------------------------------------------ BlockMask interop

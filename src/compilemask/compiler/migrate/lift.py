@@ -67,6 +67,13 @@ class AbsSep:
 
 
 @dataclass
+class SumSq:
+    """``sum(s * s for s in terms)`` of separable terms (a disc: ``dy * dy + dx * dx``)."""
+
+    terms: list
+
+
+@dataclass
 class Iv:
     lo: torch.Tensor
     hi: torch.Tensor
@@ -78,7 +85,7 @@ class Pending:
     cmps: list  # (g [Nk] int64, op, t [Nq] or 0-d int64)
 
 
-_MIXED = (Sep, AbsSep, Iv, Pending)
+_MIXED = (Sep, AbsSep, SumSq, Iv, Pending)
 _CMP = {"ge": "ge", "gt": "gt", "le": "le", "lt": "lt", "eq": "eq", "ne": "ne"}
 _FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
 
@@ -95,6 +102,13 @@ def _name(node) -> str:
 class Lifter:
     def __init__(self, q_len: int, kv_len: int, device):
         self.nq, self.nk, self.device = q_len, kv_len, device
+        self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
+
+    def runs_of(self, g: torch.Tensor):
+        hit = self._runs.get(id(g))
+        if hit is None or hit[0] is not g:
+            hit = self._runs[id(g)] = (g, _runs(g))
+        return hit[1]
 
     # ------------------------------------------------------------------ interval sets
     def full(self) -> Iv:
@@ -150,8 +164,10 @@ class Lifter:
         raise Unsupported(f"a {type(v).__name__} value in integer arithmetic")
 
     def compare(self, op: str, a, b):
-        if isinstance(b, AbsSep) and not isinstance(a, AbsSep):
+        if isinstance(b, (AbsSep, SumSq)) and not isinstance(a, (AbsSep, SumSq)):
             a, b, op = b, a, _FLIP[op]
+        if isinstance(a, SumSq):
+            return self.disc(op, a, b)
         if isinstance(a, AbsSep):
             s, r = a.s, self.to_sep(b)
             neg_r = Sep(-r.f, -r.g)
@@ -170,6 +186,39 @@ class Lifter:
             return self.lnot(self.to_iv(Pending(None, [(g, "eq", t)])))
         return Pending(None, [(g, op, t)])
 
+    def disc(self, op: str, a: SumSq, b) -> Iv:
+        """``s1 * s1 + s2 * s2 op c`` (``c`` an int): per level ``d`` of the term whose key
+        part is monotone, ``s_outer == d`` and ``|s_inner| <= m(d)``; the union of the levels."""
+        if op in ("gt", "ge"):
+            return self.lnot(self.disc("le" if op == "gt" else "lt", a, b))
+        if op not in ("lt", "le") or len(a.terms) != 2 or not _is_int_scalar(b):
+            raise Unsupported("a sum of squares other than s1*s1 + s2*s2 < c")
+        c = int(b) if op == "le" else int(b) - 1  # s1^2 + s2^2 <= c
+        if c < 0:
+            return self.to_iv(False)
+        outer, inner = a.terms
+        if outer.g.dim() == 0 or self.runs_of(outer.g)[2] > 1:
+            outer, inner = inner, outer
+        r = _isqrt(c)
+        if r > 1024:
+            raise Unsupported("a disc of radius above 1024")
+        d = torch.arange(-r, r + 1, device=self.device)
+        m = torch.tensor([_isqrt(c - x * x) for x in range(-r, r + 1)], device=self.device)
+        lv = (d.numel(), 1)  # every level at once: t of shape [L, Nq] (or [L, 1])
+        p = Pending(
+            None,
+            [
+                (outer.g, "eq", d.view(lv) - outer.f),
+                (inner.g, "ge", -m.view(lv) - inner.f),
+                (inner.g, "le", m.view(lv) - inner.f),
+            ],
+        )
+        got = self.resolve(p)  # [L, Nq or 1, K]: disjoint across levels
+        lo = got.lo.expand(d.numel(), self.nq, -1).permute(1, 0, 2).reshape(self.nq, -1)
+        hi = got.hi.expand(d.numel(), self.nq, -1).permute(1, 0, 2).reshape(self.nq, -1)
+        lo, order = torch.sort(lo, -1)
+        return self.canon(lo, torch.gather(hi, -1, order))
+
     def conj(self, a, b):
         pa = a if isinstance(a, Pending) else Pending(self.to_iv(a), [])
         pb = b if isinstance(b, Pending) else Pending(self.to_iv(b), [])
@@ -181,7 +230,7 @@ class Lifter:
 
     def resolve(self, p: Pending) -> Iv:
         cur = p.base if p.base is not None else self.full()
-        cmps = [(_runs(g), op, t) for g, op, t in p.cmps]
+        cmps = [(self.runs_of(g), op, t) for g, op, t in p.cmps]
         for runs, op, t in sorted(cmps, key=lambda c: c[0][2]):  # fewest key runs first
             cur = self.within(cur, runs, op, t)
         return cur
@@ -209,7 +258,7 @@ class Lifter:
         r = r.clamp(max=n_runs - 1)
         a = torch.maximum(lo[..., None], run_start[r])
         b = torch.minimum(hi[..., None], run_end[r])
-        tq = t if t.dim() == 0 else t.view(-1, *([1] * (r.dim() - 1)))
+        tq = t if t.dim() == 0 else t.reshape(*t.shape, 1, 1)
         tt = (tq - gmin + 1).clamp(0, span - 1)
         target = r * span + tt
         left, right = _search(key, target)
@@ -282,6 +331,8 @@ class Lifter:
             return self.lor(self.to_iv(args[0]), self.to_iv(args[1]))
         if name in ("invert", "logical_not", "bitwise_not") and len(args) == 1:
             return self.lnot(self.to_iv(args[0]))
+        if name == "add" and len(args) == 2 and all(isinstance(a, SumSq) for a in args):
+            return SumSq(args[0].terms + args[1].terms)
         if name in ("add", "sub") and len(args) == 2:
             a, b = self.to_sep(args[0]), self.to_sep(args[1])
             if name == "add":
@@ -290,6 +341,8 @@ class Lifter:
         if name == "neg" and len(args) == 1:
             a = self.to_sep(args[0])
             return Sep(-a.f, -a.g)
+        if name == "mul" and len(args) == 2 and args[0] is args[1] and isinstance(args[0], Sep):
+            return SumSq([args[0]])
         if name == "mul" and len(args) == 2:
             a, c = (args[0], args[1]) if _is_int_scalar(args[1]) else (args[1], args[0])
             if not _is_int_scalar(c):
@@ -321,6 +374,12 @@ def _runs(g: torch.Tensor):
     counts = torch.zeros(n_runs, dtype=torch.int64, device=g.device).scatter_add_(0, run, ones)
     run_end = torch.cumsum(counts, 0)
     return key, run, n_runs, run_end - counts, run_end, gmin, span, sign
+
+
+def _isqrt(n: int) -> int:
+    import math
+
+    return math.isqrt(n)
 
 
 def _search(key: torch.Tensor, target: torch.Tensor):
