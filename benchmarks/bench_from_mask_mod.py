@@ -11,7 +11,8 @@ masks): causal, sliding_window (N/8), document (N/16 random documents, causal), 
 * ``compilemask-auto``: ``from_mask_mod(mask_mod, N, device)`` (lifted when recognised;
   ``path`` says which path was taken).
 
-Median of ``--repeat`` warm runs (``time.perf_counter``, a device synchronisation on CUDA).
+Median of ``--repeat`` warm runs (``time.perf_counter``, a device synchronisation on CUDA), the
+systems alternating within each round.
 Results go to ``benchmarks/results/<cpu|h200>-from-mask-mod-<date>.jsonl``, one JSON line per
 (mask, system) with the git commit. ``COMPILEMASK_COMMIT=...`` names the commit without git.
 
@@ -78,18 +79,22 @@ def systems_for(mm, n: int, device) -> dict:
     }
 
 
-def median_s(fn, device, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
+def medians_s(systems: dict, device, repeat: int) -> dict:
+    """Median seconds per system; the systems alternate within each round, so that a change
+    of load on a shared machine falls on all of them alike."""
+    times = {name: [] for name in systems}
+    for fn in systems.values():
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    for _ in range(repeat):
+        for name, fn in systems.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def commit() -> str:
@@ -121,8 +126,9 @@ def main() -> None:
         for name in args.masks:
             mm, n = mask_mod_for(name, n0, device)
             systems = systems_for(mm, n, device)
+            medians = medians_s(systems, device, args.repeat)
             for system, fn in systems.items():
-                s = median_s(fn, device, args.repeat)
+                s = medians[system]
                 row = {
                     "mode": "plan-from-mask-mod",
                     "system": system,
