@@ -356,3 +356,32 @@ def test_plans_persist(tmp_path):
     back = cm.load_plan(tmp_path / "p.pt")
     assert back.source == plan.source
     assert torch.equal(back.to_dense(), plan.to_dense())
+
+
+# ------------------------------------------------------------------ GPU (pytest -m gpu)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lifting", [True, False], ids=["lifted", "evaluated"])
+def test_gpu_plans_equal_cpu_plans(lifting):
+    from compilemask.tools.peers import flex_mask_mod
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.diff(torch.randint(0, 4096, (40,), generator=g).sort().values,
+                         prepend=torch.tensor([0]), append=torch.tensor([4096]))  # fmt: skip
+    lengths = [int(x) for x in lengths if x > 0]
+    for mask in (cm.masks.causal(), cm.masks.document(lengths), cm.masks.clear((32, 64), 8, 2048)):
+        n = 4096
+        cpu = cm.from_mask_mod(flex_mask_mod(mask, "cpu"), n, lifting=lifting)
+        gpu = cm.from_mask_mod(flex_mask_mod(mask, "cuda"), n, lifting=lifting, device="cuda")
+        assert gpu.source == cpu.source
+        assert torch.equal(gpu.to_dense().cpu(), cpu.to_dense())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_evaluation_memory_is_bounded_at_128k():
+    n = 128 * 1024
+    torch.cuda.reset_peak_memory_stats()
+    plan = cm.from_mask_mod(lambda b, h, q, k: k <= q, n, lifting=False, device="cuda")
+    assert plan.source == "from_mask_mod:broadcast"
+    assert torch.cuda.max_memory_allocated() < 3 * 2**30  # the N x N mask would be 16 GiB
