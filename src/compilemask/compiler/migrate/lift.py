@@ -85,6 +85,7 @@ class Pending:
     cmps: list  # (g [Nk] int64, op, t [Nq] or 0-d int64)
 
 
+_SEP_DTYPES = (torch.int64, torch.int32, torch.bool)
 _MIXED = (Sep, AbsSep, SumSq, Iv, Pending)
 _CMP = {"ge": "ge", "gt": "gt", "le": "le", "lt": "lt", "eq": "eq", "ne": "ne"}
 _FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
@@ -152,14 +153,17 @@ class Lifter:
         if isinstance(v, Sep):
             return v
         if isinstance(v, (QV, KV)):
-            if v.t.dim() != 1 or v.t.dtype.is_floating_point or v.t.is_complex():
-                raise Unsupported("a non-integer or non-scalar index value in a q/kv comparison")
+            if v.t.dim() != 1 or v.t.dtype not in _SEP_DTYPES:
+                raise Unsupported(
+                    f"a {v.t.dtype} or non-scalar index value in a q/kv comparison (only "
+                    "int64, int32 and bool values, whose arithmetic does not wrap here, lift)"
+                )
             t = v.t.to(torch.int64)
             return Sep(t, zero) if isinstance(v, QV) else Sep(zero, t)
         if isinstance(v, (int, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
             c = torch.as_tensor(v, device=self.device)
-            if c.dtype.is_floating_point:
-                raise Unsupported("a float constant in a q/kv comparison")
+            if c.dtype not in _SEP_DTYPES:
+                raise Unsupported(f"a {c.dtype} constant in a q/kv comparison")
             return Sep(c.to(torch.int64), zero)
         raise Unsupported(f"a {type(v).__name__} value in integer arithmetic")
 
