@@ -12,7 +12,7 @@ Example::
 
 from . import masks
 from .api.functional import attention, explain
-from .compiler.migrate import from_dense, from_mask_mod
+from .compiler.migrate import from_block_mask, from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
 from .compiler.plan import MaskPlan
 from .compiler.tiles import TileSchedule
@@ -30,8 +30,10 @@ __all__ = [
     "compile",
     "dense",
     "explain",
+    "from_block_mask",
     "from_dense",
     "from_mask_mod",
+    "load_plan",
     "masks",
     "parse",
     "tile_grid",
@@ -40,3 +42,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 tile_grid = masks.tile_grid
+load_plan = MaskPlan.load

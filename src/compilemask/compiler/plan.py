@@ -90,7 +90,8 @@ class MaskPlan:
             derives and caches others from the same intervals).
         col_lo, col_hi, col_count: the same for key columns (which query rows see key ``k``),
             ``[M, Nk, Kc]``, computed on first use by a sweep (the kernels do not need them).
-        source: the mask text (or ``"from_dense"`` / ``"from_mask_mod"``).
+        source: the mask text (or ``"from_dense"``, ``"from_mask_mod:<path>"``,
+            ``"from_block_mask:<path>"``).
         encoding: ``"intervals"`` (the default), or ``"bits"`` for plans from ``from_dense`` /
             ``from_mask_mod`` whose rows hold so many intervals that per-tile bitmasks are
             smaller: then every PARTIAL tile is a PARTIAL_BITS tile, ``row_lo``/``row_hi`` hold
@@ -486,7 +487,9 @@ class MaskPlan:
             ``intervals_per_row_max`` / ``_mean``, ``tiles_full`` / ``tiles_partial``
             (``tiles_partial_bits`` of them as bitmasks) / ``tiles_empty`` at the default
             tiling, ``tile_efficiency`` (visible pairs / pairs inside touched tiles, clipped to
-            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding`` and the sizes.
+            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding``, ``source`` (the mask
+            text, or how a ``from_mask_mod`` plan was built: ``from_mask_mod:lifted`` /
+            ``:broadcast`` / ``:vmap``) and the sizes.
 
         Example::
 
@@ -516,6 +519,7 @@ class MaskPlan:
             "intervals_per_row_max": int(runs.max()),
             "intervals_per_row_mean": float(runs.float().mean()),
             "encoding": self.encoding,
+            "source": self.source,
             "block_m": s.block_m,
             "block_n": s.block_n,
             "tiles_full": counts["full"],
@@ -615,6 +619,21 @@ class MaskPlan:
         object.__setattr__(self, "_pending", None)
         if self._verified is None:
             self._record()
+
+    def to_block_mask(self):
+        """A FlexAttention ``BlockMask`` with this plan's mask: FULL tiles as full blocks,
+        PARTIAL tiles as partial blocks, and a ``mask_mod`` that reads the row intervals (or
+        the bitmask tiles of ``encoding="bits"`` plans); ``BLOCK_SIZE`` is the plan's tiling,
+        ``[B or 1, H or 1, Tq, Tk]`` as the plan depends on them. ``flex_attention(q, k, v,
+        block_mask=plan.to_block_mask())`` gives the output of ``compilemask.attention``.
+
+        Raises:
+            CompileMaskError: the plan reorders tokens (``tile_grid``); use
+                ``plan.in_permuted_order().to_block_mask()`` with tokens in tiled order.
+        """
+        from .migrate.blockmask import to_block_mask
+
+        return to_block_mask(self)
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> None:

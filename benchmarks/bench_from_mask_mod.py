@@ -1,0 +1,159 @@
+"""Time ``from_mask_mod`` beside FlexAttention's ``create_block_mask`` on the same mask_mods, in
+the same process.
+
+Mask_mods (as a Flex user writes them, ``compilemask.tools.peers.flex_mask_mod`` for the seed
+masks): causal, sliding_window (N/8), document (N/16 random documents, causal), prefix_lm
+(N/4), hstu, shared_prompt and clear (the seed workloads' generators at length N). Systems:
+
+* ``flex-create_block_mask``: ``create_block_mask(mask_mod, None, None, N, N, device)``;
+* ``compilemask-evaluated``: ``from_mask_mod(mask_mod, N, lifting=False, device)`` (blocked
+  evaluation, one pass);
+* ``compilemask-auto``: ``from_mask_mod(mask_mod, N, device)`` (lifted when recognised;
+  ``path`` says which path was taken).
+
+Median of ``--repeat`` warm runs (``time.perf_counter``, a device synchronisation on CUDA), the
+systems alternating within each round.
+Results go to ``benchmarks/results/<cpu|h200>-from-mask-mod-<date>.jsonl``, one JSON line per
+(mask, system) with the git commit. ``COMPILEMASK_COMMIT=...`` names the commit without git.
+
+Usage::
+
+    python benchmarks/bench_from_mask_mod.py --sizes 8192
+    python benchmarks/bench_from_mask_mod.py --sizes 1024 --masks causal hstu --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.tools.peers import flex_mask_mod
+from compilemask.workloads import CLEAR_RADIUS, CLEAR_TEXT_TOK, hstu_users, shared_prompt_groups
+
+MASKS = ("causal", "sliding_window", "document", "prefix_lm", "hstu", "shared_prompt", "clear")
+CLEAR_GRIDS = {1024: (16, 32), 4096: (64, 64), 8192: (64, 128), 16384: (128, 128)}
+
+
+def mask_mod_for(name: str, n: int, device) -> tuple:
+    """``(mask_mod, length)`` of mask ``name`` at about ``n`` tokens."""
+    g = torch.Generator().manual_seed(0)
+    if name == "prefix_lm":
+        p = n // 4
+        return (lambda b, h, q, k: (k <= q) | (k < p)), n
+    if name == "document":
+        cuts = torch.randperm(n - 1, generator=g)[: n // 16 - 1].sort().values + 1
+        lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])])).tolist()
+        return flex_mask_mod(masks.document(lengths), device), n
+    if name == "sliding_window":
+        return flex_mask_mod(masks.sliding_window(n // 8), device), n
+    if name == "hstu":
+        lengths, targets = hstu_users(n, g)
+        return flex_mask_mod(masks.hstu(lengths, targets, contextual=6), device), n
+    if name == "shared_prompt":
+        prompts, responses = shared_prompt_groups(n, g)
+        return flex_mask_mod(masks.shared_prompt(prompts, responses), device), n
+    if name == "clear":
+        gh, gw = CLEAR_GRIDS.get(n, (n // 128, 128))
+        m = masks.clear((gh, gw), CLEAR_RADIUS, CLEAR_TEXT_TOK)
+        return flex_mask_mod(m, device), CLEAR_TEXT_TOK + gh * gw
+    return flex_mask_mod(masks.causal(), device), n
+
+
+def systems_for(mm, n: int, device) -> dict:
+    return {
+        "flex-create_block_mask": lambda: create_block_mask(mm, None, None, n, n, device=device),
+        "compilemask-evaluated": lambda: cm.from_mask_mod(mm, n, device=device, lifting=False),
+        "compilemask-auto": lambda: cm.from_mask_mod(mm, n, device=device),
+    }
+
+
+def medians_s(systems: dict, device, repeat: int) -> dict:
+    """Median seconds per system; the systems alternate within each round, so that a change
+    of load on a shared machine falls on all of them alike."""
+    times = {name: [] for name in systems}
+    for fn in systems.values():
+        fn()
+    for _ in range(repeat):
+        for name, fn in systems.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def commit() -> str:
+    env = os.environ.get("COMPILEMASK_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8192])
+    ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    sha = commit()
+    host = "h200" if device.type == "cuda" else "cpu"
+    date = datetime.date.today().isoformat()
+    out = Path(__file__).parent / "results" / f"{host}-from-mask-mod-{date}.jsonl"
+    rows = []
+    for n0 in args.sizes:
+        for name in args.masks:
+            mm, n = mask_mod_for(name, n0, device)
+            systems = systems_for(mm, n, device)
+            medians = medians_s(systems, device, args.repeat)
+            for system, fn in systems.items():
+                s = medians[system]
+                row = {
+                    "mode": "plan-from-mask-mod",
+                    "system": system,
+                    "mask": name,
+                    "N": n,
+                    "median_ms": round(s * 1e3, 3),
+                    "repeat": args.repeat,
+                    "device": torch.cuda.get_device_name(device)
+                    if device.type == "cuda"
+                    else platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "commit": sha,
+                }
+                if system.startswith("compilemask"):
+                    row["path"] = fn().source
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if not args.no_write:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"wrote {len(rows)} rows to {out}")
+
+
+if __name__ == "__main__":
+    main()

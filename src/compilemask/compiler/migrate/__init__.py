@@ -1,0 +1,141 @@
+"""Plans from a dense boolean mask or a FlexAttention ``mask_mod`` (migration helpers).
+
+``from_mask_mod`` first tries to lift the mask_mod analytically (``lift.py``: traced with
+``torch.fx`` and lowered to row intervals without evaluating the N x N pairs); a mask_mod it
+does not recognise is evaluated in blocks (``evaluate.py``), on broadcast indices when that
+gives FlexAttention's answer, else under ``torch.vmap`` with FlexAttention's scalar semantics
+(``modeval.py``). ``plan.source`` (and ``plan.stats()["source"]``) names the path taken:
+``from_mask_mod:lifted``, ``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. These plans
+are never cached: a closure's captured tensors can change between calls.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...errors import CompileMaskError
+from ..pipeline import positive_int, resolve_device
+from ..plan import MaskPlan, outside_inference_mode
+from . import lift, modeval
+from .blockmask import from_block_mask
+from .evaluate import build_plan, check_dense, chunk_rows
+
+log = logging.getLogger("compilemask.migrate")
+
+__all__ = ["from_block_mask", "from_dense", "from_mask_mod"]
+
+
+@outside_inference_mode
+def from_dense(
+    mask: torch.Tensor, *, block_m: int = 128, block_n: int = 128, device=None
+) -> MaskPlan:
+    """Build a plan from a boolean mask, in one blocked pass (never more than a bounded chunk
+    of rows copied at once).
+
+    Args:
+        mask: bool ``[Nq, Nk]`` (broadcasts over batch and heads) or ``[B, H, Nq, Nk]`` where
+            ``B`` or ``H`` may be 1 (then the plan broadcasts over that axis).
+        block_m, block_n: tile sizes of the default schedule.
+        device: where the plan lives (None: the mask's device).
+
+    Raises:
+        CompileMaskError: not a boolean tensor, or not 2-D / 4-D, or an empty axis.
+
+    Example::
+
+        >>> import torch, compilemask as cm
+        >>> plan = cm.from_dense(torch.ones(4, 4, dtype=torch.bool).tril())
+        >>> plan.row_hi[0, :, 0].tolist()
+        [1, 2, 3, 4]
+    """
+    check_dense(mask)
+    block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
+    device = resolve_device(device, default=mask.device)
+    m4 = mask if mask.dim() == 4 else mask[None, None]
+    b, h, nq, nk = m4.shape
+    rows = chunk_rows(nk, block_m, m4.device)
+
+    def one(bi: int, hi_: int):
+        return (m4[bi, hi_, r : r + rows] for r in range(0, nq, rows))
+
+    def chunks():
+        return (one(bi, hi_) for bi in range(b) for hi_ in range(h))
+
+    batch = b if b > 1 else None
+    heads = h if h > 1 else None
+    return build_plan(chunks, nq, nk, batch, heads, block_m, block_n, device, "from_dense")
+
+
+@outside_inference_mode
+def from_mask_mod(
+    mask_mod,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    device=None,
+    lifting: bool = True,
+) -> MaskPlan:
+    """Build a plan from a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``, giving
+    exactly the mask of ``torch.nn.attention.flex_attention.create_mask``.
+
+    ``b`` runs over ``range(batch)`` and ``h`` over ``range(heads)`` as in FlexAttention; with
+    ``batch=None`` (``heads=None``) the mask_mod is called with ``b = 0`` (``h = 0``) only and
+    the plan broadcasts over the batch (heads), as ``create_block_mask(..., B=None)`` does.
+
+    Paths (``plan.source`` names the one taken; the reason for leaving the lifted path is
+    logged on the ``compilemask.migrate`` logger at INFO):
+
+    1. ``lifted``: the mask_mod is traced with ``torch.fx`` and lowered to row intervals
+       symbolically (comparisons, ``&``, ``|``, ``~``, integer ``+ - * // %``, ``abs``,
+       ``clamp``, ``min``/``max``, gathers from tensors indexed by ``q_idx`` or ``kv_idx``),
+       O(N * K) work without evaluating the N x N pairs.
+    2. ``broadcast``: blocked evaluation with ``q_idx`` ``[rows, 1]`` and ``kv_idx``
+       ``[1, Nk]`` int64 tensors, when a probe shows it gives the same answer as (3).
+    3. ``vmap``: blocked evaluation under ``torch.vmap`` with 0-d indices (FlexAttention's
+       scalar semantics, tensor indexing as ``aten.index``).
+
+    Args:
+        mask_mod: the predicate (PyTorch FlexAttention convention).
+        q_len, kv_len: lengths in tokens (kv_len None: q_len).
+        batch, heads: evaluate per batch row / per query head (the plan then depends on them).
+        block_m, block_n, device: as in :func:`compilemask.compile` (device None: CPU).
+        lifting: try the analytic path first (False: always evaluate).
+
+    Raises:
+        CompileMaskError: bad lengths, a mask_mod that raises (both ways) or returns a
+            non-boolean or wrongly shaped tensor.
+    """
+    q_len = positive_int(q_len, "q_len")
+    kv_len = q_len if kv_len is None else positive_int(kv_len, "kv_len")
+    for v, name in ((batch, "batch"), (heads, "heads")):
+        if v is not None:
+            positive_int(v, name)
+    block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
+    if not callable(mask_mod):
+        raise CompileMaskError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    device = resolve_device(device)
+    bh = [(b, h) for b in range(batch or 1) for h in range(heads or 1)]
+    if lifting:
+        plan = lift.try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device)
+        if plan is not None:
+            return plan
+    mode = modeval.choose_mode(mask_mod, q_len, kv_len, bh, device)
+    call = modeval.evaluator(mask_mod, mode)
+    rows = chunk_rows(kv_len, block_m, device)
+    kv_idx = torch.arange(kv_len, device=device)
+
+    def one(b: int, h: int):
+        for r in range(0, q_len, rows):
+            yield call(b, h, torch.arange(r, min(q_len, r + rows), device=device), kv_idx)
+
+    def chunks():
+        return (one(b, h) for b, h in bh)
+
+    source = f"from_mask_mod:{mode}"
+    return build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source)

@@ -1,0 +1,549 @@
+"""Analytic lifting: a FlexAttention ``mask_mod`` to row intervals without evaluating N x N pairs.
+
+The mask_mod is traced with ``torch.fx`` and its graph is run once per (b, h) on abstract values:
+
+* ``Const``: does not depend on q or kv (a Python value or a tensor);
+* ``QV`` / ``KV``: depends on ``q_idx`` only / ``kv_idx`` only: its value at every query
+  ``[Nq, ...]`` (every key ``[Nk, ...]``), computed with FlexAttention's scalar semantics (the
+  node's operation under ``torch.vmap``, tensor indexing as ``aten.index``) -- gathers from
+  document ids, offsets or lengths land here, O(N);
+* ``Sep``: an integer ``f(q) + g(kv)`` (sums and differences of QV and KV, times constants);
+  ``AbsSep``: ``|f(q) + g(kv)|``;
+* ``Iv``: a boolean of (q, kv) as canonical row intervals ``[Nq or 1, K]``;
+* ``Pending``: an intersection of an ``Iv`` and comparisons ``g(kv) op t(q)`` not yet lowered.
+
+A comparison ``f(q) + g(kv) op 0`` becomes ``g(kv) op -f(q)``. Split the keys into the maximal
+runs on which ``g`` is non-decreasing (or, if fewer, non-increasing: then negate): inside one
+run the keys that satisfy it form one interval, found by a binary search on a sorted key
+``run * span + g``. A row's comparison is lowered inside the intervals it is intersected with
+(``same_doc & (q_logical >= kv_logical)``: the document's keys lie in one run of ``kv_logical``),
+as long as those intervals cross few runs. ``&``, ``|``, ``~`` are interval-set algebra.
+Anything else -- a Python branch on an index, ``%`` or ``//`` of a mixed term, a 2-D table
+indexed by both q and kv -- raises :class:`Unsupported` and the mask_mod is evaluated instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import intervals as iv
+from ..plan import MaskPlan
+from ..tiles import build_tiles
+from . import modeval
+
+log = logging.getLogger("compilemask.migrate")
+
+#: the most key runs one row's intervals may cross when a comparison is lowered inside them
+MAX_RUNS_PER_ROW = 64
+
+
+class Unsupported(Exception):
+    """The mask_mod (or one of its operations) has no analytic form here."""
+
+
+@dataclass
+class QV:
+    t: torch.Tensor
+
+
+@dataclass
+class KV:
+    t: torch.Tensor
+
+
+@dataclass
+class Sep:
+    f: torch.Tensor  # int64 [Nq] or 0-d
+    g: torch.Tensor  # int64 [Nk] or 0-d
+
+
+@dataclass
+class AbsSep:
+    s: Sep
+
+
+@dataclass
+class SumSq:
+    """``sum(s * s for s in terms)`` of separable terms (a disc: ``dy * dy + dx * dx``)."""
+
+    terms: list
+
+
+@dataclass
+class Iv:
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+@dataclass
+class Pending:
+    base: Iv | None
+    cmps: list  # (g [Nk] int64, op, t [Nq] or 0-d int64)
+
+
+_SEP_DTYPES = (torch.int64, torch.int32, torch.bool)
+_MIXED = (Sep, AbsSep, SumSq, Iv, Pending)
+_CMP = {"ge": "ge", "gt": "gt", "le": "le", "lt": "lt", "eq": "eq", "ne": "ne"}
+_FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
+
+
+_REFLECTED = {"rand": "and", "ror": "or", "radd": "add", "rmul": "mul"}  # commutative only
+
+
+def _name(node) -> str:
+    t = node.target
+    name = (t if isinstance(t, str) else getattr(t, "__name__", str(t))).strip("_")
+    return _REFLECTED.get(name, name) if isinstance(t, str) else name
+
+
+class Lifter:
+    def __init__(self, q_len: int, kv_len: int, device):
+        self.nq, self.nk, self.device = q_len, kv_len, device
+        self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
+
+    def runs_of(self, g: torch.Tensor):
+        hit = self._runs.get(id(g))
+        if hit is None or hit[0] is not g:
+            hit = self._runs[id(g)] = (g, _runs(g))
+        return hit[1]
+
+    # ------------------------------------------------------------------ interval sets
+    def full(self) -> Iv:
+        z = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
+        return Iv(z, z + self.nk)
+
+    def canon(self, lo, hi) -> Iv:
+        lo, hi = iv.clip(lo, hi, self.nk)
+        lo, hi, _ = iv.compact_sorted(lo.to(torch.int32), hi.to(torch.int32), self.nk)
+        return Iv(lo, hi)
+
+    def to_iv(self, v) -> Iv:
+        if isinstance(v, Iv):
+            return v
+        if isinstance(v, Pending):
+            return self.resolve(v)
+        if isinstance(v, QV) and v.t.dtype == torch.bool and v.t.dim() == 1:
+            lo = torch.where(v.t, 0, self.nk).to(torch.int32)[:, None]
+            return Iv(lo, torch.full_like(lo, self.nk))
+        if isinstance(v, KV) and v.t.dtype == torch.bool and v.t.dim() == 1:
+            lo, hi, _ = iv.from_dense_rows(v.t[None], self.nk)
+            return Iv(lo, hi)
+        if isinstance(v, (bool, torch.Tensor)) and _is_bool_scalar(v):
+            f = self.full()
+            return f if bool(v) else Iv(f.hi, f.hi.clone())
+        raise Unsupported(f"a {type(v).__name__} value used as a boolean mask")
+
+    def land(self, a: Iv, b: Iv) -> Iv:
+        return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk)[:2])
+
+    def lor(self, a: Iv, b: Iv) -> Iv:
+        return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk)[:2])
+
+    def lnot(self, a: Iv) -> Iv:
+        f = self.full()
+        return Iv(*iv.difference((f.lo, f.hi), (a.lo, a.hi), self.nk)[:2])
+
+    # ------------------------------------------------------------------ comparisons
+    def to_sep(self, v) -> Sep:
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        if isinstance(v, Sep):
+            return v
+        if isinstance(v, (QV, KV)):
+            if v.t.dim() != 1 or v.t.dtype not in _SEP_DTYPES:
+                raise Unsupported(
+                    f"a {v.t.dtype} or non-scalar index value in a q/kv comparison (only "
+                    "int64, int32 and bool values, whose arithmetic does not wrap here, lift)"
+                )
+            t = v.t.to(torch.int64)
+            return Sep(t, zero) if isinstance(v, QV) else Sep(zero, t)
+        if isinstance(v, (int, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
+            c = torch.as_tensor(v, device=self.device)
+            if c.dtype not in _SEP_DTYPES:
+                raise Unsupported(f"a {c.dtype} constant in a q/kv comparison")
+            return Sep(c.to(torch.int64), zero)
+        raise Unsupported(f"a {type(v).__name__} value in integer arithmetic")
+
+    def compare(self, op: str, a, b):
+        if isinstance(b, (AbsSep, SumSq)) and not isinstance(a, (AbsSep, SumSq)):
+            a, b, op = b, a, _FLIP[op]
+        if isinstance(a, SumSq):
+            return self.disc(op, a, b)
+        if isinstance(a, AbsSep):
+            s, r = a.s, self.to_sep(b)
+            neg_r = Sep(-r.f, -r.g)
+            if op in ("le", "lt"):
+                lower = "ge" if op == "le" else "gt"
+                return self.conj(self.compare(lower, s, neg_r), self.compare(op, s, r))
+            if op in ("ge", "gt"):  # |s| >= r is not |s| < r; |s| > r is not |s| <= r
+                return self.lnot(self.to_iv(self.compare("lt" if op == "ge" else "le", a, b)))
+            raise Unsupported(f"abs(...) {op} ...")
+        sa, sb = self.to_sep(a), self.to_sep(b)
+        g = sa.g - sb.g  # g(kv) op t(q)
+        t = sb.f - sa.f
+        if g.dim() == 0:
+            return QV(getattr(torch, op)(g, t).expand(self.nq))
+        if op == "ne":
+            return self.lnot(self.to_iv(Pending(None, [(g, "eq", t)])))
+        return Pending(None, [(g, op, t)])
+
+    def disc(self, op: str, a: SumSq, b) -> Iv:
+        """``s1 * s1 + s2 * s2 op c`` (``c`` an int): per level ``d`` of the term whose key
+        part is monotone, ``s_outer == d`` and ``|s_inner| <= m(d)``; the union of the levels."""
+        if op in ("gt", "ge"):
+            return self.lnot(self.disc("le" if op == "gt" else "lt", a, b))
+        if op not in ("lt", "le") or len(a.terms) != 2 or not _is_int_scalar(b):
+            raise Unsupported("a sum of squares other than s1*s1 + s2*s2 < c")
+        c = int(b) if op == "le" else int(b) - 1  # s1^2 + s2^2 <= c
+        if c < 0:
+            return self.to_iv(False)
+        outer, inner = a.terms
+        if outer.g.dim() == 0 or self.runs_of(outer.g)[2] > 1:
+            outer, inner = inner, outer
+        r = _isqrt(c)
+        if r > 1024:
+            raise Unsupported("a disc of radius above 1024")
+        d = torch.arange(-r, r + 1, device=self.device)
+        m = torch.tensor([_isqrt(c - x * x) for x in range(-r, r + 1)], device=self.device)
+        lv = (d.numel(), 1)  # every level at once: t of shape [L, Nq] (or [L, 1])
+        p = Pending(
+            None,
+            [
+                (outer.g, "eq", d.view(lv) - outer.f),
+                (inner.g, "ge", -m.view(lv) - inner.f),
+                (inner.g, "le", m.view(lv) - inner.f),
+            ],
+        )
+        got = self.resolve(p)  # [L, Nq or 1, K]: disjoint across levels
+        lo = got.lo.expand(d.numel(), self.nq, -1).permute(1, 0, 2).reshape(self.nq, -1)
+        hi = got.hi.expand(d.numel(), self.nq, -1).permute(1, 0, 2).reshape(self.nq, -1)
+        lo, order = torch.sort(lo, -1)
+        return self.canon(lo, torch.gather(hi, -1, order))
+
+    def conj(self, a, b):
+        pa = a if isinstance(a, Pending) else Pending(self.to_iv(a), [])
+        pb = b if isinstance(b, Pending) else Pending(self.to_iv(b), [])
+        if pa.base is None or pb.base is None:
+            base = pa.base if pb.base is None else pb.base
+        else:
+            base = self.land(pa.base, pb.base)
+        return Pending(base, pa.cmps + pb.cmps)
+
+    def resolve(self, p: Pending) -> Iv:
+        cur = p.base if p.base is not None else self.full()
+        cmps = [(self.runs_of(g), op, t) for g, op, t in p.cmps]
+        for runs, op, t in sorted(cmps, key=lambda c: c[0][2]):  # fewest key runs first
+            cur = self.within(cur, runs, op, t)
+        return cur
+
+    def within(self, cur: Iv, runs, op: str, t) -> Iv:
+        """The keys of ``cur`` with ``g(kv) op t(q)``: per interval of a row, per run of
+        ``g`` it crosses, one interval."""
+        key, run, n_runs, run_start, run_end, gmin, span, sign = runs
+        if sign < 0:
+            op, t = _FLIP[op], -t
+        lo, hi = cur.lo.long(), cur.hi.long()
+        live = lo < hi
+        first = run[lo.clamp(max=self.nk - 1)]
+        last = run[(hi - 1).clamp(min=0, max=self.nk - 1)]
+        width = torch.where(live, last - first + 1, 0)
+        s_max = int(width.max()) if width.numel() else 0
+        if s_max == 0:
+            return cur
+        if s_max * lo.shape[-1] > MAX_RUNS_PER_ROW:
+            raise Unsupported(
+                f"a comparison crosses {s_max} monotone runs of its key term in one row"
+            )
+        r = first[..., None] + torch.arange(s_max, device=self.device)  # [rows, K, S]
+        ok = live[..., None] & (r <= last[..., None])
+        r = r.clamp(max=n_runs - 1)
+        a = torch.maximum(lo[..., None], run_start[r])
+        b = torch.minimum(hi[..., None], run_end[r])
+        tq = t if t.dim() == 0 else t.reshape(*t.shape, 1, 1)
+        tt = (tq - gmin + 1).clamp(0, span - 1)
+        target = r * span + tt
+        left, right = _search(key, target)
+        if op == "ge":
+            x, y = left, b
+        elif op == "gt":
+            x, y = right, b
+        elif op == "le":
+            x, y = a, right
+        elif op == "lt":
+            x, y = a, left
+        else:  # eq
+            x, y = left, right
+        x, y = torch.maximum(x, a), torch.minimum(y, b)
+        x = torch.where(ok & (x < y), x, self.nk)
+        y = torch.where(ok & (x < self.nk), y, self.nk)
+        return self.canon(x.flatten(-2), y.flatten(-2))
+
+    # ------------------------------------------------------------------ graph
+    def run(self, gm, b: int, h: int) -> Iv:
+        env = {}
+        args = iter(
+            [
+                torch.tensor(b, device=self.device),
+                torch.tensor(h, device=self.device),
+                QV(torch.arange(self.nq, device=self.device)),
+                KV(torch.arange(self.nk, device=self.device)),
+            ]
+        )
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(args)
+            elif node.op == "get_attr":
+                env[node] = getattr(gm, node.target)
+            elif node.op == "output":
+                out = pytree.tree_map(lambda n: env[n], node.args[0])
+                return self.to_iv(_check_bool(out))
+            else:
+                a = pytree.tree_map(lambda n: env[n] if n in env else n, node.args)
+                kw = pytree.tree_map(lambda n: env[n] if n in env else n, node.kwargs)
+                env[node] = self.call(node, a, kw)
+        raise Unsupported("no output")
+
+    def call(self, node, args, kwargs):
+        leaves = pytree.tree_leaves((args, kwargs))
+        kinds = {type(x) for x in leaves}
+        name = _name(node)
+        if kinds & set(_MIXED) or (QV in kinds and KV in kinds):
+            return self.mixed(name, args, kwargs)
+        fn = _callable(node)
+        if name == "getitem" and not kwargs:
+            direct = _gather(*args)
+            if direct is not None:
+                return direct
+        for cls in (QV, KV):
+            if cls in kinds:
+                return cls(_vmapped(fn, args, kwargs, cls))
+        return fn(*args, **kwargs)
+
+    def mixed(self, name: str, args, kwargs):
+        if name in ("add", "sub", "neg", "mul", "abs") and any(map(_is_bool, args)):
+            raise Unsupported(f"{name} of a bool (torch's own rules differ from integers)")
+        if kwargs:
+            raise Unsupported(f"{name} with keyword arguments on mixed q/kv values")
+        if name in _CMP and len(args) == 2:
+            return self.compare(name, *args)
+        if name in ("and", "logical_and", "bitwise_and") and len(args) == 2:
+            return self.conj(*args)
+        if name in ("or", "logical_or", "bitwise_or") and len(args) == 2:
+            return self.lor(self.to_iv(args[0]), self.to_iv(args[1]))
+        if name in ("invert", "logical_not", "bitwise_not") and len(args) == 1:
+            return self.lnot(self.to_iv(args[0]))
+        if name == "add" and len(args) == 2 and all(isinstance(a, SumSq) for a in args):
+            return SumSq(args[0].terms + args[1].terms)
+        if name in ("add", "sub") and len(args) == 2:
+            a, b = self.to_sep(args[0]), self.to_sep(args[1])
+            if name == "add":
+                return Sep(a.f + b.f, a.g + b.g)
+            return Sep(a.f - b.f, a.g - b.g)
+        if name == "neg" and len(args) == 1:
+            a = self.to_sep(args[0])
+            return Sep(-a.f, -a.g)
+        if name == "mul" and len(args) == 2 and args[0] is args[1] and isinstance(args[0], Sep):
+            return SumSq([args[0]])
+        if name == "mul" and len(args) == 2:
+            a, c = (args[0], args[1]) if _is_int_scalar(args[1]) else (args[1], args[0])
+            if not _is_int_scalar(c):
+                raise Unsupported("a product of two index-dependent values")
+            a = self.to_sep(a)
+            return Sep(a.f * int(c), a.g * int(c))
+        if name == "abs" and len(args) == 1:
+            return AbsSep(self.to_sep(args[0]))
+        raise Unsupported(f"{name} on values that depend on both q_idx and kv_idx")
+
+
+def _runs(g: torch.Tensor):
+    """The sorted key of ``g`` [Nk] over its monotone runs, choosing the direction
+    (non-decreasing, or non-increasing negated) with fewer runs."""
+    best = None
+    for sign in (1, -1):
+        x = g * sign
+        desc = torch.zeros_like(x, dtype=torch.int64)
+        desc[1:] = (x[1:] < x[:-1]).long()
+        run = torch.cumsum(desc, 0)
+        n_runs = int(run[-1]) + 1
+        if best is None or n_runs < best[2]:
+            best = (x, run, n_runs, sign)
+    x, run, n_runs, sign = best
+    gmin, gmax = int(x.min()), int(x.max())
+    span = gmax - gmin + 3
+    key = run * span + (x - gmin + 1)
+    ones = torch.ones_like(run)
+    counts = torch.zeros(n_runs, dtype=torch.int64, device=g.device).scatter_add_(0, run, ones)
+    run_end = torch.cumsum(counts, 0)
+    return key, run, n_runs, run_end - counts, run_end, gmin, span, sign
+
+
+def _isqrt(n: int) -> int:
+    import math
+
+    return math.isqrt(n)
+
+
+def _search(key: torch.Tensor, target: torch.Tensor):
+    """``searchsorted(key, target)`` left and right for a sorted non-negative int64 ``key``:
+    through a table of the key's value range when it is small (O(range + targets), cheaper
+    than a binary search per target on the CPU), else by binary search."""
+    top = int(key[-1]) + 2
+    if top <= 4 * key.numel() + 1024:
+        counts = torch.bincount(key, minlength=top)
+        right_of = torch.cumsum(counts, 0)
+        t = target.clamp(0, top - 1)
+        right = right_of[t]
+        return right - counts[t], right
+    flat = target.reshape(-1)
+    left = torch.searchsorted(key, flat).view(target.shape)
+    return left, torch.searchsorted(key, flat, right=True).view(target.shape)
+
+
+def _gather(table, index):
+    """``table[index]`` for a constant tensor indexed by ints, 0-d integer tensors and one kind
+    of per-index integer values (QV or KV, 1-D): plain advanced indexing gives what vmap with
+    ``aten.index`` gives, without its cost. None for any other form."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not isinstance(table, torch.Tensor) or len(items) > table.dim():
+        return None
+    kinds = {type(i) for i in items if isinstance(i, (QV, KV))}
+    if len(kinds) != 1:
+        return None
+    cls = kinds.pop()
+    idx = []
+    for i in items:
+        t = i.t if isinstance(i, (QV, KV)) else i
+        if isinstance(t, bool) or not isinstance(t, (int, torch.Tensor)):
+            return None
+        t = torch.as_tensor(t, device=table.device)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
+            return None
+        if t.dim() == 1 and not isinstance(i, (QV, KV)):
+            return None
+        idx.append(t)
+    return cls(table[tuple(idx)])
+
+
+def _callable(node):
+    if node.op == "call_method":
+        return lambda self, *a, **k: getattr(self, node.target)(*a, **k)
+    return node.target
+
+
+def _vmapped(fn, args, kwargs, cls):
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    pos = [i for i, x in enumerate(flat) if isinstance(x, cls)]
+    others = [i for i, x in enumerate(flat) if isinstance(x, (QV, KV)) and i not in pos]
+    if others:
+        raise Unsupported("q and kv values in one operation")
+
+    def inner(*vals):
+        leaves = list(flat)
+        for i, v in zip(pos, vals):
+            leaves[i] = v
+        a, k = pytree.tree_unflatten(leaves, spec)
+        return fn(*a, **k)
+
+    with TransformGetItemToIndex():
+        out = torch.vmap(inner)(*[flat[i].t for i in pos])
+    if not isinstance(out, torch.Tensor):
+        raise Unsupported(f"an operation returned {type(out).__name__}")
+    return out
+
+
+def _is_bool(v) -> bool:
+    if isinstance(v, (QV, KV)):
+        return v.t.dtype == torch.bool
+    return isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+
+
+def _is_bool_scalar(v) -> bool:
+    if isinstance(v, bool):
+        return True
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype == torch.bool
+
+
+def _is_int_scalar(v) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return True
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point
+
+
+def _check_bool(out):
+    if isinstance(out, (QV, KV)) and out.t.dtype != torch.bool:
+        raise Unsupported("the mask_mod does not return a bool")
+    if isinstance(out, (Sep, AbsSep)):
+        raise Unsupported("the mask_mod does not return a bool")
+    return out
+
+
+def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
+    """``[(lo, hi, count)]`` per (b, h) of ``bh`` (canonical, ``[Nq, K]``).
+
+    Raises:
+        Unsupported: with the reason, when the mask_mod has no analytic form here.
+    """
+    import torch.fx
+
+    try:
+        gm = torch.fx.symbolic_trace(mask_mod)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure means: evaluate
+        raise Unsupported(f"torch.fx cannot trace it ({type(exc).__name__}: {exc})") from None
+    lifter = Lifter(q_len, kv_len, device)
+    out = []
+    for b, h in bh:
+        ivs = lifter.run(gm, b, h)
+        lo = ivs.lo.expand(q_len, ivs.lo.shape[-1])
+        hi = ivs.hi.expand(q_len, ivs.hi.shape[-1])
+        lo, hi, count = iv.finish_compact(lo, hi, kv_len)
+        out.append((lo, hi, count))
+    return out
+
+
+def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
+    """The lifted intervals against FlexAttention's scalar semantics on a small probe."""
+    q = modeval._probe_points(q_len, modeval._PROBE_Q, device)
+    kv = modeval._probe_points(kv_len, modeval._PROBE_KV, device)
+    for i in sorted({0, len(bh) - 1}):
+        b, h = bh[i]
+        try:
+            want = modeval.call_vmap(mask_mod, b, h, q, kv)
+        except Exception:  # noqa: BLE001 - vmap refuses it: compare with broadcast
+            want = modeval.call_broadcast(mask_mod, b, h, q, kv)
+        lo, hi, _ = parts[i]
+        k = kv[None, None, :]
+        got = ((lo[q][..., None] <= k) & (k < hi[q][..., None])).any(1)
+        if not torch.equal(got, want):
+            return False
+    return True
+
+
+def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device):
+    """A plan of the lifted mask_mod (``source == "from_mask_mod:lifted"``), or None (the
+    reason is logged at INFO on ``compilemask.migrate``)."""
+    try:
+        parts = lift_intervals(mask_mod, q_len, kv_len, bh, device)
+        if not _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device):
+            log.warning("lifted mask_mod disagrees with its evaluation on a probe; evaluating")
+            return None
+    except Unsupported as exc:
+        log.info("mask_mod not lifted: %s", exc)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the evaluation path reports user errors
+        log.info("mask_mod not lifted: %s: %s", type(exc).__name__, exc)
+        return None
+    k = max(p[0].shape[1] for p in parts)
+    lo = torch.stack([iv.pad_k(p[0], p[1], k, kv_len)[0] for p in parts]).contiguous()
+    hi = torch.stack([iv.pad_k(p[0], p[1], k, kv_len)[1] for p in parts]).contiguous()
+    count = torch.stack([p[2] for p in parts]).contiguous()
+    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
+    return MaskPlan(
+        q_len, kv_len, batch, heads, lo, hi, count, schedule, source="from_mask_mod:lifted"
+    )

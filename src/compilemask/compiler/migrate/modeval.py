@@ -1,0 +1,121 @@
+"""Calling a FlexAttention ``mask_mod`` on blocks of (query, key) pairs.
+
+FlexAttention (``create_mask`` / ``create_block_mask``) calls a mask_mod under ``torch.vmap``
+with 0-d index tensors and tensor indexing turned into ``aten.index``
+(``TransformGetItemToIndex``): the *scalar* semantics. Most mask_mods give the same answer when
+called once on broadcast index tensors (``q_idx`` ``[rows, 1]``, ``kv_idx`` ``[1, Nk]``),
+which is cheaper; some do not (``interval = intervals[image_idx]; interval[0]`` takes a row of
+the gathered block instead of the first bound). :func:`choose_mode` decides per mask_mod on a
+small probe: broadcast when it runs there and gives exactly the vmap answer, else vmap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...errors import CompileMaskError
+
+log = logging.getLogger("compilemask.migrate")
+
+_PROBE_Q = 37  # distinct probe sizes, so that a mask_mod that mixes up the axes is caught
+_PROBE_KV = 43
+
+
+def _check_out(out, rows: int, cols: int) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise CompileMaskError(f"mask_mod must return a bool tensor, got {got}")
+    try:
+        return torch.broadcast_to(out, (rows, cols))
+    except RuntimeError:
+        raise CompileMaskError(
+            f"mask_mod returned shape {tuple(out.shape)}, not broadcastable to {(rows, cols)}"
+        ) from None
+
+
+def call_broadcast(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``mask_mod`` on broadcast indices: bool ``[len(q), len(kv)]`` (possibly a broadcast
+    view). ``q``, ``kv``: int64 1-D."""
+    bt = torch.tensor(b, device=q.device)
+    ht = torch.tensor(h, device=q.device)
+    return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
+
+
+def call_vmap(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``mask_mod`` with FlexAttention's scalar semantics (vmapped over b, h, q, kv in its
+    order, tensor indexing as ``aten.index``): bool ``[len(q), len(kv)]``."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    fn = mask_mod
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    fn = torch.vmap(fn, in_dims=(0, None, None, None), out_dims=0)
+    bt = torch.tensor([b], device=q.device)
+    ht = torch.tensor([h], device=q.device)
+    with TransformGetItemToIndex():
+        out = fn(bt, ht, q, kv)
+    if isinstance(out, torch.Tensor) and out.dim() == 4:
+        out = out[0, 0]
+    return _check_out(out, q.numel(), kv.numel())
+
+
+def _probe_points(n: int, k: int, device) -> torch.Tensor:
+    """Up to ``k`` indices in ``[0, n)``: both ends and an even spread between them."""
+    if n <= k:
+        return torch.arange(n, device=device)
+    pts = torch.linspace(0, n - 1, k, device=device).round().long()
+    return torch.unique(torch.cat([pts, torch.tensor([1, n - 2], device=device)]))
+
+
+def _user_error(exc: Exception) -> CompileMaskError:
+    if isinstance(exc, CompileMaskError):
+        return exc
+    err = CompileMaskError(f"mask_mod raised {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def choose_mode(mask_mod, q_len: int, kv_len: int, bh: list[tuple[int, int]], device) -> str:
+    """``"broadcast"`` or ``"vmap"`` for ``mask_mod`` (see the module docstring).
+
+    Raises:
+        CompileMaskError: the mask_mod fails both ways, or returns no bool tensor.
+    """
+    q = _probe_points(q_len, _PROBE_Q, device)
+    kv = _probe_points(kv_len, _PROBE_KV, device)
+    probe_bh = [bh[0]] if len(bh) == 1 else [bh[0], bh[-1]]
+    try:
+        want = [call_vmap(mask_mod, b, h, q, kv) for b, h in probe_bh]
+    except Exception as exc:  # noqa: BLE001 - FlexAttention would refuse it too
+        vmap_error = exc
+        want = None
+    try:
+        got = [call_broadcast(mask_mod, b, h, q, kv) for b, h in probe_bh]
+    except Exception as exc:  # noqa: BLE001 - the mask_mod needs the scalar semantics
+        if want is None:
+            raise _user_error(vmap_error) from vmap_error
+        log.info("mask_mod evaluated under vmap: broadcast call raised %s", type(exc).__name__)
+        return "vmap"
+    if want is None:
+        log.info("mask_mod evaluated on broadcast indices (vmap raised %s)", vmap_error)
+        return "broadcast"
+    if all(torch.equal(g, w) for g, w in zip(got, want)):
+        return "broadcast"
+    log.info("mask_mod evaluated under vmap: broadcast call disagrees on the probe")
+    return "vmap"
+
+
+def evaluator(mask_mod, mode: str):
+    """``f(b, h, q, kv) -> bool [len(q), len(kv)]`` for the chosen mode; a user's exception
+    becomes a :class:`CompileMaskError` naming it."""
+    call = call_broadcast if mode == "broadcast" else call_vmap
+
+    def run(b, h, q, kv):
+        try:
+            return call(mask_mod, b, h, q, kv)
+        except Exception as exc:  # noqa: BLE001 - report the user's error as ours
+            raise _user_error(exc) from exc
+
+    return run
