@@ -10,7 +10,7 @@ Example::
     True
 """
 
-from . import masks
+from . import masks, score_mods
 from .api.functional import attention, explain
 from .compiler.migrate import from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
@@ -34,6 +34,7 @@ __all__ = [
     "from_mask_mod",
     "masks",
     "parse",
+    "score_mods",
     "tile_grid",
     "visible",
 ]

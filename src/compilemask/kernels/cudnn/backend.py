@@ -164,6 +164,16 @@ class CudnnBackend:
         """Whether cuDNN runs this call; (False, reason) otherwise. Reads no tensor data."""
         if torch.compiler.is_compiling():
             return False, UNDER_COMPILE
+        if call.score_mod is not None or call.has_sinks:
+            return False, (
+                "cudnn's interval attention has no score modifiers or sinks; use "
+                'backend="triton" or "reference"'
+            )
+        if call.value_dim != call.head_dim:
+            return False, (
+                f"the cudnn backend runs v's head_dim equal to q's only, got Dqk "
+                f'{call.head_dim}, Dv {call.value_dim}; use backend="triton" or "reference"'
+            )
         if call.return_lse and call.requires_grad:
             return False, (
                 'no gradient through lse on cudnn: call without return_lse, or use backend="triton"'
