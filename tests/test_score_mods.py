@@ -321,11 +321,35 @@ def test_cudnn_and_auto_refuse_what_they_lack():
     fwd_only = sm.custom(_halve_plus_head_torch, _halve_plus_head, aux=torch.ones(1, device=DEVICE))
     with pytest.raises(InputError, match="triton_grad_fn"):
         cm.attention(q, k, v, plan, backend="triton", score_mod=fwd_only)
-    info = cm.explain(plan, q, k, v)
-    assert info["backend"] in ("triton", "reference")
+    info = cm.explain(plan, q, k, v, score_mod=fwd_only)
+    assert info["backend"] == "reference"
+    assert any("triton_grad_fn" in why for name, why in info["skipped"] if name == "triton")
     with torch.no_grad(), override_forward_config(FWD):
         out = cm.attention(q, k, v, plan, backend="triton", score_mod=fwd_only)
     ref, _ = reference_attention(
         q.detach().double(), k.double(), v.double(), plan, score_mod=fwd_only
     )
     assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ bench
+def test_bench_checks_a_score_mod_system_against_the_modified_reference(monkeypatch):
+    """A system with ``score_mod`` is checked against the reference with that modifier: the
+    reference's own softcap row passes, an unmodified output fails."""
+    from compilemask.tools import bench
+    from compilemask.workloads import Workload
+
+    monkeypatch.setattr(bench, "time_ms", lambda runner, bwd: 1.0)
+    mask = cm.masks.causal()
+    plan = cm.compile(mask, 64)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(4))
+    case = bench.Case(Workload("causal", 64, 64, 1, mask), plan, q, k, v, do, 64 * 65 / 2)
+    env = {"date": "d", "gpu": "cpu", "torch": "t", "triton": "t", "commit": "c"}
+    always = lambda: (True, "")  # noqa: E731
+    for mod in ("softcap", "alibi"):
+        good = bench.System("ref-mod", always, bench._compilemask("reference", mod), score_mod=mod)
+        bad = bench.System("ref-plain", always, bench._compilemask("reference"), score_mod=mod)
+        for mode in ("fwd", "fwd+bwd"):
+            assert bench.measure(good, case, mode, env)["status"] == "ok"
+        assert bench.measure(bad, case, "fwd", env)["status"] == "failed"

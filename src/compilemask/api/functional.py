@@ -170,8 +170,17 @@ def _run(impl, q, k, v, plan, prepared, scale, call, extra=None):
     return impl.forward(q, k, v, plan, prepared, scale)
 
 
-def explain(plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
-    """Which backend ``backend="auto"`` runs for these inputs, and why.
+def explain(
+    plan: MaskPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    score_mod=None,
+    sinks: torch.Tensor | None = None,
+) -> dict:
+    """Which backend ``backend="auto"`` runs for these inputs (and ``score_mod`` / ``sinks``,
+    as :func:`attention` takes them), and why.
 
     Returns:
         ``{"backend": name, "reason": str, "skipped": [(name, why), ...]}``: the row of
@@ -186,6 +195,9 @@ def explain(plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     """
     validate.check_tensors(q, k, v)
     validate.check_plan(q, k, plan)
-    info = registry.explain_call(plan, call_of(q, k, v, False))
+    score_mod = validate.check_score_mod(score_mod, q, k, plan)
+    validate.check_sinks(sinks, q)
+    call = call_of(q, k, v, False, score_mod=score_mod, sinks=sinks)
+    info = registry.explain_call(plan, call)
     info["shape_class"] = dict(plan.shape_class)
     return info

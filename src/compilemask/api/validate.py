@@ -35,7 +35,7 @@ def check_tensors(q: object, k: object, v: object) -> None:
             )
     if k.shape[:3] != v.shape[:3]:
         raise InputError(
-            f"k and v must have the same [B, Hkv, Nk] (v's head_dim may differ), got k "
+            f"k and v must have the same shape in [B, Hkv, Nk] (v's head_dim may differ), got k "
             f"{_shape(k)} and v {_shape(v)}"
         )
     B, Hq, _, D = q.shape

@@ -363,7 +363,9 @@ def _attn_bwd_dkdv(
             DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
             SlotCol = Slot + tile_col
             ds_row0 = (bh * ds_tiles).to(tl.int32)
-        tbl = tl.zeros([NB_PAD], dtype=tl.float32)
+        tbl = 0.0
+        if TABLE_STAGE >= 0:
+            tbl = tl.zeros([NB_PAD], dtype=tl.float32)
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv, tbl = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
