@@ -33,7 +33,7 @@ from compilemask.testing import check_close  # noqa: E402
 from conftest import DEVICE  # noqa: E402
 
 pytestmark = pytest.mark.kernel
-N, B, HQ, HKV = 40, 1, 2, 1
+N, B, HQ, HKV = 40, 2, 2, 1
 FWD = FwdConfig(16, 32, 4, 1)
 BWD = BwdConfig(16, 32, 4, 1, 32, 32, 4, 1)
 BWD_DS = BwdConfig(16, 32, 4, 1, 16, 32, 4, 1, ds_dq=1)
