@@ -5,11 +5,12 @@ A modifier is a chain of up to :data:`MAX_STAGES` stages applied to the scaled s
 ``MOD0`` .. ``MOD3``; 0 = none, so a call without a modifier compiles the kernels exactly as
 before) and reads its data from three flat buffers built by :func:`pack`:
 
-- ``ModF`` float32: softcap's cap, ALiBi's slopes [Hq], the relative-bias table [Hq, NB], the
-  additive bias [Bb, Hb, Nq, Nk], a custom modifier's aux tensor;
-- ``ModI`` int32: the relative-bias bucket of every relative position ``k - q`` (length
-  Nq + Nk - 1, index ``k - q + Nq - 1``), computed on the host by the same torch function as
-  the reference, so that kernel and oracle agree on every bucket;
+- ``ModF`` float32: softcap's cap, ALiBi's slopes [Hq], the relative bias of every head and
+  relative position ``table[h, bucket(k - q)]`` [Hq, Nq + Nk - 1] (index ``k - q + Nq - 1``;
+  one load per score), the additive bias [Bb, Hb, Nq, Nk], a custom modifier's aux tensor;
+- ``ModI`` int32: the relative-bias bucket of every relative position (for the table's
+  gradient). Buckets are computed on the host by the same torch function as the reference,
+  so that kernel and oracle agree on every bucket;
 - ``ModMeta`` int64 [MAX_STAGES, 8]: per stage ``[f_off, i_off, g_off, nb, stride_b,
   stride_h, learnable, 0]``.
 
@@ -71,12 +72,11 @@ def _stage(
     elif KIND == 2:  # alibi: s + slope_h * (kv - q)
         slope = tl.load(ModF + tl.load(meta) + h)
         s = s + slope * (kv_idx - q_idx).to(tl.float32)
-    elif KIND == 3:  # relative bias: s + table[h, bucket(kv - q)]
-        nb = tl.load(meta + 3)
+    elif KIND == 3:  # relative bias: s + table[h, bucket(kv - q)], gathered on the host
+        n_rel = Nq + Nk - 1
         rel = kv_idx - q_idx + Nq - 1
-        ok = (rel >= 0) & (rel < Nq + Nk - 1)
-        bucket = tl.load(ModI + tl.load(meta + 1) + rel, mask=ok, other=0)
-        s = s + tl.load(ModF + tl.load(meta) + h * nb + bucket, mask=ok, other=0.0)
+        ok = (rel >= 0) & (rel < n_rel)
+        s = s + tl.load(ModF + tl.load(meta) + h * n_rel + rel, mask=ok, other=0.0)
     elif KIND == 4:  # bias: s + bias[b, h, q, kv]
         ok = (q_idx < Nq) & (kv_idx < Nk)
         off = tl.load(meta) + b * tl.load(meta + 4) + h * tl.load(meta + 5)
@@ -303,11 +303,11 @@ def pack(mod, Nq: int, Nk: int, device) -> Packed:
         elif st.kind == ALIBI:
             data = st.slopes.detach().reshape(-1)
         elif st.kind == RELATIVE_BIAS:
-            data = st.table.detach().reshape(-1)
             lut = relative_buckets(
                 torch.arange(-(Nq - 1), Nk, device=device), st.num_buckets, st.max_distance,
                 st.bidirectional,
             ).to(torch.int32)  # fmt: skip
+            data = st.table.detach().to(torch.float32)[:, lut.long()].reshape(-1)
             meta[n, 1] = i_len
             meta[n, 3] = st.num_buckets
             ints.append(lut)
