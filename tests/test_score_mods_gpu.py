@@ -34,12 +34,13 @@ def _check(plan, make, learn, sinks=None, D=128, Dv=128):
 
     def run(kind):
         ins = [t.detach().clone() for t in (q, k, v)]
-        ex = [t.detach().clone().float() for t in extra]
+        ex = [t.detach().clone().float().cuda() for t in extra]
         if kind == "ref64":
             ins, ex = [t.double() for t in ins], [t.double() for t in ex]
         ins = [t.requires_grad_() for t in ins + ex]
         snk = ins[3] if sinks is not None else None
         mod = make(ins[3 + (sinks is not None) :])
+        mod = None if mod is None else sm.as_score_mod(mod)
         if kind == "triton":
             out = cm.attention(*ins[:3], plan, backend="triton", score_mod=mod, sinks=snk)
         else:
