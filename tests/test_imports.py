@@ -26,12 +26,14 @@ ROOT = SRC / PKG
 PYPROJECT = SRC.parent / "pyproject.toml"
 
 # Layer of each top-level package or module of compilemask; a module may import from its own
-# layer or lower ones. masks / workloads build language IR, so they sit with the language.
+# layer or lower ones. masks / workloads build language IR, so they sit with the language;
+# score_mods (modifier objects, read by kernels and api) sits there too.
 LAYERS = {
     "errors": 0,
     "language": 1,
     "masks": 1,
     "workloads": 1,
+    "score_mods": 1,  # score modifiers: descriptions and their torch twins (errors, torch)
     "compiler": 2,
     "kernels": 3,
     "api": 4,

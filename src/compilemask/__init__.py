@@ -10,7 +10,7 @@ Example::
     True
 """
 
-from . import masks
+from . import masks, score_mods
 from .api.functional import attention, explain
 from .compiler.migrate import from_block_mask, from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
@@ -36,6 +36,7 @@ __all__ = [
     "load_plan",
     "masks",
     "parse",
+    "score_mods",
     "tile_grid",
     "visible",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..compiler.plan import MaskPlan
+from ..errors import InputError
 from ..kernels import registry
 from ..kernels.interface import call_of
 from . import validate
@@ -68,6 +69,8 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     check_plan: bool = False,
+    score_mod=None,
+    sinks: torch.Tensor | None = None,
 ):
     """Masked attention ``softmax(scale * q @ k^T + mask) @ v`` with the mask of ``plan``.
 
@@ -77,8 +80,10 @@ def attention(
 
     Args:
         q: [B, Hq, Nq, D] float16 or bfloat16 (float32 also works; float64 on the reference).
-        k, v: [B, Hkv, Nk, D], same dtype and device as q, Hq % Hkv == 0.
-            D (head_dim) is one of 32, 64, 96, 128, 256. Any strides.
+        k: [B, Hkv, Nk, D], v: [B, Hkv, Nk, Dv], same dtype and device as q, Hq % Hkv == 0.
+            D and Dv (head_dims) are each one of 32, 64, 96, 128, 192, 256 and may differ
+            (e.g. D 192, Dv 128; reference and Triton; cudnn needs D == Dv, not 192). Any
+            strides.
         plan: a :class:`MaskPlan` compiled for (Nq, Nk), on q's device, and for this B / Hq
             when its mask depends on the batch row / head. A plan of a ``tile_grid`` mask
             carries a permutation: q, k, v are given (and out returned) in the original token
@@ -96,6 +101,14 @@ def attention(
             they enter (constructors, copies, unpickling, ``MaskPlan.load``) and refused when
             modified afterwards, so this is for debugging. Under ``torch.compile`` only the
             shape checks run (call ``plan.verify()`` before compiled code sees a plan).
+        score_mod: a :mod:`compilemask.score_mods` modifier, or a list of them (applied left
+            to right), changing the scaled scores before the mask: softcap, alibi,
+            relative_bias, bias, custom (docs/score-mods.md). Gradients flow to its learnable
+            tensors (relative_bias's table, bias's tensor). Reference and Triton (eager
+            calls; under ``torch.compile`` the reference); not with ``tile_grid`` plans.
+        sinks: [Hq] float tensor of per-head sink logits (gpt-oss; may require grad): each
+            row's softmax denominator gets ``+ exp(sink_h)``, and the sink adds no value. A
+            row that sees no key then gives out 0 and lse = sink_h; lse includes the sink.
 
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
     backward kernels, also under ``torch.compile``; cudnn: cuDNN-frontend's backward;
@@ -105,7 +118,7 @@ def attention(
     differentiated again).
 
     Returns:
-        out [B, Hq, Nq, D] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32
+        out [B, Hq, Nq, Dv] in q's dtype; with ``return_lse``, ``(out, lse)`` with lse float32
         [B, Hq, Nq] (natural log; -inf for rows that see no key).
 
     Raises:
@@ -126,33 +139,48 @@ def attention(
     validate.check_tensors(q, k, v)
     validate.check_plan(q, k, plan, full=check_plan)
     scale = validate.check_scale(scale, q.shape[-1])
-    call = call_of(q, k, v, return_lse)
+    score_mod = validate.check_score_mod(score_mod, q, k, plan)
+    validate.check_sinks(sinks, q)
+    call = call_of(q, k, v, return_lse, score_mod=score_mod, sinks=sinks)
     impl = registry.resolve(backend, plan, call)
     prepared = impl.prepare(plan, call)
+    extra = {} if score_mod is None and sinks is None else {"score_mod": score_mod, "sinks": sinks}
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
         gather = getattr(impl, "gather_tokens", None)
         q, k, v = (_permute_tokens(t, perm, inv, gather) for t in (q, k, v))
-        out, lse = _run(impl, q, k, v, plan, prepared, scale, call)
+        out, lse = _run(impl, q, k, v, plan, prepared, scale, call, extra)
         out = _permute_tokens(out, inv, perm, gather)
         lse = None if lse is None else _permute_tokens(lse, inv, perm, gather)
     else:
-        out, lse = _run(impl, q, k, v, plan, prepared, scale, call)
+        out, lse = _run(impl, q, k, v, plan, prepared, scale, call, extra)
     return (out, lse) if return_lse else out
 
 
-def _run(impl, q, k, v, plan, prepared, scale, call):
-    """``(out, lse)`` of inputs in the plan's (tiled) token order, with gradients."""
+def _run(impl, q, k, v, plan, prepared, scale, call, extra=None):
+    """``(out, lse)`` of inputs in the plan's (tiled) token order, with gradients; ``extra``
+    holds ``score_mod`` / ``sinks`` when given (only backends with ``attend`` run them)."""
     attend = getattr(impl, "attend", None)
     if attend is not None:
-        return attend(q, k, v, plan, prepared, scale, call)
+        return attend(q, k, v, plan, prepared, scale, call, **(extra or {}))
+    if extra:
+        raise InputError(f"backend={impl.name!r} does not run score_mod or sinks")
     if call.requires_grad:
         return BackendAttention.apply(q, k, v, impl, plan, prepared, scale)
     return impl.forward(q, k, v, plan, prepared, scale, need_lse=call.return_lse)
 
 
-def explain(plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
-    """Which backend ``backend="auto"`` runs for these inputs, and why.
+def explain(
+    plan: MaskPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    score_mod=None,
+    sinks: torch.Tensor | None = None,
+) -> dict:
+    """Which backend ``backend="auto"`` runs for these inputs (and ``score_mod`` / ``sinks``,
+    as :func:`attention` takes them), and why.
 
     Returns:
         ``{"backend": name, "reason": str, "skipped": [(name, why), ...]}``: the row of
@@ -167,6 +195,9 @@ def explain(plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     """
     validate.check_tensors(q, k, v)
     validate.check_plan(q, k, plan)
-    info = registry.explain_call(plan, call_of(q, k, v, False))
+    score_mod = validate.check_score_mod(score_mod, q, k, plan)
+    validate.check_sinks(sinks, q)
+    call = call_of(q, k, v, False, score_mod=score_mod, sinks=sinks)
+    info = registry.explain_call(plan, call)
     info["shape_class"] = dict(plan.shape_class)
     return info

@@ -3,7 +3,8 @@
 numbers). All checks read shapes, dtypes and devices only, so they cost nothing under
 ``torch.compile``.
 
-Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D head_dim.
+Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D head_dim of
+q and k, Dv head_dim of v.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def check_tensors(q: object, k: object, v: object) -> None:
-    """Shapes, dtypes and devices of q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D]."""
+    """Shapes, dtypes and devices of q [B, Hq, Nq, D], k [B, Hkv, Nk, D] and v
+    [B, Hkv, Nk, Dv] (Dv may differ from D)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -31,9 +33,10 @@ def check_tensors(q: object, k: object, v: object) -> None:
             raise InputError(
                 f"{name} must have 4 dims [B, H, N, D], got {t.dim()} dims with shape {_shape(t)}"
             )
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise InputError(
-            f"k and v must have the same shape [B, Hkv, Nk, D], got k {_shape(k)} and v {_shape(v)}"
+            f"k and v must have the same shape in [B, Hkv, Nk] (v's head_dim may differ), got k "
+            f"{_shape(k)} and v {_shape(v)}"
         )
     B, Hq, _, D = q.shape
     if k.shape[0] != B:
@@ -50,11 +53,12 @@ def check_tensors(q: object, k: object, v: object) -> None:
             f"query heads Hq={Hq} must be a multiple of key/value heads Hkv={Hkv} (GQA/MQA); "
             f"q {_shape(q)}, k {_shape(k)}"
         )
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise InputError(
-            f"head_dim={D} is not supported (q {_shape(q)}); supported head_dim values are "
-            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
-        )
+    for name, t in (("q", q), ("v", v)):
+        if t.shape[3] not in SUPPORTED_HEAD_DIMS:
+            raise InputError(
+                f"head_dim={t.shape[3]} of {name} is not supported ({name} {_shape(t)}); "
+                f"supported head_dim values are {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise InputError(
             f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
@@ -137,3 +141,41 @@ def check_scale(scale: object, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise InputError(f"scale must be a positive finite float, got {scale}")
     return scale
+
+
+def check_sinks(sinks: object, q: torch.Tensor) -> None:
+    """``sinks``: a floating-point tensor [Hq] on q's device (any float dtype; learnable)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise InputError(f"sinks must be a torch.Tensor [Hq] or None, got {type(sinks).__name__}")
+    Hq = q.shape[1]
+    if sinks.dim() != 1 or sinks.shape[0] != Hq:
+        raise InputError(
+            f"sinks must have shape [Hq] = [{Hq}] (one logit per query head), got {_shape(sinks)}"
+        )
+    if not sinks.is_floating_point():
+        raise InputError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise InputError(f"sinks are on {sinks.device} but q is on {q.device}")
+
+
+def check_score_mod(score_mod: object, q: torch.Tensor, k: torch.Tensor, plan: MaskPlan):
+    """``score_mod``: None, a :mod:`compilemask.score_mods` modifier or a list of them (their
+    composition); returns the modifier (a list becomes ``compose(*list)``) after checking its
+    tensors against q [B, Hq, Nq, D] and k [B, Hkv, Nk, D]. Position-dependent modifiers see
+    the plan's token positions, so a ``tile_grid`` plan (which runs in a permuted order) takes
+    none."""
+    if score_mod is None:
+        return None
+    from .. import score_mods
+
+    mod = score_mods.as_score_mod(score_mod)
+    if plan.permutation is not None:
+        raise InputError(
+            "score_mod is not supported with a tile_grid plan (the kernels run in a permuted "
+            "token order); compile the mask without tile_grid"
+        )
+    B, Hq, Nq, _ = q.shape
+    mod.check(B, Hq, Nq, k.shape[2], q.device)
+    return mod

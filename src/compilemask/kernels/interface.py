@@ -15,8 +15,14 @@ resolves the backend through the registry, and calls:
    autograd: the Triton backend's custom ops and their eager twin), else ``forward`` and
    ``backward`` through the api's generic ``autograd.Function``.
 
-Shapes: q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D]; out like q in q's dtype; lse float32
-[B, Hq, Nq], natural log, -inf for rows that see no key (whose out is 0).
+Shapes: q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] (Dv may differ from D: the
+call's ``head_dim_v``); out [B, Hq, Nq, Dv] in q's dtype; lse float32 [B, Hq, Nq], natural
+log, -inf for rows that see no key (whose out is 0; with sinks, lse is the sink's logit).
+
+Score modifiers and sinks (``docs/score-mods.md``): the call records them (``score_mod``,
+``has_sinks``); a backend that lacks them refuses them in ``supports`` with its reason. A
+backend that runs them has ``attend``, which receives them as the keyword arguments
+``score_mod`` and ``sinks`` (the generic ``forward`` / ``backward`` pair never sees them).
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ import torch
 if TYPE_CHECKING:
     from ..compiler.plan import MaskPlan
 
-#: head_dim values ``compilemask.attention`` accepts (every backend of the package runs them;
-#: a backend that runs fewer says so in ``supports``).
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 256)
+#: head_dim values ``compilemask.attention`` accepts for q / k and for v (a backend that runs
+#: fewer, or only equal ones, says so in ``supports``; cudnn runs no 192).
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 192, 256)
 
 #: Input dtypes ``compilemask.attention`` accepts (each backend narrows them in ``supports``).
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
@@ -56,6 +62,14 @@ class AttentionCall:
     device: torch.device
     requires_grad: bool  # a backward will be asked for
     return_lse: bool
+    head_dim_v: int | None = None  # v's head_dim (None: head_dim)
+    score_mod: object = None  # a compilemask.score_mods modifier, or None
+    has_sinks: bool = False  # per-head sink logits were given
+
+    @property
+    def value_dim(self) -> int:
+        """v's head_dim (Dv)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 @runtime_checkable
@@ -91,12 +105,27 @@ class Backend(Protocol):
         ...
 
 
-def call_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool) -> AttentionCall:
-    """The :class:`AttentionCall` of validated q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D]."""
+def call_of(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    return_lse: bool,
+    *,
+    score_mod: object = None,
+    sinks: torch.Tensor | None = None,
+) -> AttentionCall:
+    """The :class:`AttentionCall` of validated q [B, Hq, Nq, D], k [B, Hkv, Nk, D] and v
+    [B, Hkv, Nk, Dv]; a backward is asked for when grad mode is on and q, k, v, the sinks or
+    a learnable tensor of ``score_mod`` requires grad."""
     B, Hq, Nq, D = q.shape
     requires_grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (sinks is not None and sinks.requires_grad)
+        or (score_mod is not None and score_mod.requires_grad())
     )
     return AttentionCall(
-        B, Hq, k.shape[1], Nq, k.shape[2], D, q.dtype, q.device, requires_grad, return_lse
-    )
+        B, Hq, k.shape[1], Nq, k.shape[2], D, q.dtype, q.device, requires_grad, return_lse,
+        v.shape[3], score_mod, sinks is not None,
+    )  # fmt: skip

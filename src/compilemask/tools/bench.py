@@ -54,19 +54,23 @@ from .bench_systems import (  # noqa: F401 - re-exported: the registry lives the
     case_options,
     flex_block_mask,
     make_case,
+    score_mod_of,
     visible_pairs,
 )
 
 # ------------------------------------------------------------------------------ checking
 
 
-def references(case: Case, bwd: bool) -> dict:
+def references(case: Case, bwd: bool, score_mod: str | None = None) -> dict:
     """float64 and same-dtype references on the first :data:`CHECK_HEADS` heads (cached):
-    ``out64, outdt`` and, with ``bwd``, ``grads64, gradsdt`` (dq, dk, dv)."""
+    ``out64, outdt`` and, with ``bwd``, ``grads64, gradsdt`` (dq, dk, dv); with
+    ``score_mod`` (a :data:`~.bench_systems.SCORE_MODS` name) those of the modified scores."""
     from ..kernels.reference import reference_attention, reference_attention_backward
 
-    refs = case.cache.setdefault("refs", {})
     h = CHECK_HEADS if case.plan.heads is None else case.q.shape[1]
+    if score_mod is not None:
+        return _modded_references(case, bwd, score_mod, h)
+    refs = case.cache.setdefault("refs", {})
     dtype = case.q.dtype
     q, k, v, do = (t[:, :h] for t in (case.q, case.k, case.v, case.dout))
     if "out64" not in refs:
@@ -81,6 +85,32 @@ def references(case: Case, bwd: bool) -> dict:
         refs["gradsdt"] = reference_attention_backward(
             q, k, v, case.plan, do, compute_dtype=torch.float32, matmul_dtype=dtype
         )
+    refs["heads"], refs["dtype"] = h, dtype
+    return refs
+
+
+def _modded_references(case: Case, bwd: bool, name: str, h: int) -> dict:
+    """:func:`references` with the score modifier ``name``, through torch autograd of the
+    reference (its explicit backward takes no modifier)."""
+    from ..kernels.reference import reference_attention
+
+    refs = case.cache.setdefault(("refs", name), {})
+    dtype = case.q.dtype
+    mod = score_mod_of(name, case.q.shape[1], case.device, first=h)
+    for tag, cd, mm in (("64", torch.float64, None), ("dt", torch.float32, dtype)):
+        if f"out{tag}" in refs and (not bwd or f"grads{tag}" in refs):
+            continue
+        leaf = torch.float64 if cd == torch.float64 else dtype  # float64 gradients for ref64
+        q, k, v = (t[:, :h].detach().to(leaf).requires_grad_(bwd) for t in (case.q, case.k, case.v))
+        with torch.set_grad_enabled(bwd):
+            out, _ = reference_attention(
+                q, k, v, case.plan, compute_dtype=cd, matmul_dtype=mm, score_mod=mod
+            )
+        refs[f"out{tag}"] = out.detach()
+        if bwd:
+            refs[f"grads{tag}"] = torch.autograd.grad(
+                out, (q, k, v), case.dout[:, :h].to(out.dtype)
+            )
     refs["heads"], refs["dtype"] = h, dtype
     return refs
 
@@ -180,7 +210,9 @@ def measure(system: System, case: Case, mode: str, env: dict, check: bool = True
         extra["plan_bytes"] = int(case.plan.nbytes)
     runner = None
     try:
-        refs = references(case, bwd) if check else None  # shared by the systems of a case
+        refs = (
+            references(case, bwd, system.score_mod) if check else None
+        )  # shared by the systems of a case
         t0 = time.perf_counter()
         runner = system.prepare(case, bwd)
         err = bound = None

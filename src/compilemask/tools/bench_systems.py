@@ -137,6 +137,8 @@ class System:
             the first call), never inside the timed loop.
         applies: ``(workload name, N) -> (ok, reason)``: whether it runs this case.
         supports_bwd: whether ``fwd+bwd`` is measured.
+        score_mod: None, or the name of a :data:`SCORE_MODS` entry the system applies (its
+            output is checked against the reference with the same modifier).
     """
 
     name: str
@@ -144,6 +146,36 @@ class System:
     prepare: Callable[[Case, bool], Runner]
     applies: Callable[[str, int], tuple[bool, str]] = lambda name, n: (True, "")
     supports_bwd: bool = True
+    score_mod: str | None = None
+
+
+#: Logit cap of the softcap rows (Gemma 2's attention softcap).
+SOFTCAP = 50.0
+#: Score modifiers of the score-modifier rows: ours (``compilemask.score_mods``) and the same
+#: formula as a FlexAttention ``score_mod``.
+SCORE_MODS = ("softcap", "alibi")
+
+
+def score_mod_of(name: str, heads: int, device, first: int | None = None):
+    """Our modifier ``name`` for ``heads`` query heads (ALiBi's slopes of ``heads`` heads,
+    restricted to the ``first`` ones for the checks on the first heads)."""
+    from .. import score_mods as sm
+
+    if name == "softcap":
+        return sm.softcap(SOFTCAP)
+    slopes = sm.alibi_slopes(heads, device)
+    return sm.alibi(slopes if first is None else slopes[:first])
+
+
+def flex_score_mod(name: str, heads: int, device):
+    """The same modifier as a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)``."""
+    if name == "softcap":
+        cap = SOFTCAP
+        return lambda score, b, h, q, k: cap * torch.tanh(score / cap)
+    from ..score_mods import alibi_slopes
+
+    slopes = alibi_slopes(heads, device)
+    return lambda score, b, h, q, k: score + slopes[h] * (k - q).to(score.dtype)
 
 
 def _cuda() -> tuple[bool, str]:
@@ -218,12 +250,19 @@ def _triton_ok() -> tuple[bool, str]:
     return ok, why
 
 
-def _compilemask(backend: str) -> Callable[[Case, bool], Runner]:
+def _compilemask(backend: str, score_mod: str | None = None) -> Callable[[Case, bool], Runner]:
     def prepare(case: Case, grad: bool) -> Runner:
         from ..api.functional import attention
 
         q, k, v = _bhsd_leaves(case, grad)
         plan = case.plan
+        if score_mod is not None:
+            mod = score_mod_of(score_mod, q.shape[1], case.device)
+            return Runner(
+                lambda: attention(q, k, v, plan, backend=backend, score_mod=mod),
+                (q, k, v),
+                case.dout,
+            )
         return Runner(lambda: attention(q, k, v, plan, backend=backend), (q, k, v), case.dout)
 
     return prepare
@@ -295,11 +334,16 @@ def flex_block_mask(case: Case):
     return case.cache["block_mask"]
 
 
-def _flex(kernel_options: dict | None) -> Callable[[Case, bool], Runner]:
+def _flex(
+    kernel_options: dict | None, score_mod: str | None = None
+) -> Callable[[Case, bool], Runner]:
     def prepare(case: Case, grad: bool) -> Runner:
         flex = _flex_compiled()
         bm = flex_block_mask(case)
         q, k, v = _bhsd_leaves(case, grad)
+        if score_mod is not None:
+            mod = flex_score_mod(score_mod, q.shape[1], case.device)
+            return Runner(lambda: flex(q, k, v, score_mod=mod, block_mask=bm), (q, k, v), case.dout)
         if kernel_options:
             opts = dict(kernel_options)
             return Runner(
@@ -446,6 +490,18 @@ SYSTEMS: tuple[System, ...] = (
         _all(_sdpa_available("FLASH_ATTENTION"), _cuda),
         _sdpa("FLASH_ATTENTION"),
         applies=_causal_only,
+    ),
+    *(
+        System(name, ok, prepare, score_mod=mod)
+        for mod in SCORE_MODS
+        for name, ok, prepare in (
+            (
+                f"compilemask-triton-{mod}",
+                _all(_triton_installed, _cuda, _triton_ok),
+                _compilemask("triton", mod),
+            ),
+            (f"flex-triton-{mod}", _FLEX_OK, _flex(None, mod)),
+        )
     ),
     System(
         "compilemask-reference", lambda: (True, ""), _compilemask("reference"), applies=_small_only

@@ -28,10 +28,14 @@ class ReferenceBackend:
         """The plan without its permutation (q, k, v arrive in its tiled order)."""
         return plan.in_permuted_order()
 
-    def attend(self, q, k, v, plan, prepared, scale: float, call: AttentionCall):
+    def attend(
+        self, q, k, v, plan, prepared, scale: float, call: AttentionCall, *, score_mod=None,
+        sinks=None,
+    ):  # fmt: skip
         """``(out, lse)`` through torch autograd (the api calls this instead of forward /
-        backward: the reference is differentiable as it stands)."""
-        out, lse = reference_attention(q, k, v, prepared, scale)
+        backward: the reference is differentiable as it stands, in the sinks and the score
+        modifier's tensors too)."""
+        out, lse = reference_attention(q, k, v, prepared, scale, score_mod=score_mod, sinks=sinks)
         return out.to(q.dtype), lse.to(torch.float32)
 
     def forward(self, q, k, v, plan, prepared, scale: float, need_lse: bool = True):

@@ -63,27 +63,52 @@ def _chunk_attention(
     scale: float,
     compute_dtype: torch.dtype,
     matmul_dtype: torch.dtype,
+    score_mod=None,
+    sinks: torch.Tensor | None = None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped chunk: q [B, Hkv, G, n, D], k / v [B, Hkv, 1, Nk, D]; out in compute_dtype."""
+    """Grouped chunk: q [B, Hkv, G, n, D], k [B, Hkv, 1, Nk, D], v [B, Hkv, 1, Nk, Dv]; out
+    in compute_dtype. ``score_mod`` (a ``compilemask.score_mods`` modifier) changes the scaled
+    scores before the mask, with the indices b, h, q (``start`` + row) and kv broadcast
+    against the scores; ``sinks`` [Hq] add ``exp(sink_h)`` to every row's denominator (and
+    to its lse)."""
     scores = torch.matmul(q.to(matmul_dtype), k.to(matmul_dtype).transpose(-1, -2))
     scores = scores.to(compute_dtype) * scale
+    if score_mod is not None:
+        B, Hkv, G, n, Nk = scores.shape
+        dev = scores.device
+        b = torch.arange(B, device=dev).view(B, 1, 1, 1, 1)
+        h = torch.arange(Hkv * G, device=dev).view(1, Hkv, G, 1, 1)
+        qi = (start + torch.arange(n, device=dev)).view(1, 1, 1, n, 1)
+        ki = torch.arange(Nk, device=dev).view(1, 1, 1, 1, Nk)
+        scores = score_mod(scores, b, h, qi, ki)
     scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.amax(-1, keepdim=True)
+    if sinks is not None:
+        Hkv, G = q.shape[1], q.shape[2]
+        sink = sinks.to(compute_dtype).view(1, Hkv, G, 1, 1)
+        row_max = torch.maximum(row_max, sink)  # finite: a row that sees nothing gets the sink
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     p = torch.exp(scores - row_max)
     denom = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
     out = torch.matmul(p.to(matmul_dtype), v.to(matmul_dtype)).to(compute_dtype)
     out = out / torch.where(denom == 0, torch.ones_like(denom), denom)
     lse = (row_max + torch.log(denom)).squeeze(-1)
     return out, lse
 
 
-def _masked_chunk_attention(q, k, v, plan, start, end, scale, compute_dtype, matmul_dtype):
+def _masked_chunk_attention(
+    q, k, v, plan, start, end, scale, compute_dtype, matmul_dtype, score_mod=None, sinks=None
+):  # fmt: skip
     """:func:`_chunk_attention` of query rows ``[start, end)`` with the mask built inside (so
     that a checkpoint of it keeps no dense mask alive between forward and backward)."""
     B, Hkv, G = q.shape[:3]
     visible = _mask_for_chunk(plan, start, end, B, Hkv * G, Hkv)
-    return _chunk_attention(q, k, v, visible, scale, compute_dtype, matmul_dtype)
+    return _chunk_attention(
+        q, k, v, visible, scale, compute_dtype, matmul_dtype, score_mod, sinks, start
+    )
 
 
 def _precision(in_dtype, head_dim, compute_dtype, matmul_dtype, scale):
@@ -106,12 +131,15 @@ def reference_attention(
     *,
     compute_dtype: torch.dtype | None = None,
     matmul_dtype: torch.dtype | None = None,
+    score_mod=None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention by the definition, chunked over query rows.
 
     Args:
-        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 (GQA / MQA). Inputs are
-            assumed validated (``compilemask.attention`` validates).
+        q: [B, Hq, Nq, D]; k: [B, Hkv, Nk, D]; v: [B, Hkv, Nk, Dv] with Hq % Hkv == 0 (GQA /
+            MQA; Dv may differ from D). Inputs are assumed validated
+            (``compilemask.attention`` validates).
         plan: a ``MaskPlan`` for (Nq, Nk) on q's device; a ``tile_grid`` plan's permutation is
             applied as ``compilemask.attention`` applies it (inputs and outputs in the
             original token order).
@@ -120,11 +148,16 @@ def reference_attention(
             float64 for float64 inputs, else float32).
         matmul_dtype: dtype the two matmuls run in; default ``compute_dtype``. Pass q.dtype
             for the same-dtype reference.
+        score_mod: a ``compilemask.score_mods`` modifier (its torch twin runs on the scaled
+            scores of each chunk, before the mask; differentiable in its tensors), or None.
+            Not with a ``tile_grid`` plan (positions would be the permuted ones).
+        sinks: [Hq] sink logits (differentiable), or None.
 
     Returns:
-        (out, lse): out [B, Hq, Nq, D] in q's dtype, or float64 when ``compute_dtype`` is
+        (out, lse): out [B, Hq, Nq, Dv] in q's dtype, or float64 when ``compute_dtype`` is
         float64 (the oracle keeps full precision); lse [B, Hq, Nq] in compute_dtype, natural
-        log. Rows that see no key: out 0, lse -inf.
+        log (with sinks: ``log(sum_j exp(s_ij) + exp(sink_h))``). Rows that see no key: out
+        0, lse -inf (with sinks: lse = sink_h).
 
     Example::
 
@@ -134,13 +167,15 @@ def reference_attention(
     """
     if plan.permutation is not None:  # a tile_grid plan: inputs and outputs in our order
         perm, inv = plan.permutation, plan.inverse_permutation
+        if score_mod is not None:
+            raise ValueError("score_mod with a tile_grid plan is not supported")
         out, lse = reference_attention(
             *(t.index_select(2, perm) for t in (q, k, v)), plan.in_permuted_order(), scale,
-            compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
+            compute_dtype=compute_dtype, matmul_dtype=matmul_dtype, sinks=sinks,
         )  # fmt: skip
         return out.index_select(2, inv), lse.index_select(2, inv)
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     compute_dtype, matmul_dtype, out_dtype, scale = _precision(
         q.dtype, D, compute_dtype, matmul_dtype, scale
@@ -151,19 +186,25 @@ def reference_attention(
     slots = max(plan.row_lo.shape[-1], 1)
     per_row = max(B * Hq * max(Nk, 1), plan.num_masks * (max(Nk, 1) + slots))
     # (not under torch.func transforms: checkpoint's saved-tensor hooks do not run there)
+    learnable = (sinks is not None and sinks.requires_grad) or (
+        score_mod is not None and score_mod.requires_grad()
+    )
     use_checkpoint = (
         torch.is_grad_enabled()
-        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and (q.requires_grad or k.requires_grad or v.requires_grad or learnable)
         and not torch._C._are_functorch_transforms_active()
     )
 
     if Nq == 0:
-        out = q.new_zeros((B, Hq, 0, D), dtype=out_dtype)
+        out = q.new_zeros((B, Hq, 0, Dv), dtype=out_dtype)
         return out, q.new_zeros((B, Hq, 0), dtype=compute_dtype)
     outs, lses = [], []
     for start, end in _row_chunks(Nq, per_row):
         q_chunk = qg[:, :, :, start:end]
-        args = (q_chunk, kg, vg, plan, start, end, scale, compute_dtype, matmul_dtype)
+        args = (
+            q_chunk, kg, vg, plan, start, end, scale, compute_dtype, matmul_dtype, score_mod,
+            sinks,
+        )  # fmt: skip
         if use_checkpoint:  # the chunk's mask is rebuilt in the backward, not kept
             o, lse = torch.utils.checkpoint.checkpoint(
                 _masked_chunk_attention, *args, use_reentrant=False
@@ -172,7 +213,7 @@ def reference_attention(
             o, lse = _masked_chunk_attention(*args)
         outs.append(o)
         lses.append(lse)
-    out = torch.cat(outs, dim=3).reshape(B, Hq, Nq, D).to(out_dtype)
+    out = torch.cat(outs, dim=3).reshape(B, Hq, Nq, Dv).to(out_dtype)
     lse = torch.cat(lses, dim=3).reshape(B, Hq, Nq)
     return out, lse
 
@@ -205,7 +246,9 @@ def reference_attention_backward(
     [B, Hq, Nq, Nk] at once for large N) plus the [B, Hkv, Nk, D] dk, dv accumulators.
 
     Args:
-        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; do: [B, Hq, Nq, D].
+        q: [B, Hq, Nq, D]; k: [B, Hkv, Nk, D]; v: [B, Hkv, Nk, Dv]; do: [B, Hq, Nq, Dv]
+            (no score modifier, no sinks: their gradients come from torch autograd through
+            :func:`reference_attention`).
         plan: a ``MaskPlan`` for (Nq, Nk) on q's device (a ``tile_grid`` plan's permutation is
             applied, as in :func:`reference_attention`).
         scale: softmax scale, default 1 / sqrt(D).
@@ -237,19 +280,19 @@ def reference_attention_backward(
         )  # fmt: skip
         return tuple(g.index_select(2, inv) for g in grads)
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     compute_dtype, mm, out_dtype, scale = _precision(q.dtype, D, compute_dtype, matmul_dtype, scale)
 
     qg = q.reshape(B, Hkv, G, Nq, D).to(mm)
-    dog = do.reshape(B, Hkv, G, Nq, D).to(mm)
+    dog = do.reshape(B, Hkv, G, Nq, Dv).to(mm)
     dlse_g = None if dlse is None else dlse.reshape(B, Hkv, G, Nq).to(compute_dtype)
     kg, vg = k.to(mm)[:, :, None], v.to(mm)[:, :, None]
     slots = max(plan.row_lo.shape[-1], 1)
     per_row = max(B * Hq * max(Nk, 1), plan.num_masks * (max(Nk, 1) + slots))
 
     dk = torch.zeros((B, Hkv, Nk, D), dtype=compute_dtype, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros((B, Hkv, Nk, Dv), dtype=compute_dtype, device=q.device)
     dqs = []
     for start, end in _row_chunks(Nq, per_row):
         visible = _mask_for_chunk(plan, start, end, B, Hq, Hkv)

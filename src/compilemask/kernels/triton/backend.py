@@ -85,9 +85,16 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
 
 
 # ------------------------------------------------------------------------------ shape class
+def _config_dim(call: AttentionCall) -> int:
+    """The head_dim whose launch configuration a call runs: the larger of q's and v's, 192
+    taking 256's (its tiles are padded to 256)."""
+    d = max(call.head_dim, call.value_dim)
+    return 256 if d == 192 else d
+
+
 def _plan_dependent(call: AttentionCall) -> bool:
     """Launch choices depend on the plan's data at head_dim 128 in 16 bits only."""
-    return call.head_dim == 128 and call.dtype in (torch.float16, torch.bfloat16)
+    return _config_dim(call) == 128 and call.dtype in (torch.float16, torch.bfloat16)
 
 
 def _static_bitmask(plan) -> bool:
@@ -128,7 +135,7 @@ def _ds_tiles(plan, cfg: BwdConfig) -> tuple[int, int]:
 
 
 def _backward_config(plan, call: AttentionCall) -> BwdConfig:
-    cfg = backward_config(call.head_dim, call.dtype, call.device)
+    cfg = backward_config(_config_dim(call), call.dtype, call.device)
     if not cfg.ds_dq:
         return cfg
     bucket, tiles = _ds_tiles(plan, cfg)
@@ -217,8 +224,8 @@ def _attention_fwd_fake(
     q, k, v, row_lo, row_hi, schedule, bwd_schedule, scale, mask_stride_b, mask_stride_h,
     config, bwd_config,
 ):  # fmt: skip
-    B, Hq, Nq, D = q.shape
-    out = torch.empty((B, Hq, Nq, D), dtype=q.dtype, device=q.device)
+    B, Hq, Nq, _ = q.shape
+    out = torch.empty((B, Hq, Nq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -422,6 +429,20 @@ class TritonBackend:
                 '(its bfloat16 dots are wrong), got torch.bfloat16; use backend="reference" '
                 "or a GPU"
             )
+        if call.score_mod is not None or call.has_sinks:
+            if torch.compiler.is_compiling():
+                return False, (
+                    "score_mod and sinks run in eager calls only (under torch.compile the "
+                    'reference runs them: backend="reference")'
+                )
+            custom = (
+                [st for st in call.score_mod.stages() if st.kind == 5] if call.score_mod else []
+            )
+            if call.requires_grad and custom and custom[0].triton_grad_fn is None:
+                return False, (
+                    "the custom score modifier has no triton_grad_fn, so the Triton kernels "
+                    "run its forward only, and this call needs a backward"
+                )
         if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
             return False, (
                 "it does not run under torch.func transforms (grad, vjp, jvp, vmap): the "
@@ -434,7 +455,7 @@ class TritonBackend:
         """Launch configurations and schedules of ``call`` (schedules cached on the plan per
         tiling in eager calls; traced from the plan's tensors under ``torch.compile``)."""
         efficiency, bitmask = _tiling_class(plan, call)
-        cfg = forward_config(call.head_dim, call.dtype, call.device, efficiency, bitmask)
+        cfg = forward_config(_config_dim(call), call.dtype, call.device, efficiency, bitmask)
         bm, bn = cfg.block_m, cfg.block_n
         schedule = plan.cached(
             ("triton.fwd", bm, bn), lambda: list(forward_schedule(plan, bm, bn, bits=True).values())
@@ -454,14 +475,22 @@ class TritonBackend:
             heads if plan.batch else 0, 1 if plan.heads else 0,
         )  # fmt: skip
 
-    def attend(self, q, k, v, plan, p: TritonPrepared, scale: float, call: AttentionCall):
+    def attend(
+        self, q, k, v, plan, p: TritonPrepared, scale: float, call: AttentionCall, *,
+        score_mod=None, sinks=None,
+    ):  # fmt: skip
         """``(out, lse)`` with gradients: the custom op under ``torch.compile``, its eager twin
-        when a backward will be asked for, the forward alone otherwise."""
+        when a backward will be asked for, the forward alone otherwise; with ``score_mod`` or
+        ``sinks``, ``modded.ModdedAttention`` (eager calls)."""
         compiling = torch.compiler.is_compiling()
         # forward-mode AD: tangents exist only inside a dual level (else one attribute read)
         if forward_ad._current_level >= 0 and not compiling:
             _check_no_tangents(q, k, v)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        if score_mod is not None or sinks is not None:
+            from .modded import modded_attention
+
+            return modded_attention(q, k, v, plan, p, scale, score_mod, sinks)
         if compiling:
             op = torch.ops.compilemask.attention_fwd
         elif p.bwd_config:

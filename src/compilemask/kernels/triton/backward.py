@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .backward_parts import _PRE_BLOCK, _attn_bwd_dq_ds, _attn_bwd_preprocess
 from .common import (
     check_bits,
     clamp,
@@ -58,50 +59,9 @@ from .common import (
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 from .forward import tma_descriptors
+from .score_mods import apply_mods_bwd, mod_grads, store_table_grad
 
 _LOG2E = 1.4426950408889634
-_PRE_BLOCK = 64
-
-
-@triton.jit
-def _attn_bwd_preprocess(
-    Out, DO, Lse, DLse, Delta, Lse2,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    Hq, Nq,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-):  # fmt: skip
-    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf where lse = -inf)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    off_b = pid_bh // Hq
-    off_h = pid_bh % Hq
-    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m_ok = offs_m < Nq
-    ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
-    o = tl.load(
-        Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-        + rows * stride_om + offs_d[None, :] * stride_od,
-        mask=ok, other=0.0,
-    )  # fmt: skip
-    do = tl.load(
-        DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        + rows * stride_dom + offs_d[None, :] * stride_dod,
-        mask=ok, other=0.0,
-    )  # fmt: skip
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row_ptr = pid_bh.to(tl.int64) * Nq + offs_m
-    if HAS_DLSE:
-        delta -= tl.load(DLse + row_ptr, mask=m_ok, other=0.0)
-    lse = tl.load(Lse + row_ptr, mask=m_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(Delta + row_ptr, delta, mask=m_ok)
-    tl.store(Lse2 + row_ptr, lse2, mask=m_ok)
 
 
 @triton.jit
@@ -156,6 +116,22 @@ def _attn_bwd_dkdv_inner(
     ds_row0=0,
     DS_TMA: tl.constexpr = False,
     ds_tiles=1,
+    tbl=0.0,
+    Hq=1,
+    NB_PAD: tl.constexpr = 16,
+    scale=1.0,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
+    ModF=None,
+    ModI=None,
+    ModMeta=None,
+    ModG=None,
+    MOD0: tl.constexpr = 0,
+    MOD1: tl.constexpr = 0,
+    MOD2: tl.constexpr = 0,
+    MOD3: tl.constexpr = 0,
+    SCORE_FN: tl.constexpr = None,
+    SCORE_DFN: tl.constexpr = None,
 ):  # fmt: skip
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -166,11 +142,15 @@ def _attn_bwd_dkdv_inner(
     also store ``dS^T`` (keys x queries, the inputs' dtype) of every tile into the dS buffer
     ``DS_head`` at the tile's slot ``SlotCol[qt * tile_stride]`` (``BwdConfig.ds_dq``);
     DS_TMA: through the 2-D descriptor ``DS_desc`` (rows ``(ds_row0 + slot) * BLOCK_N``), an
-    asynchronous bulk store from shared memory (``BwdConfig.ds_tma``).
+    asynchronous bulk store from shared memory (``BwdConfig.ds_tma``). MOD0..MOD3 != 0: the
+    score modifier's chain (``score_mods``), its learnable gradients into ``ModG`` and the
+    relative-bias bucket sums into ``tbl`` (returned with dK, dV).
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    dv_ok = offs_dv < HEAD_DIM_V
     # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
     # (q-tiles clamped to [0, qt_max]: the FULL loop's loads are not bounds-checked)
     qt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), qt_max)
@@ -189,7 +169,7 @@ def _attn_bwd_dkdv_inner(
             DO_head
             + start_m.to(tl.int64) * stride_dom
             + offs_m_local[:, None] * stride_dom
-            + offs_d[None, :] * stride_dod
+            + offs_dv[None, :] * stride_dod
         )
         if MASKED:
             m_ok = offs_m < Nq
@@ -209,6 +189,11 @@ def _attn_bwd_dkdv_inner(
             qT = tl.load(qT_ptrs, mask=d_ok[:, None], other=0.0)
             lse2 = tl.load(Lse2_head + offs_m)
         qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if MOD0 != 0:
+            qkT, dmodT, g0, g1, g2, g3 = apply_mods_bwd(
+                qkT * scale, off_b, off_h, offs_m[None, :], offs_n[:, None], Nq, Nk, ModF, ModI,
+                ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN, SCORE_DFN,
+            )  # fmt: skip
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
             pT = _mask_p_t(
@@ -217,26 +202,26 @@ def _attn_bwd_dkdv_inner(
                 BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
         if USE_TMA:
-            do = DO_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
+            do = DO_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_V_PAD)
             if MASKED:
                 delta = tl.load(Delta_head + offs_m, mask=m_ok, other=0.0)
             else:
                 delta = tl.load(Delta_head + offs_m)
         elif MASKED:
-            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
             delta = tl.load(Delta_head + offs_m, mask=m_ok, other=0.0)
-        elif HEAD_DIM == HEAD_DIM_PAD:
+        elif HEAD_DIM_V == HEAD_DIM_V_PAD:
             do = tl.load(do_ptrs)
             delta = tl.load(Delta_head + offs_m)
         else:
-            do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=dv_ok[None, :], other=0.0)
             delta = tl.load(Delta_head + offs_m)
         if LOAD_T:  # fp32: a second load instead of a register transpose
             doT_ptrs = (
                 DO_head
                 + start_m.to(tl.int64) * stride_dom
                 + offs_m_local[None, :] * stride_dom
-                + offs_d[:, None] * stride_dod
+                + offs_dv[:, None] * stride_dod
             )
             q_ptrs = (
                 Q_head
@@ -245,17 +230,24 @@ def _attn_bwd_dkdv_inner(
                 + offs_d[None, :] * stride_qd
             )
             if MASKED:
-                doT = tl.load(doT_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
+                doT = tl.load(doT_ptrs, mask=m_ok[None, :] & dv_ok[:, None], other=0.0)
                 q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             else:
-                doT = tl.load(doT_ptrs, mask=d_ok[:, None], other=0.0)
+                doT = tl.load(doT_ptrs, mask=dv_ok[:, None], other=0.0)
                 q = tl.load(q_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             doT = tl.trans(do)
             q = tl.trans(qT)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, doT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dsT = pT * (dpT - delta[None, :])
+        if MOD0 != 0:
+            tbl = mod_grads(
+                tbl, dsT, g0, g1, g2, g3, off_b, off_h, offs_m[None, :], offs_n[:, None], Hq, Nq,
+                Nk, ModI, ModMeta, ModG, MOD0, MOD1, MOD2, MOD3, NB_PAD,
+            )  # fmt: skip
+            dsT = dsT * dmodT
+        dsT = dsT.to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)
         if STORE_DS:
             slot = clamp(tl.load(SlotCol + qt * tile_stride), ds_tiles - 1)
@@ -269,7 +261,7 @@ def _attn_bwd_dkdv_inner(
                     + offs_m_local[None, :]
                 )
                 tl.store(ds_ptrs, dsT)
-    return dk, dv
+    return dk, dv, tbl
 
 
 @triton.jit
@@ -304,6 +296,20 @@ def _attn_bwd_dkdv(
     STORE_DS: tl.constexpr = False,
     DS_desc=None,
     DS_TMA: tl.constexpr = False,
+    TABLE_STAGE: tl.constexpr = -1,
+    NB_PAD: tl.constexpr = 16,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
+    ModF=None,
+    ModI=None,
+    ModMeta=None,
+    ModG=None,
+    MOD0: tl.constexpr = 0,
+    MOD1: tl.constexpr = 0,
+    MOD2: tl.constexpr = 0,
+    MOD3: tl.constexpr = 0,
+    SCORE_FN: tl.constexpr = None,
+    SCORE_DFN: tl.constexpr = None,
 ):  # fmt: skip
     """dK, dV of one kv-tile (see the module docstring)."""
     pid_bh, rank = grid_position(GRID_ORDER)
@@ -318,8 +324,10 @@ def _attn_bwd_dkdv(
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_n_local
     offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     n_ok = offs_n < Nk
     nd_ok = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ndv_ok = n_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     k = tl.load(
         K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
         + start_n.to(tl.int64) * stride_kn
@@ -329,11 +337,11 @@ def _attn_bwd_dkdv(
     v = tl.load(
         V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
         + start_n.to(tl.int64) * stride_vn
-        + offs_n_local[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-        mask=nd_ok, other=0.0,
+        + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        mask=ndv_ok, other=0.0,
     )  # fmt: skip
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PAD], dtype=tl.float32)
 
     for g in range(0, gqa_group):
         off_h = h_first + g
@@ -355,8 +363,11 @@ def _attn_bwd_dkdv(
             DS_head = DS + bh * ds_tiles * (BLOCK_N * BLOCK_M)
             SlotCol = Slot + tile_col
             ds_row0 = (bh * ds_tiles).to(tl.int32)
+        tbl = 0.0
+        if TABLE_STAGE >= 0:
+            tbl = tl.zeros([NB_PAD], dtype=tl.float32)
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
-        dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, tbl = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
             Lse2 + bh * Nq, Delta + bh * Nq,
             stride_qm, stride_qd, stride_dom, stride_dod,
@@ -366,10 +377,13 @@ def _attn_bwd_dkdv(
             qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles, tbl, Hq, NB_PAD, scale,
+            HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
+            ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
-        dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, tbl = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
             Lse2 + bh * Nq, Delta + bh * Nq,
             stride_qm, stride_qd, stride_dom, stride_dod,
@@ -379,8 +393,14 @@ def _attn_bwd_dkdv(
             tl.minimum(Tq, Nq // BLOCK_M) - 1, n_bits, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
             HAS_BITS, SLOTS, USE_TMA, DS_head, SlotCol,
-            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles,
+            STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles, tbl, Hq, NB_PAD, scale,
+            HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
+            ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
         )  # fmt: skip
+
+        if TABLE_STAGE >= 0:
+            store_table_grad(tbl, off_b, off_h, kt, Hq, Tk, ModMeta, ModG, TABLE_STAGE, NB_PAD)
 
     dk = dk * scale
     tl.store(
@@ -392,8 +412,8 @@ def _attn_bwd_dkdv(
     tl.store(
         DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
         + start_n.to(tl.int64) * stride_dvn
-        + offs_n_local[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-        dv.to(DV.dtype.element_ty), mask=nd_ok,
+        + offs_n_local[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty), mask=ndv_ok,
     )  # fmt: skip
 
 
@@ -414,13 +434,30 @@ def _attn_bwd_dq_inner(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    off_h=0,
+    scale=1.0,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
+    ModF=None,
+    ModI=None,
+    ModMeta=None,
+    ModG=None,
+    MOD0: tl.constexpr = 0,
+    MOD1: tl.constexpr = 0,
+    MOD2: tl.constexpr = 0,
+    MOD3: tl.constexpr = 0,
+    SCORE_FN: tl.constexpr = None,
+    SCORE_DFN: tl.constexpr = None,
 ):  # fmt: skip
     """Accumulate dQ of one q-tile over the kv-tiles ``TileList[list_start:list_end]``
     (masks as in the forward: preloaded slots when SLOTS > 0; USE_TMA: K and V tiles through
-    the descriptors ``K_desc, V_desc``, rows past Nk read as zeros)."""
+    the descriptors ``K_desc, V_desc``, rows past Nk read as zeros; MOD0..MOD3: the score
+    modifier's chain rule)."""
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    dv_ok = offs_dv < HEAD_DIM_V
     # next tile index one iteration ahead, with a plain load (see forward._attn_fwd_inner)
     # (kv-tiles clamped to [0, kt_max]: the FULL loop's loads are not bounds-checked)
     kt_next = clamp(tl.load(TileList + list_start, mask=list_start < list_end, other=0), kt_max)
@@ -439,24 +476,31 @@ def _attn_bwd_dq_inner(
             V_head
             + start_n.to(tl.int64) * stride_vn
             + offs_n_local[None, :] * stride_vn
-            + offs_d[:, None] * stride_vd
+            + offs_dv[:, None] * stride_vd
         )
         if MASKED:
             n_ok = offs_n < Nk
         if USE_TMA:
             k_tile = K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
             kT = tl.trans(k_tile)
-            vT = tl.trans(V_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD))
+            vT = tl.trans(
+                V_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V_PAD)
+            )
         elif MASKED:
             kT = tl.load(kT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            vT = tl.load(vT_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        elif HEAD_DIM == HEAD_DIM_PAD:
+            vT = tl.load(vT_ptrs, mask=n_ok[None, :] & dv_ok[:, None], other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PAD and HEAD_DIM_V == HEAD_DIM_V_PAD:
             kT = tl.load(kT_ptrs)
             vT = tl.load(vT_ptrs)
         else:
             kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
-            vT = tl.load(vT_ptrs, mask=d_ok[:, None], other=0.0)
+            vT = tl.load(vT_ptrs, mask=dv_ok[:, None], other=0.0)
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if MOD0 != 0:
+            qk, dmod, _g0, _g1, _g2, _g3 = apply_mods_bwd(
+                qk * scale, off_b, off_h, offs_m[:, None], offs_n[None, :], Nq, Nk, ModF, ModI,
+                ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN, SCORE_DFN,
+            )  # fmt: skip
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             if SLOTS > 0:
@@ -474,6 +518,8 @@ def _attn_bwd_dq_inner(
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if MOD0 != 0:
+            ds = ds * dmod
         if LOAD_T:  # fp32: a second load instead of a register transpose
             k_ptrs = (
                 K_head
@@ -518,6 +564,18 @@ def _attn_bwd_dq(
     K_desc=None,
     V_desc=None,
     USE_TMA: tl.constexpr = False,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
+    ModF=None,
+    ModI=None,
+    ModMeta=None,
+    ModG=None,
+    MOD0: tl.constexpr = 0,
+    MOD1: tl.constexpr = 0,
+    MOD2: tl.constexpr = 0,
+    MOD3: tl.constexpr = 0,
+    SCORE_FN: tl.constexpr = None,
+    SCORE_DFN: tl.constexpr = None,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
@@ -539,6 +597,8 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m_ok = offs_m < Nq
     md_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    mdv_ok = m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     q = tl.load(
         Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         + start_m.to(tl.int64) * stride_qm
@@ -548,8 +608,8 @@ def _attn_bwd_dq(
     do = tl.load(
         DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
         + start_m.to(tl.int64) * stride_dom
-        + offs_m_local[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-        mask=md_ok, other=0.0,
+        + offs_m_local[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+        mask=mdv_ok, other=0.0,
     )  # fmt: skip
     lse2 = tl.load(Lse2 + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + pid_bh.to(tl.int64) * Nq + offs_m, mask=m_ok, other=0.0)
@@ -571,7 +631,10 @@ def _attn_bwd_dq(
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
         full_count, count, Tk - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, LOAD_T, MAX_SPAN,
-        HAS_BITS, SLOTS, USE_TMA,
+        HAS_BITS, SLOTS, USE_TMA, off_h, scale,
+        HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
+            ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
     )  # fmt: skip
     # FULL kv-tiles: no mask, no bounds checks.
     dq = _attn_bwd_dq_inner(
@@ -582,7 +645,10 @@ def _attn_bwd_dq(
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots,
         0, full_count, tl.minimum(Tk, Nk // BLOCK_N) - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, LOAD_T, MAX_SPAN,
-        HAS_BITS, SLOTS, USE_TMA,
+        HAS_BITS, SLOTS, USE_TMA, off_h, scale,
+        HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
+            ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -590,75 +656,6 @@ def _attn_bwd_dq(
         + start_m.to(tl.int64) * stride_dqm
         + offs_m_local[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
         dq.to(DQ.dtype.element_ty), mask=md_ok,
-    )  # fmt: skip
-
-
-@triton.jit
-def _attn_bwd_dq_ds(
-    DS, K, DQ, Slot, QCount, QList, QOrder,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    Hq, gqa_group, Nq, Nk, Tq, Tk, mask_stride_b, mask_stride_h, ds_tiles, scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GRID_ORDER: tl.constexpr,
-    K_desc=None,
-    DS_desc=None,
-    USE_TMA: tl.constexpr = False,
-):  # fmt: skip
-    """dQ of one q-tile from the stored dS tiles (``BwdConfig.ds_dq``): ``dQ = scale *
-    sum over its touched kv-tiles of dS K``, one MMA per tile pair, no mask (dS is zero where
-    a pair is not visible and past the lengths). ``DS``: [B * Hq, ds_tiles, BLOCK_N, BLOCK_M]
-    dS^T tiles at the slots ``Slot`` [M, Tq, Tk]; the tile lists are the forward schedule's
-    at this (dQ) tiling. USE_TMA: K and dS^T tiles through the descriptors."""
-    pid_bh, rank = grid_position(GRID_ORDER)
-    off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
-        pid_bh, rank, Hq, gqa_group, mask_stride_b, mask_stride_h, QOrder, Tq, GRID_ORDER
-    )
-    count = clamp(tl.load(QCount + tile_row), Tk)
-    tile_list = QList + tile_row * Tk
-    slot_row = Slot + tile_row * Tk
-    ds_row0 = pid_bh.to(tl.int64) * ds_tiles
-    DS_head = DS + ds_row0 * (BLOCK_N * BLOCK_M)
-    K_head = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-
-    offs_m_local = tl.arange(0, BLOCK_M)
-    offs_n_local = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = offs_d < HEAD_DIM
-    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    # next tile and its slot one iteration ahead (see forward._attn_fwd_inner)
-    # (tiles and slots clamped to the schedule's and the buffer's sizes)
-    kt_next = clamp(tl.load(tile_list, mask=count > 0, other=0), Tk - 1)
-    for i in range(0, count):
-        kt = kt_next
-        kt_next = clamp(tl.load(tile_list + i + 1, mask=i + 1 < count, other=0), Tk - 1)
-        slot = clamp(tl.load(slot_row + kt), ds_tiles - 1).to(tl.int64)
-        start_n = kt * BLOCK_N
-        if USE_TMA:
-            k = K_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
-            dsT = DS_desc.load([((ds_row0 + slot) * BLOCK_N).to(tl.int32), 0])
-        else:
-            offs_n = start_n + offs_n_local
-            k = tl.load(
-                K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=(offs_n < Nk)[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            dsT = tl.load(
-                DS_head + slot * (BLOCK_N * BLOCK_M)
-                + offs_n_local[:, None] * BLOCK_M + offs_m_local[None, :]
-            )  # fmt: skip
-        dq = tl.dot(tl.trans(dsT), k, dq)
-    dq = dq * scale
-    start_m = qt * BLOCK_M
-    offs_m = start_m + offs_m_local
-    tl.store(
-        DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-        + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-        dq.to(DQ.dtype.element_ty), mask=(offs_m < Nq)[:, None] & d_ok[None, :],
     )  # fmt: skip
 
 
@@ -683,14 +680,18 @@ def attention_backward(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     ds_slots: torch.Tensor | None = None,
+    mods=None,
+    mod_grad: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels (internal: inputs are assumed validated).
 
     Args:
-        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; any strides with unit last stride.
-        out: the forward output [B, Hq, Nq, D]; lse: its float32 [B, Hq, Nq] contiguous LSE
-            (natural log, -inf for rows that see nothing).
-        do: the gradient of ``out`` [B, Hq, Nq, D], any strides.
+        q: [B, Hq, Nq, D]; k: [B, Hkv, Nk, D]; v: [B, Hkv, Nk, Dv]; any strides with unit
+            last stride.
+        out: the forward output [B, Hq, Nq, Dv]; lse: its float32 [B, Hq, Nq] contiguous LSE
+            (natural log, -inf for rows that see nothing; including the sink, if any).
+        do: the gradient of ``out`` [B, Hq, Nq, Dv], any strides.
         row_lo, row_hi: int32 [M, Nq, n_slots] contiguous, the plan's row intervals.
         dkdv_schedule: :func:`~.schedule.dkdv_schedule` at (cfg.dkdv_block_m, cfg.dkdv_block_n).
         dq_schedule: :func:`~.schedule.forward_schedule` at (cfg.dq_block_m, cfg.dq_block_n).
@@ -703,14 +704,19 @@ def attention_backward(
             (``schedule.ds_slots``, int32 [M, Tq, Tk]); dQ then comes from the stored dS
             (16-bit, dQ tiling equal to the dK/dV tiling; else the dQ kernel runs as without
             it).
+        mods: a ``score_mods.Packed`` score modifier (None: none); its learnable stages'
+            gradients go to ``mod_grad`` (``Packed.grad_buffer`` at the dK/dV tiling's Tk).
+        delta: optional float32 [B, Hq, Nq] buffer that receives ``rowsum(dO * O) - dlse``
+            (the sinks' gradient is taken from it).
 
     Returns:
         (dq, dk, dv) in the dtypes of q, k, v (or of the given buffers). Rows that see no key
         get dq = 0; keys no row sees get dk = dv = 0.
     """
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     check_head_dim(D)
+    check_head_dim(Dv)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
@@ -723,7 +729,18 @@ def attention_backward(
         lse = lse.contiguous()
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    d_pad = padded_head_dim(D)
+    d_pad, dv_pad = padded_head_dim(D), padded_head_dim(Dv)
+    kinds = mods.kinds if mods is not None else (0, 0, 0, 0)
+    # with a modifier the kernels take s = scale * qk and exp2(s * log2 e)
+    qk_scale = _LOG2E if mods is not None else scale * _LOG2E
+    mod_args = dict(
+        HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=dv_pad,
+        ModF=mods.f if mods is not None else None, ModI=mods.i if mods is not None else None,
+        ModMeta=mods.bwd_meta if mods is not None else None, ModG=mod_grad,
+        MOD0=kinds[0], MOD1=kinds[1], MOD2=kinds[2], MOD3=kinds[3],
+        SCORE_FN=mods.score_fn if mods is not None else None,
+        SCORE_DFN=mods.score_dfn if mods is not None else None,
+    )  # fmt: skip
     n_slots = row_lo.shape[-1]
     # fp32: tf32x3 dots (about fp32 accuracy, on tensor cores), as the forward; operands are
     # loaded in both layouts rather than transposed in registers (32-bit MMA operands must be
@@ -731,18 +748,19 @@ def attention_backward(
     dot_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
     load_t = q.dtype == torch.float32
 
-    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    if delta is None:
+        delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     _attn_bwd_preprocess[(triton.cdiv(Nq, _PRE_BLOCK), B * Hq)](
         out, do, lse, dlse if dlse is not None else lse, delta, lse2,
         *out.stride(), *do.stride(), Hq, Nq,
-        HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK=_PRE_BLOCK, HAS_DLSE=dlse is not None,
+        HEAD_DIM=Dv, HEAD_DIM_PAD=dv_pad, BLOCK=_PRE_BLOCK, HAS_DLSE=dlse is not None,
     )  # fmt: skip
 
     # TMA (cfg.tma, 16-bit, aligned strides): Q / dO tiles of dK/dV, K / V tiles of dQ
     tma = bool(cfg.tma) and not load_t
-    qdo_descs = tma_descriptors(q, do, cfg.dkdv_block_m, d_pad) if tma else None
-    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad) if tma else None
+    qdo_descs = tma_descriptors(q, do, cfg.dkdv_block_m, d_pad, dv_pad) if tma else None
+    kv_descs = tma_descriptors(k, v, cfg.dq_block_n, d_pad, dv_pad) if tma else None
 
     s = dkdv_schedule
     Tq, Tk = s["kind"].shape[1], s["kind"].shape[2]
@@ -778,7 +796,7 @@ def attention_backward(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         bits.stride(0), bits.stride(1),
         Hq, Hkv, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
-        scale, scale * _LOG2E,
+        scale, qk_scale,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
@@ -786,6 +804,8 @@ def attention_backward(
         DO_desc=qdo_descs[1] if qdo_descs else None, USE_TMA=qdo_descs is not None,
         DS=ds_buf, Slot=ds_slots if use_ds else None, ds_tiles=cfg.ds_dq if use_ds else 1,
         STORE_DS=use_ds, DS_desc=ds_desc if ds_tma else None, DS_TMA=ds_tma,
+        TABLE_STAGE=mods.table_stage if mods is not None and mods.table_learnable else -1,
+        NB_PAD=mods.nb_pad if mods is not None else 16, **mod_args,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
@@ -816,13 +836,13 @@ def attention_backward(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         bits.stride(0), bits.stride(1),
         Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
-        scale, scale * _LOG2E,
+        scale, qk_scale,
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         DOT_PRECISION=dot_precision, LOAD_T=load_t,
         MAX_SPAN=span, HAS_BITS=has_bits, SLOTS=slots,
         GRID_ORDER=order,
         K_desc=kv_descs[0] if kv_descs else None, V_desc=kv_descs[1] if kv_descs else None,
-        USE_TMA=kv_descs is not None,
+        USE_TMA=kv_descs is not None, **mod_args,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv

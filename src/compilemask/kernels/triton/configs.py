@@ -32,8 +32,9 @@ from ...errors import CompileMaskError
 #: in the forward and dQ kernels); 3 tiles fastest, heaviest first.
 GRID_ORDERS: tuple[int, ...] = (0, 1, 2, 3)
 
-#: head_dim values the kernels (and ``compilemask.attention``) accept.
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 256)
+#: head_dim values the kernels (and ``compilemask.attention``) accept, for q / k and for v
+#: (192 runs 256's configuration, padded to 256).
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 192, 256)
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ def forward_config(
     if _OVERRIDE:
         return _OVERRIDE[-1]
     table = _FWD_32BIT if dtype == torch.float32 else _FWD_16BIT
-    cfg = table[head_dim]
+    cfg = table[256 if head_dim == 192 else head_dim]  # 192 is padded to 256
     if head_dim == 128 and dtype != torch.float32 and tile_efficiency is not None:
         if not bitmask_tiles and tile_efficiency >= DENSE_TILE_EFFICIENCY:
             cfg = _FWD_DENSE_128
@@ -349,7 +350,7 @@ def backward_config(
     if _BWD_OVERRIDE:
         return _BWD_OVERRIDE[-1]
     table = _BWD_32BIT if dtype == torch.float32 else _BWD_16BIT
-    cfg = table[head_dim]
+    cfg = table[256 if head_dim == 192 else head_dim]  # 192 is padded to 256
     if cfg.tma and not _has_tma(device):
         cfg = replace(cfg, tma=0)
     if cfg.ds_dq and (dtype == torch.float32 or not ds_tilings_match(cfg)):

@@ -43,6 +43,7 @@ from .common import (
     slots_mask,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
+from .score_mods import add_sink, apply_mods, natural_scale_args
 
 _LOG2E = 1.4426950408889634
 
@@ -130,6 +131,18 @@ def _attn_fwd_inner(
     kt_first=0,
     HAS_FIRST: tl.constexpr = False,
     ONE_PER_TILE: tl.constexpr = False,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
+    off_h=0,
+    sm_scale=1.0,
+    ModF=None,
+    ModI=None,
+    ModMeta=None,
+    MOD0: tl.constexpr = 0,
+    MOD1: tl.constexpr = 0,
+    MOD2: tl.constexpr = 0,
+    MOD3: tl.constexpr = 0,
+    SCORE_FN: tl.constexpr = None,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
@@ -142,11 +155,15 @@ def _attn_fwd_inner(
     program's work entry, ``schedule.work_list``), so the loop's first K/V copies need no
     load of the list first. Tile indices are clamped to [0, kt_max] (the FULL loop's
     ``kt_max`` is the last complete kv-tile: its loads are not bounds-checked), bitmask
-    indices to [0, n_bits).
+    indices to [0, n_bits). HEAD_DIM_V (_PAD): v's head_dim. MOD0..MOD3 != 0: the score
+    modifier's stages (``score_mods.apply_mods``) on ``sm_scale * qk``; ``qk_scale`` is then
+    log2(e) alone.
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    dv_ok = offs_dv < HEAD_DIM_V
     # The next tile index is loaded one iteration ahead with a plain load: an index load inside
     # the pipelined loop becomes the last async copy group of each iteration, and waiting for
     # it at the top of the next one waits for every copy in flight (no pipelining at all).
@@ -185,7 +202,7 @@ def _attn_fwd_inner(
             V_tile
             + start_n.to(tl.int64) * stride_vn
             + offs_n_local[:, None] * stride_vn
-            + offs_d[None, :] * stride_vd
+            + offs_dv[None, :] * stride_vd
         )
         if MASKED:
             n_ok = offs_n < Nk
@@ -200,6 +217,11 @@ def _attn_fwd_inner(
         # unscaled scores: the scale (> 0, so it commutes with max) is folded into the FFMA of
         # the exponent below, one multiply per score fewer
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if MOD0 != 0:
+            qk = apply_mods(
+                qk * sm_scale, off_b, off_h, offs_m[:, None], offs_n[None, :], Nq, Nk, ModF,
+                ModI, ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN,
+            )  # fmt: skip
         if MASKED:
             qk = _mask_scores(
                 qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
@@ -218,13 +240,13 @@ def _attn_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if USE_TMA:
-            v = V_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PAD)
+            v = V_desc.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_V_PAD)
         elif MASKED:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif HEAD_DIM == HEAD_DIM_PAD:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        elif HEAD_DIM_V == HEAD_DIM_V_PAD:
             v = tl.load(v_ptrs)
         else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -248,6 +270,18 @@ def _attn_fwd_two_loops(
     USE_TMA: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     ONE_PER_TILE: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    off_h,
+    sm_scale,
+    ModF,
+    ModI,
+    ModMeta,
+    MOD0: tl.constexpr,
+    MOD1: tl.constexpr,
+    MOD2: tl.constexpr,
+    MOD3: tl.constexpr,
+    SCORE_FN: tl.constexpr,
 ):  # fmt: skip
     """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
     ``TileList[0:full_count]`` in an unmasked one.
@@ -262,6 +296,9 @@ def _attn_fwd_two_loops(
         Nq, Nk, n_slots, full_count, count, Tk - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, DOT_PRECISION, MAX_SPAN, HAS_BITS,
         SLOTS, USE_TMA, kt_partial, HAS_FIRST, ONE_PER_TILE,
+        HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, off_h=off_h, sm_scale=sm_scale,
+        ModF=ModF, ModI=ModI, ModMeta=ModMeta, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
+        SCORE_FN=SCORE_FN,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
@@ -271,6 +308,9 @@ def _attn_fwd_two_loops(
         Nq, Nk, n_slots, 0, full_count, tl.minimum(Tk, Nk // BLOCK_N) - 1, n_bits, qk_scale,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False, DOT_PRECISION, MAX_SPAN, HAS_BITS,
         SLOTS, USE_TMA, kt_full, HAS_FIRST,
+        HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, off_h=off_h, sm_scale=sm_scale,
+        ModF=ModF, ModI=ModI, ModMeta=ModMeta, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
+        SCORE_FN=SCORE_FN,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -298,6 +338,19 @@ def _attn_fwd(
     USE_TMA: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     ONE_PER_TILE: tl.constexpr = False,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
+    sm_scale=1.0,
+    ModF=None,
+    ModI=None,
+    ModMeta=None,
+    MOD0: tl.constexpr = 0,
+    MOD1: tl.constexpr = 0,
+    MOD2: tl.constexpr = 0,
+    MOD3: tl.constexpr = 0,
+    SCORE_FN: tl.constexpr = None,
+    Sinks=None,
+    HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     # PREFETCH (launch orders 0 and 3 only): the q-tile, its counts and the first tile of each
@@ -319,6 +372,8 @@ def _attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m_ok = offs_m < Nq
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    dv_ok = offs_dv < HEAD_DIM_V
 
     q_ptrs = (
         Q
@@ -334,7 +389,7 @@ def _attn_fwd(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     # the rows' intervals, loaded once when there are few slots (SLOTS > 0)
     row_ptr = row_base + offs_m.to(tl.int64) * n_slots
     lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
@@ -350,8 +405,11 @@ def _attn_fwd(
         lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk, n_slots, full_count, count, qk_scale,
         kt_full, kt_partial, Tk, n_bits,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
-        USE_TMA, PREFETCH, ONE_PER_TILE,
+        USE_TMA, PREFETCH, ONE_PER_TILE, HEAD_DIM_V, HEAD_DIM_V_PAD, off_h, sm_scale,
+        ModF, ModI, ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN,
     )  # fmt: skip
+    if HAS_SINKS:
+        m_i, l_i, acc = add_sink(m_i, l_i, acc, Sinks, off_h)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -363,9 +421,9 @@ def _attn_fwd(
         + off_h.to(tl.int64) * stride_oh
         + start_m.to(tl.int64) * stride_om
         + offs_m_local[:, None] * stride_om
-        + offs_d[None, :] * stride_od
+        + offs_dv[None, :] * stride_od
     )
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
     lse_ptrs = Lse + pid_bh.to(tl.int64) * Nq + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
 
@@ -384,27 +442,34 @@ def attention_forward(
     cfg: FwdConfig,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    mods=None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel (internal: inputs are assumed validated).
 
     Args:
-        q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; any strides; fp16, bf16 or fp32.
+        q: [B, Hq, Nq, D]; k: [B, Hkv, Nk, D]; v: [B, Hkv, Nk, Dv]; any strides; fp16, bf16
+            or fp32.
         row_lo, row_hi: int32 [M, Nq, n_slots] contiguous, the plan's row intervals.
         schedule: from :func:`forward_schedule` for ``cfg``'s tiling.
         scale: softmax scale.
         mask_stride_b, mask_stride_h: mask index m = b * mask_stride_b + h * mask_stride_h.
         cfg: tile sizes and launch options.
-        out: optional [B, Hq, Nq, D] buffer of q's dtype (written in full).
+        out: optional [B, Hq, Nq, Dv] buffer of q's dtype (written in full).
         lse: optional float32 [B, Hq, Nq] contiguous buffer (written in full).
+        mods: a ``score_mods.Packed`` score modifier, or None.
+        sinks: float32 [Hq] contiguous sink logits, or None.
 
     Returns:
-        (out, lse): out [B, Hq, Nq, D] in q's dtype; lse float32 [B, Hq, Nq], natural log.
+        (out, lse): out [B, Hq, Nq, Dv] in q's dtype; lse float32 [B, Hq, Nq], natural log
+        (including the sink).
     """
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     check_head_dim(D)
+    check_head_dim(Dv)
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty((B, Hq, Nq, Dv), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     if not lse.is_contiguous():
@@ -418,8 +483,10 @@ def attention_forward(
     span, slots, has_bits = mask_constants(kind, schedule["jlo"], schedule["jhi"], n_slots)
     check_bits(bits, has_bits, cfg.block_m, cfg.block_n)
     order = launch_order(cfg.grid_order, B * Hq)
-    d_pad = padded_head_dim(D)
-    descs = tma_descriptors(k, v, cfg.block_n, d_pad) if cfg.tma else None
+    d_pad, dv_pad = padded_head_dim(D), padded_head_dim(Dv)
+    descs = tma_descriptors(k, v, cfg.block_n, d_pad, dv_pad) if cfg.tma else None
+    sm_scale, qk_scale = natural_scale_args(scale, mods is not None)
+    kinds = mods.kinds if mods is not None else (0, 0, 0, 0)
     one_per_tile = (
         bool(cfg.one_slot) and slots > 1 and one_interval_per_tile(row_lo, row_hi, cfg.block_n)
     )
@@ -430,7 +497,7 @@ def attention_forward(
         schedule["q_work"], *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         bits.stride(0), bits.stride(1),
         Hq, Hq // Hkv, Nq, Nk, n_slots, Tq, Tk, bits.shape[0], mask_stride_b, mask_stride_h,
-        scale * _LOG2E,
+        qk_scale,
         HEAD_DIM=D,
         HEAD_DIM_PAD=d_pad,
         BLOCK_M=cfg.block_m,
@@ -445,6 +512,16 @@ def attention_forward(
         USE_TMA=descs is not None,
         PREFETCH=bool(cfg.prefetch) and order in (0, 3),
         ONE_PER_TILE=one_per_tile,
+        HEAD_DIM_V=Dv,
+        HEAD_DIM_V_PAD=dv_pad,
+        sm_scale=sm_scale,
+        ModF=mods.f if mods is not None else None,
+        ModI=mods.i if mods is not None else None,
+        ModMeta=mods.meta if mods is not None else None,
+        MOD0=kinds[0], MOD1=kinds[1], MOD2=kinds[2], MOD3=kinds[3],
+        SCORE_FN=mods.score_fn if mods is not None else None,
+        Sinks=sinks,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -452,13 +529,15 @@ def attention_forward(
 
 
 def tma_descriptors(
-    k: torch.Tensor, v: torch.Tensor, block_n: int, d_pad: int
+    k: torch.Tensor, v: torch.Tensor, block_n: int, d_pad: int, dv_pad: int | None = None
 ) -> tuple[object, object] | None:
-    """Host TMA descriptors of ``k`` and ``v`` ([B, H, N, D]) with [1, 1, block_n, d_pad]
-    blocks, or None where TMA cannot take them: not 16-bit, d_pad > 128, an empty dimension,
+    """Host TMA descriptors of ``k`` and ``v`` ([B, H, N, D] and [B, H, N, Dv]) with
+    [1, 1, block_n, d_pad] and [1, 1, block_n, dv_pad] blocks (``dv_pad`` default d_pad), or
+    None where TMA cannot take them: not 16-bit, a pad > 128, an empty dimension,
     a last stride other than 1, a zero stride (``expand``) on a dimension longer than 1, or a
     base or stride that is not 16-byte aligned (the kernel then loads through pointers)."""
-    if k.dtype not in (torch.float16, torch.bfloat16) or d_pad > 128:
+    dv_pad = d_pad if dv_pad is None else dv_pad
+    if k.dtype not in (torch.float16, torch.bfloat16) or max(d_pad, dv_pad) > 128:
         return None
     strides = []
     for t in (k, v):
@@ -472,8 +551,8 @@ def tma_descriptors(
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return tuple(
-        TensorDescriptor(t, list(t.shape), st, [1, 1, block_n, d_pad])
-        for t, st in zip((k, v), strides)
+        TensorDescriptor(t, list(t.shape), st, [1, 1, block_n, pad])
+        for t, st, pad in zip((k, v), strides, (d_pad, dv_pad))
     )
 
 

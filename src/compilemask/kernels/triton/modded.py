@@ -1,0 +1,101 @@
+"""Triton attention with a score modifier and / or sinks (eager calls): an
+``autograd.Function`` over the same forward and backward launchers as the plain path, with
+the gradients of the sinks and of the modifier's learnable tensors.
+
+Gradients (``score_mods.py`` has the kernels' side):
+
+- sinks: with ``P_sink,i = exp(sink_h - lse_i)`` (lse includes the sink) and
+  ``delta_i = rowsum(dO_i * O_i) - dlse_i``, ``d sink_h = -sum_{b, i} P_sink,i * delta_i``
+  (the sink's column of ``dS = P * (dP - delta)``, its dP being 0: it carries no value);
+- relative-bias table: per (batch row, head, kv-tile) bucket sums written by the dK/dV
+  kernel, summed here over B and the kv-tiles; bias: one element per pair, summed over the
+  broadcast dimensions. No atomics: two runs give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .configs import BwdConfig, FwdConfig
+from .schedule import DKDV_SCHEDULE_FIELDS, FWD_SCHEDULE_FIELDS
+from .score_mods import pack, sink_grad
+
+_N_DKDV = len(DKDV_SCHEDULE_FIELDS)
+_N_BWD = _N_DKDV + len(FWD_SCHEDULE_FIELDS)
+
+
+class _Args:
+    """The non-tensor arguments of one call (plan tensors, configurations, the modifier)."""
+
+    def __init__(self, plan, prepared, scale, score_mod):
+        self.plan, self.p, self.scale, self.score_mod = plan, prepared, scale, score_mod
+
+
+class ModdedAttention(torch.autograd.Function):
+    """``(out, lse)`` of q, k, v with ``score_mod`` and ``sinks``; differentiable in q, k, v,
+    the sinks and the modifier's learnable tensors (``ScoreMod.tensors()``, in that order)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, args: _Args, *learn):
+        from .forward import attention_forward
+
+        plan, p = args.plan, args.p
+        Nq, Nk = q.shape[2], k.shape[2]
+        mods = pack(args.score_mod, Nq, Nk, q.device) if args.score_mod is not None else None
+        sinks_f = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+        out, lse = attention_forward(
+            q, k, v, plan.row_lo, plan.row_hi, dict(zip(FWD_SCHEDULE_FIELDS, p.schedule)),
+            scale=args.scale, mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
+            cfg=FwdConfig(*p.config), mods=mods, sinks=sinks_f,
+        )  # fmt: skip
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args, ctx.mods, ctx.n_learn = args, mods, len(learn)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from .backend import check_backward_config
+        from .backward import attention_backward
+
+        nothing = (None,) * (5 + ctx.n_learn)
+        if dout is None and dlse is None:
+            return nothing
+        args, mods = ctx.args, ctx.mods
+        p = args.p
+        check_backward_config(p.bwd_config)
+        if mods is not None and mods.score_fn is not None and mods.score_dfn is None:
+            raise RuntimeError(
+                "the custom score modifier has no triton_grad_fn: the Triton backend runs its "
+                'forward only; give triton_grad_fn or use backend="reference"'
+            )
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        B, Hq, Nq = q.shape[:3]
+        Nk = k.shape[2]
+        sched = p.bwd_schedule
+        dkdv = dict(zip(DKDV_SCHEDULE_FIELDS, sched[:_N_DKDV]))
+        Tk = dkdv["kind"].shape[2]
+        mod_grad = mods.grad_buffer(B, Hq, Nq, Nk, Tk) if mods is not None else None
+        delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+        with torch.no_grad():
+            dq, dk, dv = attention_backward(
+                q, k, v, out, lse.contiguous(), dout, args.plan.row_lo, args.plan.row_hi, dkdv,
+                dict(zip(FWD_SCHEDULE_FIELDS, sched[_N_DKDV:_N_BWD])), scale=args.scale,
+                mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
+                cfg=BwdConfig(*p.bwd_config), dlse=dlse,
+                ds_slots=sched[_N_BWD] if len(sched) > _N_BWD else None,
+                mods=mods, mod_grad=mod_grad, delta=delta,
+            )  # fmt: skip
+            dsink = None
+            if sinks is not None and ctx.needs_input_grad[3]:
+                dsink = sink_grad(sinks, lse, delta)
+            learn = mods.table_grads(mod_grad) if mods is not None and mods.learn else []
+        return (dq, dk, dv, dsink, None, *learn)
+
+
+def modded_attention(q, k, v, plan, prepared, scale, score_mod, sinks):
+    """``(out, lse)`` through :class:`ModdedAttention`."""
+    learn = score_mod.tensors() if score_mod is not None else []
+    return ModdedAttention.apply(q, k, v, sinks, _Args(plan, prepared, scale, score_mod), *learn)
