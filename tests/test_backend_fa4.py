@@ -113,3 +113,20 @@ def test_explicit_request_without_flash_attn_4_raises_input_error():
     q = torch.randn(1, 2, 64, 64)
     with pytest.raises(cm.CompileMaskError, match="fa4"):
         cm.attention(q, q, q, plan, backend="fa4")
+
+
+@pytest.mark.parametrize("name", ["fa4", "cute", "cudnn"])
+@pytest.mark.parametrize(
+    "over,reason",
+    [
+        ({"score_mod": object()}, "score modifiers"),
+        ({"has_sinks": True}, "sinks"),
+        ({"head_dim_v": 64}, "Dv 64"),
+    ],
+)
+def test_plain_attention_backends_refuse_modifiers_sinks_and_other_value_dims(name, over, reason):
+    from compilemask.kernels import registry
+
+    plan = cm.compile(M.causal(), 256)
+    ok, why = registry.get(name).supports(plan, _call(**over))
+    assert not ok and reason in why

@@ -129,3 +129,21 @@ def call_of(
         B, Hq, k.shape[1], Nq, k.shape[2], D, q.dtype, q.device, requires_grad, return_lse,
         v.shape[3], score_mod, sinks is not None,
     )  # fmt: skip
+
+
+def plain_attention_reason(call, backend: str) -> str:
+    """Why ``backend`` (one that runs plain masked attention only: no score modifiers, no sinks,
+    ``Dv == Dqk``) refuses ``call``, or "" when it does not. Reads the fields with ``getattr``
+    so calls built before they existed (``SimpleNamespace`` ones in tests) pass."""
+    if getattr(call, "score_mod", None) is not None or getattr(call, "has_sinks", False):
+        return (
+            f'the {backend} backend has no score modifiers or sinks; use backend="triton" or '
+            '"reference"'
+        )
+    dv = getattr(call, "head_dim_v", None)
+    if dv is not None and dv != call.head_dim:
+        return (
+            f"the {backend} backend runs v's head_dim equal to q's only, got Dqk "
+            f'{call.head_dim}, Dv {dv}; use backend="triton" or "reference"'
+        )
+    return ""

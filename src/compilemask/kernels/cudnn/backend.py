@@ -50,6 +50,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
+from ..interface import plain_attention_reason
 from .lower import endpoints
 
 #: the oldest nvidia-cudnn-frontend with ``cudnn.flex_attention`` as read here
@@ -164,18 +165,9 @@ class CudnnBackend:
         """Whether cuDNN runs this call; (False, reason) otherwise. Reads no tensor data."""
         if torch.compiler.is_compiling():
             return False, UNDER_COMPILE
-        # (getattr: calls written before these fields existed, e.g. SimpleNamespace ones)
-        if getattr(call, "score_mod", None) is not None or getattr(call, "has_sinks", False):
-            return False, (
-                "cudnn's interval attention has no score modifiers or sinks; use "
-                'backend="triton" or "reference"'
-            )
-        dv = getattr(call, "head_dim_v", None)
-        if dv is not None and dv != call.head_dim:
-            return False, (
-                f"the cudnn backend runs v's head_dim equal to q's only, got Dqk "
-                f'{call.head_dim}, Dv {dv}; use backend="triton" or "reference"'
-            )
+        why = plain_attention_reason(call, "cudnn")
+        if why:
+            return False, why
         if call.return_lse and call.requires_grad:
             return False, (
                 'no gradient through lse on cudnn: call without return_lse, or use backend="triton"'

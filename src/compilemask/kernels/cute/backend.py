@@ -22,6 +22,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
+from ..interface import plain_attention_reason
 from .lower import CuteLowered, lower
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
@@ -75,6 +76,9 @@ class CuteBackend:
         """Whether the kernel runs this call; (False, reason) otherwise. Reads no tensor data."""
         if torch.compiler.is_compiling():
             return False, UNDER_COMPILE
+        why = plain_attention_reason(call, "cute")
+        if why:
+            return False, why
         if call.requires_grad:
             return False, 'cute is forward only (no backward yet): use backend="triton"'
         if call.device.type != "cuda":

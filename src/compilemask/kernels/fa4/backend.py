@@ -35,6 +35,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
+from ..interface import plain_attention_reason
 from .lower import BLOCK, Fa4Blocks, lower
 
 INSTALL_HINT = "install compilemask[fa4] (flash-attn-4>=4.0.0b36)"
@@ -102,6 +103,9 @@ class Fa4Backend:
         """Whether FlashAttention-4 runs this call; (False, reason) otherwise."""
         if torch.compiler.is_compiling():
             return False, UNDER_COMPILE
+        why = plain_attention_reason(call, "fa4")
+        if why:
+            return False, why
         if call.return_lse and call.requires_grad:
             return False, 'no gradient through lse on fa4: call without return_lse, or use "triton"'
         if call.device.type != "cuda":
