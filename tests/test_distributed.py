@@ -1,0 +1,165 @@
+"""Context parallelism (``compilemask.distributed``): the balancer, the ranks' sub-plans, and
+forward and backward over gloo process groups against the single-process computation.
+
+The distributed cases run in processes spawned once per world size (2 and 4) with the
+reference backend in float64: every case compares each rank's output, LSE and gradients with
+the single-process reference of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.distributed import balance
+from compilemask.distributed.local import rank_work
+from compilemask.errors import InputError
+from compilemask.workloads import SEED_WORKLOADS, workload
+
+TILE = 32
+N = 512
+
+
+def _plans():
+    """``(name, plan, B, Hq, Hkv)`` of the distributed cases (tiny shapes)."""
+    out = []
+    for name in SEED_WORKLOADS:
+        w = workload(name, 1024)
+        out.append((name, cm.compile(w.mask, w.N, block_m=64, block_n=64), 1, 2, 1))
+    doc = masks.document([150, 40, 200, 122])
+    out.append(("document", cm.compile(doc, N, block_m=TILE, block_n=TILE), 2, 2, 2))
+    sw = masks.sliding_window(48)
+    out.append(("sliding_window", cm.compile(sw, N, block_m=TILE, block_n=TILE), 1, 4, 2))
+    heads = masks.per_head([masks.causal(), masks.sliding_window(20), doc, masks.prefix_lm(64)])
+    out.append(("per_head", cm.compile(heads, N, heads=4, block_m=TILE, block_n=TILE), 1, 4, 2))
+    batch = masks.per_batch([masks.causal(), doc])
+    out.append(("per_batch", cm.compile(batch, N, batch=2, block_m=TILE, block_n=TILE), 2, 2, 1))
+    grid = masks.tile_grid(masks.natten2d((16, 32), (5, 7)), (8, 16))
+    out.append(("tile_grid", cm.compile(grid, N, block_m=TILE, block_n=TILE), 1, 2, 2))
+    return out
+
+
+# ------------------------------------------------------------------ balancer and sub-plans
+@pytest.mark.parametrize("world", [2, 4])
+def test_sub_plans_are_the_plan_restricted(world):
+    for name, plan, *_ in _plans():
+        shard = balance(plan, world)
+        dense = plan.in_permuted_order().to_dense()
+        dense = dense.reshape(plan.num_masks, plan.q_len, plan.kv_len)
+        total = 0
+        for r in range(world):
+            rows = shard.positions(r)
+            work = rank_work(shard, r)
+            assert [p.owner for p in work.pieces][0] == r or not shard.needed[r, shard.owner == r].any()
+            for piece in work.pieces:
+                piece.plan.verify()
+                keys = torch.tensor(piece.chunks)
+                kpos = (keys[:, None] * shard.chunk + torch.arange(shard.chunk)).reshape(-1)
+                want = dense[:, rows][:, :, kpos]
+                got = piece.plan.to_dense().reshape(want.shape)
+                assert torch.equal(got, want), (name, r, piece.owner)
+            seen = int(dense[:, rows].sum())
+            assert seen == int(shard.work[r])
+            assert sum(int(p.plan.schedule.pairs.sum()) for p in work.pieces) == seen
+            total += seen
+        assert total == int(plan.schedule.pairs.sum())
+
+
+def test_balance_is_a_partition_with_equal_shards():
+    plan = cm.compile(masks.causal(), 4096, block_m=64, block_n=64)
+    for world in (2, 4, 8):
+        shard = balance(plan, world)
+        assert shard.imbalance < 1.01
+        allpos = torch.cat([shard.positions(r) for r in range(world)])
+        assert torch.equal(allpos.sort().values, torch.arange(4096))
+        assert {len(c) for c in shard.chunks} == {4096 // 64 // world}
+        rep = shard.report(bytes_per_token=4)
+        assert rep["recv_bytes"] == [t * 4 for t in rep["recv_tokens"]]
+
+
+def test_shard_and_unshard_round_trip_in_the_callers_order():
+    plan = cm.compile(masks.tile_grid(masks.natten2d((16, 32), (5, 7)), (8, 16)), N,
+                      block_m=TILE, block_n=TILE)  # fmt: skip
+    shard = balance(plan, 4)
+    x = torch.randn(1, 2, N, 3)
+    parts = [shard.shard(x, r) for r in range(4)]
+    assert torch.equal(shard.unshard(parts), x)
+    tiled = plan.permutation[shard.positions(1)]
+    assert torch.equal(parts[1], x[:, :, tiled])
+
+
+def test_balance_refuses_bad_input():
+    with pytest.raises(InputError, match="q_len == kv_len"):
+        balance(cm.compile(masks.causal(), 256, 512, block_m=32, block_n=32), 2)
+    plan = cm.compile(masks.causal(), 256, block_m=32, block_n=32)
+    with pytest.raises(InputError, match="multiple of world_size"):
+        balance(plan, 3)
+    with pytest.raises(InputError, match="chunk"):
+        balance(plan, 2, chunk=48)
+    with pytest.raises(InputError, match="world_size"):
+        balance(plan, 0)
+    dense = torch.rand(256, 256) < 0.5
+    bits = cm.from_dense(dense, block_m=32, block_n=32)
+    if bits.encoding == "bits":
+        with pytest.raises(InputError, match="bitmasks"):
+            balance(bits, 2)
+    shard = balance(plan, 2)
+    with pytest.raises(InputError, match="rank"):
+        shard.positions(2)
+    with pytest.raises(InputError, match="tokens along dim"):
+        shard.shard(torch.zeros(1, 1, 100, 4), 0)
+
+
+# ------------------------------------------------------------------ distributed runs
+def _worker(rank: int, world: int, init: str) -> None:
+    import torch.distributed as dist
+
+    from compilemask.distributed import attention, gather
+    from compilemask.kernels.reference import reference_attention
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for name, plan, B, Hq, Hkv in _plans():
+            n_tok = plan.q_len
+            g = torch.Generator().manual_seed(7)
+            D = 32
+            q, k, v = (
+                torch.randn(B, h, n_tok, D, generator=g, dtype=torch.float64)
+                for h in (Hq, Hkv, Hkv)
+            )
+            dout = torch.randn(B, Hq, n_tok, D, generator=g, dtype=torch.float64)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref_out, ref_lse = reference_attention(*full, plan)
+            ((ref_out * dout).sum() + 0.5 * ref_lse.masked_fill(ref_lse.isinf(), 0).sum()).backward()
+            shard = balance(plan, world)
+            mine = [shard.shard(t, rank).detach().requires_grad_() for t in (q, k, v)]
+            out, lse = attention(*mine, shard, return_lse=True, backend="reference")
+            loss = (out * shard.shard(dout, rank)).sum()
+            (loss + 0.5 * lse.masked_fill(lse.isinf(), 0).sum()).backward()
+            tol = dict(rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(out, shard.shard(ref_out, rank), **tol, msg=name)
+            torch.testing.assert_close(
+                lse, shard.shard(ref_lse, rank).float(), rtol=1e-6, atol=1e-6, msg=name
+            )
+            for t, f, what in zip(mine, full, ("dq", "dk", "dv")):
+                torch.testing.assert_close(
+                    t.grad, shard.shard(f.grad, rank), **tol, msg=f"{name} {what}"
+                )
+            whole = gather(out.detach(), shard)
+            torch.testing.assert_close(whole, ref_out.detach(), **tol, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_matches_single_process(world):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "rendezvous")
+        mp.spawn(_worker, args=(world, init), nprocs=world, join=True)
