@@ -116,28 +116,37 @@ def test_balance_refuses_bad_input():
 
 
 # ------------------------------------------------------------------ distributed runs
-def _worker(rank: int, world: int, init: str) -> None:
+def _cases():
+    """Per case: the plan, the inputs, and the single-process reference's outputs and
+    gradients (float64), computed once in the parent process."""
+    from compilemask.kernels.reference import reference_attention
+
+    cases = []
+    for name, plan, B, Hq, Hkv in _plans():
+        g = torch.Generator().manual_seed(7)
+        shapes = ((B, Hq), (B, Hkv), (B, Hkv), (B, Hq))
+        q, k, v, dout = (
+            torch.randn(*s, plan.q_len, 32, generator=g, dtype=torch.float64) for s in shapes
+        )
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = reference_attention(*full, plan)
+        ((out * dout).sum() + 0.5 * lse.masked_fill(lse.isinf(), 0).sum()).backward()
+        want = (out.detach(), lse.detach(), *(t.grad for t in full))
+        cases.append((name, plan, (q, k, v, dout), want))
+    return cases
+
+
+def _worker(rank: int, world: int, init: str, cases) -> None:
     import torch.distributed as dist
 
     from compilemask.distributed import attention, gather
-    from compilemask.kernels.reference import reference_attention
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        for name, plan, B, Hq, Hkv in _plans():
-            n_tok = plan.q_len
-            g = torch.Generator().manual_seed(7)
-            D = 32
-            q, k, v = (
-                torch.randn(B, h, n_tok, D, generator=g, dtype=torch.float64)
-                for h in (Hq, Hkv, Hkv)
-            )
-            dout = torch.randn(B, Hq, n_tok, D, generator=g, dtype=torch.float64)
-            full = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref_out, ref_lse = reference_attention(*full, plan)
-            ((ref_out * dout).sum() + 0.5 * ref_lse.masked_fill(ref_lse.isinf(), 0).sum()).backward()
+        for name, plan, (q, k, v, dout), (ref_out, ref_lse, *ref_grads) in cases:
             shard = balance(plan, world)
-            mine = [shard.shard(t, rank).detach().requires_grad_() for t in (q, k, v)]
+            mine = [shard.shard(t, rank).requires_grad_() for t in (q, k, v)]
             out, lse = attention(*mine, shard, return_lse=True, backend="reference")
             loss = (out * shard.shard(dout, rank)).sum()
             (loss + 0.5 * lse.masked_fill(lse.isinf(), 0).sum()).backward()
@@ -146,20 +155,25 @@ def _worker(rank: int, world: int, init: str) -> None:
             torch.testing.assert_close(
                 lse, shard.shard(ref_lse, rank).float(), rtol=1e-6, atol=1e-6, msg=name
             )
-            for t, f, what in zip(mine, full, ("dq", "dk", "dv")):
+            for t, want, what in zip(mine, ref_grads, ("dq", "dk", "dv")):
                 torch.testing.assert_close(
-                    t.grad, shard.shard(f.grad, rank), **tol, msg=f"{name} {what}"
+                    t.grad, shard.shard(want, rank), **tol, msg=f"{name} {what}"
                 )
             whole = gather(out.detach(), shard)
-            torch.testing.assert_close(whole, ref_out.detach(), **tol, msg=name)
+            torch.testing.assert_close(whole, ref_out, **tol, msg=name)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def cases():
+    return _cases()
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_distributed_matches_single_process(world):
+def test_distributed_matches_single_process(world, cases):
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(world, init), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, init, cases), nprocs=world, join=True)
