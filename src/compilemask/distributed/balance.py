@@ -6,12 +6,19 @@ every query chunk exactly: its visible pairs, summed over the plan's masks (the 
 backward both cost about that many pairs, and in the distributed call both run on the rank that
 holds the query rows). :func:`balance` gives every rank the same number of chunks (so the
 shards of q, k, v have one length, like the rest of the model's activations) and about the
-same number of visible pairs:
+same number of visible pairs, keeping runs of chunks together where the balance allows (a
+rank needs fewer keys of others when its rows are contiguous):
 
-1. longest processing time first: chunks by decreasing work, each to the least loaded rank
-   that still has room;
-2. swaps: while the most and the least loaded ranks have a pair of chunks whose exchange
-   narrows their gap, the best such pair is swapped.
+1. for ``s`` = 1, 2, 4, ... segments per rank (up to one chunk per segment), the sequence is
+   cut into ``s * R`` contiguous segments of equal length and the segments are assigned:
+   longest processing time first (by decreasing work, each to the least loaded rank that
+   still has room), then swaps (while the most and the least loaded ranks hold a pair of
+   segments whose exchange narrows their gap, the best such pair is swapped), then swaps of
+   single chunks the same way (a few heavy chunks, e.g. rows that see the whole sequence,
+   leave their segment);
+2. of these assignments, the one whose ranks receive the fewest key chunks (the largest
+   count over ranks, then the total) among those with max / mean work within
+   ``tolerance``; when none is within it, the best balanced one.
 
 Legend: ``R`` ranks, ``C`` chunk tokens, ``Nc = N / C`` chunks, ``n = N / R`` tokens per rank.
 """
@@ -146,7 +153,9 @@ def default_chunk(plan: MaskPlan) -> int:
     return math.lcm(plan.block_m, plan.block_n)
 
 
-def balance(plan: MaskPlan, world_size: int, *, chunk: int | None = None) -> ShardMap:
+def balance(
+    plan: MaskPlan, world_size: int, *, chunk: int | None = None, tolerance: float = 1.02
+) -> ShardMap:
     """Assign the plan's token chunks to ``world_size`` ranks, balanced by visible pairs.
 
     Args:
@@ -156,6 +165,10 @@ def balance(plan: MaskPlan, world_size: int, *, chunk: int | None = None) -> Sha
         world_size: ranks ``R`` (int >= 1).
         chunk: tokens per chunk, a multiple of ``plan.block_m`` and ``plan.block_n``; default
             :func:`default_chunk`. ``q_len`` must be a multiple of ``R * chunk``.
+        tolerance: the max / mean pairs per rank accepted in exchange for less traffic:
+            of the segmentations tried (see the module docstring), the one whose ranks
+            receive the fewest key chunks among those within ``tolerance``, else the best
+            balanced one.
 
     Returns:
         A :class:`ShardMap` (``shard_map.imbalance``: max / mean pairs per rank). The same
@@ -199,27 +212,56 @@ def balance(plan: MaskPlan, world_size: int, *, chunk: int | None = None) -> Sha
             f"q_len={plan.q_len} must be a multiple of world_size * chunk = {world_size} * "
             f"{chunk} (pad the sequence, or pass a smaller chunk)"
         )
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or tolerance < 1:
+        raise InputError(f"tolerance must be a number >= 1, got {tolerance!r}")
     pairs = plan.schedule.pairs.to("cpu", torch.int64).sum(0)  # [Tq, Tk]
     per_m, per_n = chunk // plan.block_m, chunk // plan.block_n
     nc = plan.q_len // chunk
     work = pairs.view(nc, per_m, -1).sum((1, 2))  # [Nc] visible pairs per query chunk
-    owner = _assign(work, world_size)
+    per_rank = nc // world_size
+    best = None
+    for s in _segment_counts(per_rank):
+        seg = nc // (s * world_size)
+        owner = _assign(work, world_size, seg, (1 + tolerance) / 2)
+        rank_work = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner, work)
+        needed = _needed(pairs, owner, world_size, per_m, per_n)
+        mean = float(rank_work.double().mean())
+        ratio = float(rank_work.max()) / mean if mean > 0 else 1.0
+        moved = (needed & (owner[None, :] != torch.arange(world_size)[:, None])).sum(1)
+        traffic = (int(moved.max()), int(moved.sum()))
+        key = (ratio > tolerance, traffic if ratio <= tolerance else ratio, ratio)
+        if best is None or key < best[0]:
+            best = (key, owner, rank_work, needed)
+    _, owner, rank_work, needed = best
     chunks = [torch.nonzero(owner == r).flatten().tolist() for r in range(world_size)]
-    rank_work = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner, work)
-    # touched kv-tiles per rank, then per kv chunk
-    tile_owner = owner.repeat_interleave(per_m)
-    seen = torch.zeros(world_size, pairs.shape[1], dtype=torch.int64)
-    seen.index_add_(0, tile_owner, pairs)
-    needed = seen.view(world_size, nc, per_n).sum(-1) > 0
     return ShardMap(plan, world_size, chunk, owner, chunks, rank_work, needed)
 
 
-def _assign(work: torch.Tensor, ranks: int) -> torch.Tensor:
-    """int64 ``[Nc]`` chunk -> rank: equal chunk counts, work balanced (LPT, then swaps)."""
-    nc = len(work)
-    cap = nc // ranks
-    w = work.tolist()
-    order = sorted(range(nc), key=lambda c: (-w[c], c))
+def _segment_counts(per_rank: int) -> list[int]:
+    """Segments per rank tried: the powers of two dividing ``per_rank``, and ``per_rank``."""
+    out, s = [], 1
+    while s <= per_rank and per_rank % s == 0:
+        out.append(s)
+        s *= 2
+    return out if out[-1] == per_rank else [*out, per_rank]
+
+
+def _needed(pairs: torch.Tensor, owner: torch.Tensor, ranks: int, per_m: int, per_n: int):
+    """bool ``[R, Nc]``: key chunks holding a key that a query row of the rank sees."""
+    seen = torch.zeros(ranks, pairs.shape[1], dtype=torch.int64)
+    seen.index_add_(0, owner.repeat_interleave(per_m), pairs)
+    return seen.view(ranks, -1, per_n).sum(-1) > 0
+
+
+def _assign(work: torch.Tensor, ranks: int, seg: int, slack: float) -> torch.Tensor:
+    """int64 ``[Nc]`` chunk -> rank: equal chunk counts, work balanced. Segments of ``seg``
+    chunks are assigned whole (LPT, then swaps of segments), then single chunks are swapped
+    while that narrows the gap between the most and the least loaded ranks and the most
+    loaded one holds more than ``slack`` times the mean."""
+    seg_work = work.view(-1, seg).sum(1).tolist()
+    ns = len(seg_work)
+    cap = ns // ranks
+    order = sorted(range(ns), key=lambda c: (-seg_work[c], c))
     heap = [(0, r) for r in range(ranks)]
     owned: list[list[int]] = [[] for _ in range(ranks)]
     load = [0] * ranks
@@ -229,24 +271,35 @@ def _assign(work: torch.Tensor, ranks: int) -> torch.Tensor:
             if len(owned[r]) < cap:
                 break
         owned[r].append(c)
-        load[r] += w[c]
+        load[r] += seg_work[c]
         if len(owned[r]) < cap:
             heapq.heappush(heap, (load[r], r))
-    for _ in range(4 * nc):
+    _swaps(owned, load, seg_work, 4 * ns, 0)
+    if seg > 1:
+        owned = [[c * seg + i for c in cs for i in range(seg)] for cs in owned]
+        _swaps(owned, load, work.tolist(), 4 * len(work), slack * sum(load) / ranks)
+    owner = torch.empty(len(work), dtype=torch.int64)
+    for r, cs in enumerate(owned):
+        owner[cs] = r
+    return owner
+
+
+def _swaps(owned: list[list[int]], load: list[int], w: list[int], limit: int, enough) -> None:
+    """Swap items between the most and the least loaded ranks while that narrows their gap
+    and the most loaded one holds more than ``enough`` (in place; at most ``limit`` swaps)."""
+    ranks = len(owned)
+    for _ in range(limit):
         hi = max(range(ranks), key=lambda r: (load[r], -r))
+        if load[hi] <= enough:
+            break
         lo = min(range(ranks), key=lambda r: (load[r], r))
-        gap = load[hi] - load[lo]
-        best = _best_swap(owned[hi], owned[lo], w, gap)
+        best = _best_swap(owned[hi], owned[lo], w, load[hi] - load[lo])
         if best is None:
             break
         i, j, d = best
         owned[hi][i], owned[lo][j] = owned[lo][j], owned[hi][i]
         load[hi] -= d
         load[lo] += d
-    owner = torch.empty(nc, dtype=torch.int64)
-    for r, cs in enumerate(owned):
-        owner[cs] = r
-    return owner
 
 
 def _best_swap(a: list[int], b: list[int], w: list[int], gap: int):
