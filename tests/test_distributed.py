@@ -172,8 +172,16 @@ def cases():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_distributed_matches_single_process(world, cases):
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    # children forked from a server that imported torch once (a spawned child imports it
+    # anew: seconds per process on a busy machine); compilemask is not preloaded (the
+    # server may resolve it before it has the parent's sys.path)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed"])
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(world, init, cases), nprocs=world, join=True)
+        mp.start_processes(
+            _worker, args=(world, init, cases), nprocs=world, start_method="forkserver"
+        )
