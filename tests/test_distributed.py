@@ -55,7 +55,9 @@ def test_sub_plans_are_the_plan_restricted(world):
         for r in range(world):
             rows = shard.positions(r)
             work = rank_work(shard, r)
-            assert [p.owner for p in work.pieces][0] == r or not shard.needed[r, shard.owner == r].any()
+            assert [p.owner for p in work.pieces][0] == r or not shard.needed[
+                r, shard.owner == r
+            ].any()
             for piece in work.pieces:
                 piece.plan.verify()
                 keys = torch.tensor(piece.chunks)
@@ -144,6 +146,12 @@ def _worker(rank: int, world: int, init: str, cases) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
+        plan = cases[0][1]
+        x = torch.zeros(1, 2, plan.q_len // world, 32)
+        with pytest.raises(InputError, match="balanced for"):
+            attention(x, x, x, balance(plan, 2 * world))
+        with pytest.raises(InputError, match="this rank's"):
+            attention(x[:, :, 1:], x[:, :, 1:], x[:, :, 1:], balance(plan, world))
         for name, plan, (q, k, v, dout), (ref_out, ref_lse, *ref_grads) in cases:
             shard = balance(plan, world)
             mine = [shard.shard(t, rank).requires_grad_() for t in (q, k, v)]
@@ -185,3 +193,100 @@ def test_distributed_matches_single_process(world, cases):
         mp.start_processes(
             _worker, args=(world, init, cases), nprocs=world, start_method="forkserver"
         )
+
+
+# ------------------------------------------------------------------ other backends, one process
+def _simulate(plan, world, q, k, v, dout, backend):
+    """Every rank's forward and backward run in this process, the exchanges served from the
+    whole tensors (forward) and a mailbox (backward): ``(out, dq, dk, dv)`` of the whole
+    sequence, for backends that need a device of their own per rank."""
+    from compilemask.distributed.attention import _ContextParallel, _Runner
+
+    shard = balance(plan, world)
+    mailbox = []
+
+    class Simulated(_Runner):
+        def _exchange(self, sends, recvs):
+            if getattr(self, "forwarded", False):  # backward: dK/dV to their owners
+                mailbox.extend((self.work.rank, peer, t) for peer, t in sends)
+                for _, buf in recvs:
+                    buf.zero_()
+                return []
+            self.forwarded = True
+            remote = [pc for pc in self.work.pieces if pc.owner != self.work.rank]
+            for pc, (_, buf) in zip(remote, recvs):
+                for i, t in enumerate((k, v)):
+                    pos = pc.positions.to(t.device)
+                    buf[i].copy_(shard.shard(t, pc.owner).index_select(2, pos))
+            return []
+
+    outs, grads = [], []
+    for r in range(world):
+        mine = [shard.shard(t, r).detach().requires_grad_() for t in (q, k, v)]
+        runner = Simulated(rank_work(shard, r), list(range(world)), None, 1 / 32**0.5, backend)
+        out, _ = _ContextParallel.apply(*mine, runner)
+        out.backward(shard.shard(dout, r))
+        outs.append(out.detach())
+        grads.append([t.grad for t in mine])
+    for src, dst, t in mailbox:
+        pos = dict(rank_work(shard, dst).sends)[src].to(t.device)
+        grads[dst][1].index_add_(2, pos, t[0])
+        grads[dst][2].index_add_(2, pos, t[1])
+    whole = [shard.unshard(parts) for parts in (outs, *zip(*grads))]
+    return whole
+
+
+def _check_simulated(device, dtype, n, backend):
+    """The pieces on ``backend`` against one process's call of it: each of out, dq, dk, dv
+    within twice the single call's error (relative, against float64) plus 1e-3."""
+    from compilemask.kernels.reference import reference_attention
+    from compilemask.testing import relative_error
+
+    heads = masks.per_head([masks.causal(), masks.document([n // 4, n // 2, n // 4])])
+    plan = cm.compile(heads, n, heads=2, block_m=32, block_n=32, device=device)
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, 2, n, 32, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, 1, n, 32, generator=g).to(device, dtype) for _ in range(2))
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    ref64, _ = reference_attention(*wide, plan)
+    ref64.backward(dout.double())
+    single = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cm.attention(*single, plan, backend=backend)
+    out.backward(dout)
+    got = _simulate(plan, 4, q, k, v, dout, backend)
+    refs = (ref64.detach(), *(t.grad for t in wide))
+    for what, a, one, want in zip(
+        ("out", "dq", "dk", "dv"), got, (out.detach(), *(t.grad for t in single)), refs
+    ):
+        err, bound = relative_error(a, want), 2 * relative_error(one, want) + 1e-3
+        assert err <= bound, (what, err, bound)
+
+
+@pytest.mark.kernel
+def test_triton_pieces_match_one_process():
+    _check_simulated("cpu", torch.float32, 256, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_pieces_match_one_process_on_the_gpu():
+    _check_simulated("cuda", torch.bfloat16, 4096, "triton")
+
+
+def test_bench_distributed_rows(tmp_path):
+    from compilemask.tools.bench_distributed import main
+
+    out = tmp_path / "rows.jsonl"
+    argv = ["--distributed", "--tokens", "4096", "--ranks", "2", "4", "--workloads", "hstu"]
+    assert main([*argv, "document", "--out", str(out)]) == 0
+    import json
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["workload"], r["world_size"]) for r in rows] == [
+        ("hstu", 2), ("hstu", 4), ("document", 2), ("document", 4)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["imbalance"] == pytest.approx(
+            max(r["work"]) / (sum(r["work"]) / len(r["work"])), abs=1e-4
+        )
+        assert max(r["recv_tokens"]) <= r["ring_recv_tokens"]

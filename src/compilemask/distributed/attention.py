@@ -74,9 +74,7 @@ def attention(
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if world != shard.world_size:
-        raise InputError(
-            f"shard was balanced for {shard.world_size} ranks, the group has {world}"
-        )
+        raise InputError(f"shard was balanced for {shard.world_size} ranks, the group has {world}")
     n = shard.local_len
     if q.shape[2] != n or k.shape[2] != n:
         raise InputError(
@@ -175,7 +173,9 @@ class _Runner:
             got = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
         else:
             got = [None] * len(inputs)
-        dq, dk, dv, *dremote = (torch.zeros_like(x) if g is None else g for x, g in zip(inputs, got))
+        dq, dk, dv, *dremote = (
+            torch.zeros_like(x) if g is None else g for x, g in zip(inputs, got)
+        )
         sends = [
             (pc.owner, torch.stack([dremote[2 * i], dremote[2 * i + 1]]))
             for i, pc in enumerate(remote)

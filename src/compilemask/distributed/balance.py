@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compiler.plan import MaskPlan
-from ..errors import CompileMaskError, InputError
+from ..errors import InputError
 
 
 @dataclass(eq=False)

@@ -137,23 +137,19 @@ def _time_ranks(rank: int, world: int, init: str | None, args: dict) -> list[dic
             for t in (q, k, v):
                 t.requires_grad_()
 
-            def step():
-                out = attention(q, k, v, shard, backend=args["backend"])
-                out.backward(dout)
-                for t in (q, k, v):
-                    t.grad = None
-
             times = []
             for i in range(args["warmup"] + args["reps"]):
                 dist.barrier()
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                step()
+                attention(q, k, v, shard, backend=args["backend"]).backward(dout)
                 if cuda:
                     torch.cuda.synchronize()
                 if i >= args["warmup"]:
                     times.append((time.perf_counter() - t0) * 1e3)
+                for t in (q, k, v):
+                    t.grad = None
             mine = statistics.median(times)
             everyone = [None] * world
             dist.all_gather_object(everyone, mine)
