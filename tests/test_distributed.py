@@ -238,7 +238,8 @@ def _simulate(plan, world, q, k, v, dout, backend):
 
 def _check_simulated(device, dtype, n, backend):
     """The pieces on ``backend`` against one process's call of it: each of out, dq, dk, dv
-    within twice the single call's error (relative, against float64) plus 1e-3."""
+    within twice the single call's error (relative, against float64) plus a floor (1e-5 in
+    float32, 2e-3 in 16 bits: the pieces' outputs are rounded before the merge)."""
     from compilemask.kernels.reference import reference_attention
     from compilemask.testing import relative_error
 
@@ -255,10 +256,11 @@ def _check_simulated(device, dtype, n, backend):
     out.backward(dout)
     got = _simulate(plan, 4, q, k, v, dout, backend)
     refs = (ref64.detach(), *(t.grad for t in wide))
+    floor = 1e-5 if dtype == torch.float32 else 2e-3
     for what, a, one, want in zip(
         ("out", "dq", "dk", "dv"), got, (out.detach(), *(t.grad for t in single)), refs
     ):
-        err, bound = relative_error(a, want), 2 * relative_error(one, want) + 1e-3
+        err, bound = relative_error(a, want), 2 * relative_error(one, want) + floor
         assert err <= bound, (what, err, bound)
 
 

@@ -87,6 +87,7 @@ def attention(
             raise InputError(f"the plan's mask depends on {name}={dep}, got {size} in q")
     scale = validate.check_scale(scale, q.shape[-1])
     work = rank_work(shard, rank)
+    _first_use(group)
     peers = [_global(group, r) for r in range(world)]
     runner = _Runner(work, peers, group, scale, backend)
     out, lse = _ContextParallel.apply(q, k, v, runner)
@@ -99,6 +100,17 @@ def gather(x: torch.Tensor, shard: ShardMap, *, group=None, dim: int = 2) -> tor
     parts = [torch.empty_like(x) for _ in range(shard.world_size)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return shard.unshard(parts, dim)
+
+
+_USED_GROUPS: set = set()
+
+
+def _first_use(group) -> None:
+    """A barrier on a group's first call: NCCL wants every rank in a group's first batched
+    point-to-point call, and some ranks may have nothing to send or receive."""
+    if group not in _USED_GROUPS:
+        dist.barrier(group=group)
+        _USED_GROUPS.add(group)
 
 
 def _global(group, r: int) -> int:
@@ -133,8 +145,11 @@ class _Runner:
             outs, lses = [], []
             local = pieces[0] if pieces and pieces[0].owner == self.work.rank else None
             if local is not None:
-                pos = local.positions.to(k.device)
-                kl, vl = kd.index_select(2, pos), vd.index_select(2, pos)
+                if len(local.positions) == kd.shape[2]:  # every local key: no copy
+                    kl, vl = kd, vd
+                else:
+                    pos = local.positions.to(k.device)
+                    kl, vl = kd.index_select(2, pos), vd.index_select(2, pos)
                 self._piece(qd, kl, vl, local.plan, outs, lses)
             for w in pending:
                 w.wait()
