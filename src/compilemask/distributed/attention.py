@@ -10,9 +10,10 @@ Forward, on every rank (``local.RankWork``):
 4. the pieces' partial outputs are merged with their LSEs:
    ``lse = logsumexp_i lse_i``, ``out = sum_i exp(lse_i - lse) * out_i``.
 
-Backward: the pieces' gradients come from the backend's own autograd (through out and lse of
-every piece); dK/dV of received chunks go back to their owners point-to-point, where they are
-added to the owner's dK/dV in rank order (deterministic).
+Backward: the merge's backward gives every piece the gradients of its out and lse; the
+pieces' q/k/v gradients come from the backend's own autograd through them. The received
+pieces run first; their dK/dV go back to their owners point-to-point while the local piece's
+backward runs, and are added to the owner's dK/dV in rank order (deterministic).
 
 Legend: B batch, Hq / Hkv heads, n tokens per rank, D head_dim.
 """
@@ -153,13 +154,14 @@ class _Runner:
                 self._piece(qd, kl, vl, local.plan, outs, lses)
             for w in pending:
                 w.wait()
-            leaves = []
+            inputs = [(qd, kd, vd)] if local is not None else []
             for pc, b in zip(remote, bufs):
                 kr, vr = (b[i].requires_grad_(needs_grad) for i in (0, 1))
-                leaves += [kr, vr]
+                inputs.append((qd, kr, vr))
                 self._piece(qd, kr, vr, pc.plan, outs, lses)
             out, lse = _merge(outs, lses, qd)
-        self.saved = (qd, kd, vd, leaves, out, lse, remote) if needs_grad else None
+        if needs_grad:
+            self.saved = (qd, kd, vd, out, lse, outs, lses, inputs, local is not None)
         return out.detach(), lse.detach()
 
     def _piece(self, q, k, v, plan, outs, lses):
@@ -176,28 +178,27 @@ class _Runner:
 
     # ------------------------------------------------------------------ backward
     def backward(self, dout, dlse):
-        qd, kd, vd, leaves, out, lse, remote = self.saved
+        """dq, dk, dv of this rank: the merge's gradients to every piece's out and lse, then
+        the received pieces' backward, whose dK/dV go back to their owners while the local
+        piece's backward runs."""
+        qd, kd, vd, out, lse, outs, lses, inputs, has_local = self.saved
         self.saved = None
-        outputs, grads = [], []
-        for t, g in ((out, dout), (lse, dlse)):
-            if g is not None and t.requires_grad:
-                outputs.append(t)
-                grads.append(g.to(t.dtype))
-        inputs = [qd, kd, vd, *leaves]
-        if outputs:
-            got = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-        else:
-            got = [None] * len(inputs)
-        dq, dk, dv, *dremote = (
-            torch.zeros_like(x) if g is None else g for x, g in zip(inputs, got)
-        )
-        sends = [
-            (pc.owner, torch.stack([dremote[2 * i], dremote[2 * i + 1]]))
-            for i, pc in enumerate(remote)
-        ]
+        dq, dk, dv = torch.zeros_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)
+        pieces = _piece_grads(out, lse, dout, dlse, outs, lses)
+        sends = []
+        for i in range(1 if has_local else 0, len(outs)):
+            dqi, dki, dvi = _grads(pieces[i], inputs[i])
+            if dqi is not None:
+                dq += dqi
+            owner = self.remote_owners[i - (1 if has_local else 0)]
+            sends.append((owner, torch.stack([dki, dvi])))
         B, Hkv, _, D = kd.shape
         recvs = [(p, kd.new_empty((2, B, Hkv, len(pos), D))) for p, pos in self.work.sends]
-        for w in self._exchange(sends, recvs):
+        pending = self._exchange(sends, recvs)
+        if has_local:
+            dqi, dki, dvi = _grads(pieces[0], inputs[0])
+            dq, dk, dv = (x if g is None else x + g for x, g in ((dq, dqi), (dk, dki), (dv, dvi)))
+        for w in pending:
             w.wait()
         if recvs:
             acc = torch.float32 if kd.dtype in (torch.float16, torch.bfloat16) else kd.dtype
@@ -206,6 +207,49 @@ class _Runner:
                 dkv.index_add_(3, pos.to(dkv.device), buf.to(acc))
             dk, dv = dkv[0].to(kd.dtype), dkv[1].to(kd.dtype)
         return dq, dk, dv
+
+    @property
+    def remote_owners(self) -> list[int]:
+        return [pc.owner for pc in self.work.pieces if pc.owner != self.work.rank]
+
+
+def _piece_grads(out, lse, dout, dlse, outs, lses) -> list[tuple]:
+    """Per piece, ``((out_i, lse_i), (d out_i, d lse_i))`` of those that get a gradient: the
+    merge's backward (elementwise; the graph is kept for the pieces' own backward)."""
+    outputs, grads = [], []
+    for t, g in ((out, dout), (lse, dlse)):
+        if g is not None and t.requires_grad:
+            outputs.append(t)
+            grads.append(g.to(t.dtype))
+    tensors = [t for pair in zip(outs, lses) for t in pair]
+    wanted = [t for t in tensors if t.requires_grad]
+    got = iter(
+        torch.autograd.grad(outputs, wanted, grads, allow_unused=True, retain_graph=True)
+        if outputs and wanted
+        else [None] * len(wanted)
+    )
+    flat = [next(got) if t.requires_grad else None for t in tensors]
+    pairs = []
+    for i in range(len(outs)):
+        keep = [
+            (t, g) for t, g in ((outs[i], flat[2 * i]), (lses[i], flat[2 * i + 1])) if g is not None
+        ]
+        pairs.append(tuple(zip(*keep)) if keep else ((), ()))
+    return pairs
+
+
+def _grads(piece, inputs) -> tuple:
+    """Gradients of one piece's (out, lse) to ``inputs`` (q, k, v): zeros for k and v when
+    the piece gets no gradient or does not reach them, None for q then."""
+    (tensors, grads), (q, k, v) = piece, inputs
+    got = (
+        torch.autograd.grad(tensors, (q, k, v), grads, allow_unused=True, retain_graph=True)
+        if tensors
+        else (None, None, None)
+    )
+    dk = torch.zeros_like(k) if got[1] is None else got[1]
+    dv = torch.zeros_like(v) if got[2] is None else got[2]
+    return got[0], dk, dv
 
 
 def _merge(outs: list, lses: list, q: torch.Tensor):
