@@ -292,3 +292,15 @@ def test_bench_distributed_rows(tmp_path):
             max(r["work"]) / (sum(r["work"]) / len(r["work"])), abs=1e-4
         )
         assert max(r["recv_tokens"]) <= r["ring_recv_tokens"]
+
+
+def test_bench_distributed_bad_input_is_one_line():
+    from click.testing import CliRunner
+
+    from compilemask.tools.cli import cli
+
+    argv = ["bench", "--distributed", "--tokens", "1000", "--ranks", "3", "--workloads", "causal"]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2
+    assert "multiple of world_size * chunk" in result.output
+    assert "Traceback" not in result.output

@@ -435,9 +435,16 @@ def bench(args):
     """Time CompileMask beside its peers on the GPU (docs/benchmarking.md); `bench --help` lists
     options; `bench --distributed` reports context parallelism's balance and per-rank times."""
     if "--distributed" in args:
+        from .bench_distributed import build_parser as distributed_parser
         from .bench_distributed import main as distributed_main
 
-        sys.exit(distributed_main(list(args)))
+        parser = distributed_parser()
+        parser.error = lambda message: fail(message, prefix=parser.prog)
+        parser.parse_args(list(args))
+        try:
+            sys.exit(distributed_main(list(args)))
+        except CompileMaskError as err:
+            fail(one_line(err))
     from .bench_sweep import build_parser
     from .bench_sweep import main as bench_main
 
