@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the mode; returns the exit status."""
+    from .bench_report import environment
+
     args = build_parser().parse_args(argv)
     timing = args.time is not None
     torchrun_rank = int(os.environ.get("RANK", "0")) if args.time == 0 else 0
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             _echo(f"{r['workload']:>14} {r['world_size']} ranks fwd+bwd ms per rank: {ms}")
         rows += timed
     if args.out is not None and rows:
+        env = environment()
+        rows = [{**env, **r} for r in rows]
         with open(args.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     return 0
