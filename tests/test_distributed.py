@@ -84,6 +84,25 @@ def test_balance_is_a_partition_with_equal_shards():
         assert rep["recv_bytes"] == [t * 4 for t in rep["recv_tokens"]]
 
 
+def test_chunks_finer_than_the_tiles():
+    """Chunks of 16 tokens on a plan of 64-token tiles: pairs from a derived tiling; a mask
+    whose first rows see every key balances where whole tiles cannot."""
+    plan = cm.compile(masks.clear((16, 16), 4, 256), 512, block_m=64, block_n=64)
+    coarse, fine = balance(plan, 4), balance(plan, 4, chunk=16)
+    assert fine.imbalance < coarse.imbalance
+    assert fine.imbalance < 1.05
+    dense = plan.to_dense()
+    for r in range(4):
+        rows = fine.positions(r)
+        assert int(dense[rows].sum()) == int(fine.work[r])
+        for piece in rank_work(fine, r).pieces:
+            keys = torch.tensor(piece.chunks)
+            kpos = (keys[:, None] * 16 + torch.arange(16)).reshape(-1)
+            assert torch.equal(piece.plan.to_dense(), dense[rows][:, kpos])
+        seen = dense[rows].any(0).view(-1, 16).any(1)
+        assert torch.equal(fine.needed[r], seen)
+
+
 def test_shard_and_unshard_round_trip_in_the_callers_order():
     plan = cm.compile(masks.tile_grid(masks.natten2d((16, 32), (5, 7)), (8, 16)), N,
                       block_m=TILE, block_n=TILE)  # fmt: skip
@@ -102,7 +121,7 @@ def test_balance_refuses_bad_input():
     with pytest.raises(InputError, match="multiple of world_size"):
         balance(plan, 3)
     with pytest.raises(InputError, match="chunk"):
-        balance(plan, 2, chunk=48)
+        balance(plan, 2, chunk=0)
     with pytest.raises(InputError, match="world_size"):
         balance(plan, 0)
     dense = torch.rand(256, 256) < 0.5

@@ -1,13 +1,15 @@
 """The balancer: token chunks to ranks by visible pairs, and the shard map it returns.
 
 A plan knows the visible pairs of every (q-tile, kv-tile) (``schedule.pairs``). Cutting the
-sequence into chunks of ``chunk`` tokens (a multiple of the plan's tile sizes) gives the work of
-every query chunk exactly: its visible pairs, summed over the plan's masks (the forward and the
-backward both cost about that many pairs, and in the distributed call both run on the rank that
-holds the query rows). :func:`balance` gives every rank the same number of chunks (so the
-shards of q, k, v have one length, like the rest of the model's activations) and about the
-same number of visible pairs, keeping runs of chunks together where the balance allows (a
-rank needs fewer keys of others when its rows are contiguous):
+sequence into chunks of ``chunk`` tokens (the plan's tiles, or a tiling of chunk-sized tiles
+derived from its intervals) gives the work of every query chunk exactly: its visible pairs,
+summed over the plan's masks (the forward and the backward both cost about that many pairs,
+and in the distributed call both run on the rank that holds the query rows).
+
+:func:`balance` gives every rank the same number of chunks (so the shards of q, k, v have one
+length, like the rest of the model's activations) and about the same number of visible pairs,
+keeping runs of chunks together where the balance allows (a rank needs fewer keys of others
+when its rows are contiguous):
 
 1. for ``s`` = 1, 2, 4, ... segments per rank (up to one chunk per segment), the sequence is
    cut into ``s * R`` contiguous segments of equal length and the segments are assigned:
@@ -45,7 +47,7 @@ class ShardMap:
     Attributes:
         plan: the plan balanced (q_len == kv_len == ``N``).
         world_size: ``R``.
-        chunk: ``C``, tokens per chunk (a multiple of ``plan.block_m`` and ``plan.block_n``).
+        chunk: ``C``, tokens per chunk.
         owner: int64 ``[Nc]``: the rank holding chunk ``c`` (query rows and keys alike).
         chunks: per rank, its chunk indices ascending (``N / (R * C)`` each); a rank's shard is
             the concatenation of its chunks in this order.
@@ -149,7 +151,7 @@ class ShardMap:
 
 
 def default_chunk(plan: MaskPlan) -> int:
-    """The smallest chunk the plan's tiling allows: ``lcm(block_m, block_n)`` tokens."""
+    """The smallest chunk of whole tiles of the plan: ``lcm(block_m, block_n)`` tokens."""
     return math.lcm(plan.block_m, plan.block_n)
 
 
@@ -163,8 +165,11 @@ def balance(
             interval encoding (a plan of ``compile``; ``from_dense`` plans stored as bitmasks
             are refused). Batch- and head-dependent plans are balanced over all their masks.
         world_size: ranks ``R`` (int >= 1).
-        chunk: tokens per chunk, a multiple of ``plan.block_m`` and ``plan.block_n``; default
-            :func:`default_chunk`. ``q_len`` must be a multiple of ``R * chunk``.
+        chunk: tokens per chunk; default :func:`default_chunk`. A multiple of the plan's
+            tiles reads the plan's pair counts; another size derives a ``chunk x chunk``
+            tiling from the intervals first (``plan.tiles``, cached on the plan): finer chunks
+            balance masks with a few very heavy rows. ``q_len`` must be a multiple of
+            ``R * chunk``.
         tolerance: the max / mean pairs per rank accepted in exchange for less traffic:
             of the segmentations tried (see the module docstring), the one whose ranks
             receive the fewest key chunks among those within ``tolerance``, else the best
@@ -202,11 +207,8 @@ def balance(
     tile = default_chunk(plan)
     if chunk is None:
         chunk = tile
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk % tile:
-        raise InputError(
-            f"chunk must be a positive multiple of the plan's tiles (block_m={plan.block_m}, "
-            f"block_n={plan.block_n}: {tile}), got {chunk!r}"
-        )
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InputError(f"chunk must be a positive int (tokens), got {chunk!r}")
     if plan.q_len % (world_size * chunk):
         raise InputError(
             f"q_len={plan.q_len} must be a multiple of world_size * chunk = {world_size} * "
@@ -214,8 +216,11 @@ def balance(
         )
     if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or tolerance < 1:
         raise InputError(f"tolerance must be a number >= 1, got {tolerance!r}")
-    pairs = plan.schedule.pairs.to("cpu", torch.int64).sum(0)  # [Tq, Tk]
-    per_m, per_n = chunk // plan.block_m, chunk // plan.block_n
+    # visible pairs per (q-tile, kv-tile): the plan's own tiling when the chunk is a multiple of
+    # it, else the chunk-sized tiling derived from its intervals (cached on the plan)
+    schedule = plan.schedule if chunk % tile == 0 else plan.tiles(chunk, chunk)
+    pairs = schedule.pairs.to("cpu", torch.int64).sum(0)  # [Tq, Tk]
+    per_m, per_n = chunk // schedule.block_m, chunk // schedule.block_n
     nc = plan.q_len // chunk
     work = pairs.view(nc, per_m, -1).sum((1, 2))  # [Nc] visible pairs per query chunk
     per_rank = nc // world_size

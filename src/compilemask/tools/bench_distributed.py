@@ -76,7 +76,9 @@ def document_lengths(n: int, docs: int, g: torch.Generator) -> list[int]:
     return lengths.tolist()
 
 
-def balance_rows(names, tokens: int, ranks, block: int = 64) -> list[dict]:
+def balance_rows(
+    names, tokens: int, ranks, block: int = 64, chunk: int | None = None
+) -> list[dict]:
     """One row per (workload, rank count): the :meth:`ShardMap.report` and the plan's facts."""
     from ..distributed import balance
 
@@ -90,7 +92,7 @@ def balance_rows(names, tokens: int, ranks, block: int = 64) -> list[dict]:
             longest = max(document_lengths(tokens, DOCUMENTS, torch.Generator().manual_seed(0)))
         for r in ranks:
             t0 = time.perf_counter()
-            shard = balance(plan, r)
+            shard = balance(plan, r, chunk=chunk)
             row = {"mode": "cp-balance", "workload": name, **shard.report(KV_BYTES_PER_TOKEN)}
             row["balance_s"] = round(time.perf_counter() - t0, 3)
             row["plan_s"] = round(build, 3)
@@ -205,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAME", help=f"default: all of {', '.join(WORKLOADS)}")  # fmt: skip
     p.add_argument("--tokens", type=int, default=131072, help="balance: tokens (128K)")
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8], help="balance: ranks")
+    p.add_argument("--chunk", type=int, default=None, help="balance: chunk tokens (default: tiles)")
     p.add_argument("--block", type=int, default=64,
                    help="plan tiles (block_m = block_n), the balance's chunk")  # fmt: skip
     p.add_argument("--time", type=int, default=None, metavar="R",
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     torchrun_rank = int(os.environ.get("RANK", "0")) if args.time == 0 else 0
     rows = []
     if torchrun_rank == 0:
-        rows += balance_rows(args.workloads, args.tokens, args.ranks, args.block)
+        rows += balance_rows(args.workloads, args.tokens, args.ranks, args.block, args.chunk)
         for r in rows:
             _echo(
                 f"{r['workload']:>14} {r['tokens']:>8} tokens {r['world_size']} ranks: "
