@@ -188,6 +188,16 @@ def _worker(rank: int, world: int, init: str, cases) -> None:
                 )
             whole = gather(out.detach(), shard)
             torch.testing.assert_close(whole, ref_out, **tol, msg=name)
+        # the per-rank timing of `compilemask bench --distributed --time` in this group
+        from compilemask.tools.bench_distributed import _time_ranks
+
+        opts = dict(workloads=["hstu"], tokens=512, block=64, backend="reference")
+        rows = _time_ranks(rank, world, None, dict(opts, reps=1, warmup=0))
+        if rank == 0:
+            assert len(rows) == 1 and len(rows[0]["fwd_bwd_ms"]) == world
+            assert rows[0]["single_ms"] > 0 and rows[0]["speedup"] > 0
+        else:
+            assert rows is None
     finally:
         dist.destroy_process_group()
 

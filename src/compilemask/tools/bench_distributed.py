@@ -8,7 +8,8 @@ Two parts (docs/context-parallel.md):
   rank receives in the forward beside ring attention's;
 * ``--time R``: R processes (gloo on the CPU, NCCL with one GPU each), or the processes of a
   ``torchrun`` launch, run forward and backward of every workload at ``--time-tokens`` and
-  report each rank's median time.
+  report each rank's median time, beside the whole sequence on rank 0's device alone (same
+  backend) and the speedup (one device / slowest rank).
 
 Workloads: the seed workloads (at any length: ``hstu`` and ``shared_prompt`` pack users /
 groups as ``compilemask.workloads`` does at every size, ``clear`` takes a ``512 + h * w``
@@ -155,18 +156,46 @@ def _time_ranks(rank: int, world: int, init: str | None, args: dict) -> list[dic
             mine = statistics.median(times)
             everyone = [None] * world
             dist.all_gather_object(everyone, mine)
+            single = _time_single(plan, heads, dim, dtype, device, args) if rank == 0 else None
+            dist.barrier()
             if rank == 0:
                 rows.append({
                     "mode": "cp-time", "workload": name, "tokens": n, "world_size": world,
                     "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                     "backend": args["backend"], "dtype": str(dtype).replace("torch.", ""),
                     "heads": heads, "head_dim": dim, "fwd_bwd_ms": [round(t, 3) for t in everyone],
-                    "imbalance": round(shard.imbalance, 4),
+                    "imbalance": round(shard.imbalance, 4), "single_ms": round(single, 3),
+                    "speedup": round(single / max(everyone), 3),
                 })  # fmt: skip
     finally:
         if init is not None:
             dist.destroy_process_group()
     return rows if rank == 0 else None
+
+
+def _time_single(plan, heads: int, dim: int, dtype, device, args: dict) -> float:
+    """Median forward+backward ms of the whole sequence on this device alone (same backend)."""
+    from ..api.functional import attention as single_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(1, heads, plan.q_len, dim, generator=g).to(device, dtype) for _ in range(4)
+    )
+    for t in (q, k, v):
+        t.requires_grad_()
+    times = []
+    for i in range(args["warmup"] + args["reps"]):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        single_attention(q, k, v, plan, backend=args["backend"]).backward(dout)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= args["warmup"]:
+            times.append((time.perf_counter() - t0) * 1e3)
+        for t in (q, k, v):
+            t.grad = None
+    return statistics.median(times)
 
 
 def _spawned(rank: int, world: int, init: str, args: dict, out: str) -> None:
@@ -246,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         timed = time_rows(args.time, opts)
         for r in timed:
             ms = ", ".join(f"{t:.2f}" for t in r["fwd_bwd_ms"])
-            _echo(f"{r['workload']:>14} {r['world_size']} ranks fwd+bwd ms per rank: {ms}")
+            _echo(
+                f"{r['workload']:>14} {r['world_size']} ranks fwd+bwd ms per rank: {ms}; "
+                f"one device {r['single_ms']:.2f} ms, speedup {r['speedup']:.2f}x"
+            )
         rows += timed
     if args.out is not None and rows:
         env = environment()
