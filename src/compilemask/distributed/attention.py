@@ -109,9 +109,10 @@ _USED_GROUPS: set = set()
 def _first_use(group) -> None:
     """A barrier on a group's first call: NCCL wants every rank in a group's first batched
     point-to-point call, and some ranks may have nothing to send or receive."""
-    if group not in _USED_GROUPS:
+    key = dist.group.WORLD if group is None else group  # a new object after a re-init
+    if key not in _USED_GROUPS:
         dist.barrier(group=group)
-        _USED_GROUPS.add(group)
+        _USED_GROUPS.add(key)
 
 
 def _global(group, r: int) -> int:
