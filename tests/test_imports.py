@@ -38,6 +38,7 @@ LAYERS = {
     "kernels": 3,
     "api": 4,
     "testing": 4,  # error bounds for kernel tests (uses kernels.reference and the api)
+    "distributed": 5,  # context parallelism over torch.distributed (runs the api per rank)
     "tools": 5,
     "integrations": 5,  # adapters to other libraries (transformers), imported lazily
     "__init__": 5,  # the package itself re-exports everything

@@ -7,6 +7,7 @@ Commands::
     compilemask stats  MASK                            numbers about the compiled plan
     compilemask check  MASK                            plan.to_dense() vs the dense evaluator
     compilemask bench  [--workloads ..] [--sizes ..]   GPU benchmark beside the peers (bench --help)
+    compilemask bench --distributed [--time R]          context parallelism: balance, rank times
 
 ``MASK`` is a seed workload name (``causal``, ``hstu``, ``shared_prompt``, ``clear``; size from
 ``--size N0``, the nominal size), a path to a mask text file, or mask text itself
@@ -432,7 +433,18 @@ def demo(size, out_dir, block_m, block_n, no_pictures, no_attention):
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args):
     """Time CompileMask beside its peers on the GPU (docs/benchmarking.md); `bench --help` lists
-    options."""
+    options; `bench --distributed` reports context parallelism's balance and per-rank times."""
+    if "--distributed" in args:
+        from .bench_distributed import build_parser as distributed_parser
+        from .bench_distributed import main as distributed_main
+
+        parser = distributed_parser()
+        parser.error = lambda message: fail(message, prefix=parser.prog)
+        parser.parse_args(list(args))
+        try:
+            sys.exit(distributed_main(list(args)))
+        except CompileMaskError as err:
+            fail(one_line(err))
     from .bench_sweep import build_parser
     from .bench_sweep import main as bench_main
 
