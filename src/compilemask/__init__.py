@@ -12,6 +12,7 @@ Example::
 
 from . import masks
 from .api.functional import attention, explain
+from .compiler.decode import DecodePlan, step_plan
 from .compiler.migrate import from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
 from .compiler.plan import MaskPlan
@@ -22,6 +23,7 @@ from .language.semantics import dense, visible
 
 __all__ = [
     "CompileMaskError",
+    "DecodePlan",
     "MaskPlan",
     "PlanError",
     "TileSchedule",
@@ -34,6 +36,7 @@ __all__ = [
     "from_mask_mod",
     "masks",
     "parse",
+    "step_plan",
     "tile_grid",
     "visible",
 ]

@@ -1,0 +1,232 @@
+"""Triton split-KV decode attention over a paged (or contiguous) KV cache.
+
+Decode steps have few query rows (1 to a few dozen per batch row) and long caches: one program
+per q-tile leaves most of a GPU idle. Here one program serves all the query heads of one
+kv head (GQA packed: the rows ``r = g * Nq + i`` of the ``G = Hq / Hkv`` heads that read the
+kv head, ``BLOCK_M`` of them per program) and one of ``S`` slices of the keys those rows see
+(the span from their smallest visible key to their largest, cut in ``S`` equal parts): the
+grid is ``(S, row blocks, B * Hkv)``. Each program runs FlashAttention's online softmax over
+its slice, masking every key by the rows' intervals (a few compares per key and slot), and
+writes its partial output and LSE; the slices are merged with their LSEs
+(flash-decoding). ``S`` is chosen so that the grid fills the GPU (:func:`choose_splits`).
+
+Keys are read through the page table: key ``t`` of batch row ``b`` is
+``k_cache[block_table[b, t // page_size], t % page_size]``; any page size works (tested
+16 to 256), pages in any order. A contiguous cache is the case of one page per batch row.
+Every index read from the plan or the page table is clamped to the real sizes.
+
+Legend: B batch, Hq / Hkv query / kv heads, G = Hq / Hkv, Nq new query rows, D head_dim,
+K interval slots per row, S key slices, P pages per batch row.
+
+Forward only: decoding needs no gradient.
+
+Source: Dao et al., "Flash-Decoding for long-context inference" (2023).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _decode_kernel(
+    Q, Kc, Vc, BlockTable, Seqlens, RowLo, RowHi, Opart, Lpart,
+    sq_b, sq_h, sq_m, sq_d,
+    sk_p, sk_s, sk_h, sk_d,
+    sv_p, sv_s, sv_h, sv_d,
+    sbt_b, sbt_p,
+    srow_b, srow_m,
+    so_s, so_b, so_h, so_m,
+    sl_s, sl_b, sl_h,
+    Hkv, Nq, R, num_pages, pages_per_row, capacity, sm_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SPLITS: tl.constexpr,
+):  # fmt: skip
+    pid_s = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_r < R
+    g = offs_r // Nq
+    qi = tl.where(row_ok, offs_r % Nq, 0)
+    h = hk * G + tl.where(row_ok, g, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + b), 0), capacity)
+    row_base = RowLo + b.to(tl.int64) * srow_b + qi * srow_m  # srow_b = 0: shared rows
+    hi_base = RowHi + b.to(tl.int64) * srow_b + qi * srow_m
+
+    # the span of keys the rows see: [kmin, kmax)
+    kmin = capacity
+    kmax = capacity * 0
+    for j in tl.static_range(SLOTS):
+        lo = tl.load(row_base + j, mask=row_ok, other=0)
+        hi = tl.minimum(tl.load(hi_base + j, mask=row_ok, other=0), seqlen)
+        live = row_ok & (lo < hi)
+        kmin = tl.minimum(kmin, tl.min(tl.where(live, lo, capacity), 0))
+        kmax = tl.maximum(kmax, tl.max(tl.where(live, hi, 0), 0))
+    kmin = tl.maximum(kmin, 0)
+    per = tl.cdiv(tl.cdiv(tl.maximum(kmax - kmin, 0), SPLITS), BLOCK_N) * BLOCK_N
+    start = kmin + pid_s * per
+    end = tl.minimum(start + per, kmax)
+
+    q_ptrs = (
+        Q
+        + b.to(tl.int64) * sq_b
+        + h[:, None].to(tl.int64) * sq_h
+        + qi[:, None] * sq_m
+        + offs_d[None, :] * sq_d
+    )
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = BlockTable + b.to(tl.int64) * sbt_b
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < end
+        page_no = tl.minimum(offs_n // PAGE, pages_per_row - 1)
+        page = tl.load(bt_row + page_no * sbt_p, mask=key_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        slot = offs_n % PAGE
+        k = tl.load(
+            Kc + page[:, None] * sk_p + slot[:, None] * sk_s + hk * sk_h + offs_d[None, :] * sk_d,
+            mask=key_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
+        for j in tl.static_range(SLOTS):
+            lo = tl.load(row_base + j, mask=row_ok, other=0)
+            hi = tl.minimum(tl.load(hi_base + j, mask=row_ok, other=0), seqlen)
+            visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
+        visible = visible & key_ok[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            Vc + page[:, None] * sv_p + slot[:, None] * sv_s + hk * sv_h + offs_d[None, :] * sv_d,
+            mask=key_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i * 0.6931471805599453 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    o_ptrs = (
+        Opart
+        + pid_s.to(tl.int64) * so_s
+        + b.to(tl.int64) * so_b
+        + h[:, None].to(tl.int64) * so_h
+        + qi[:, None] * so_m
+        + offs_d[None, :]
+    )
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    l_ptrs = Lpart + pid_s.to(tl.int64) * sl_s + b.to(tl.int64) * sl_b + h.to(tl.int64) * sl_h + qi
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+def choose_splits(programs: int, capacity: int, device: torch.device) -> int:
+    """Key slices per (row block, batch row, kv head): enough for about two programs per
+    streaming multiprocessor, at most one per 256 keys of the cache capacity."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 2
+    want = -(-2 * sms // max(programs, 1))
+    return int(max(1, min(want, -(-capacity // 256), 64)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_lo: torch.Tensor,
+    row_hi: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV masked attention of few query rows over a paged KV cache.
+
+    Args:
+        q: [B, Hq, Nq, D] float16 / bfloat16 / float32, any strides.
+        k_cache, v_cache: [num_pages, page_size, Hkv, D], q's dtype, any strides.
+        row_lo, row_hi: int32 [Mb, Nq, K] (Mb = 1 or B): the visible key intervals of each
+            query row (absolute key positions), shared by every head.
+        block_table: int32 [B, P]: the pages of each batch row, in key order.
+        cache_seqlens: int32 [B]: keys in each batch row's cache (keys at or past it are never
+            read, whatever the intervals say).
+        scale: softmax scale.
+        num_splits: key slices S per program column (None: :func:`choose_splits`).
+        block_n: keys per inner iteration (None: 64, or 32 at head_dim 256).
+
+    Returns:
+        (out, lse): out [B, Hq, Nq, D] in q's dtype; lse float32 [B, Hq, Nq] (natural log,
+        -inf for rows that see no key, whose out is 0).
+    """
+    B, Hq, Nq, D = q.shape
+    num_pages, page, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    R = G * Nq
+    pages_per_row = block_table.shape[1]
+    capacity = pages_per_row * page
+    block_m = max(16, min(64, triton.next_power_of_2(R)))
+    m_blocks = triton.cdiv(R, block_m)
+    if block_n is None:
+        block_n = 32 if D > 128 else 64
+    if num_splits is None:
+        num_splits = choose_splits(B * Hkv * m_blocks, capacity, q.device)
+    block_d = triton.next_power_of_2(D)
+    opart = torch.empty((num_splits, B, Hq, Nq, D), dtype=torch.float32, device=q.device)
+    lpart = torch.empty((num_splits, B, Hq, Nq), dtype=torch.float32, device=q.device)
+    row_lo, row_hi = row_lo.contiguous(), row_hi.contiguous()
+    grid = (num_splits, m_blocks, B * Hkv)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, block_table, cache_seqlens, row_lo, row_hi, opart, lpart,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
+        row_lo.stride(0) if row_lo.shape[0] > 1 else 0, row_lo.stride(1),
+        *opart.stride()[:4], *lpart.stride()[:3],
+        Hkv, Nq, R, num_pages, pages_per_row, capacity, float(scale),
+        G=G, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        SLOTS=row_lo.shape[-1], SPLITS=num_splits,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits == 1:
+        return opart[0].to(q.dtype), lpart[0]
+    return merge_splits(opart, lpart, q.dtype)
+
+
+def merge_splits(opart: torch.Tensor, lpart: torch.Tensor, dtype: torch.dtype):
+    """Merge partial outputs ``[S, ...]`` by their LSEs: ``lse = logsumexp_s(lse_s)``,
+    ``out = sum_s exp(lse_s - lse) * out_s`` (rows with every ``lse_s = -inf``: 0, -inf)."""
+    lse = torch.logsumexp(lpart, dim=0)
+    finite = torch.isfinite(lse)
+    w = torch.exp(lpart - torch.where(finite, lse, 0.0)).nan_to_num_(0.0)
+    out = (w[..., None] * opart).sum(0)
+    return out.to(dtype), torch.where(finite, lse, float("-inf"))
