@@ -290,6 +290,11 @@ class _PositionsCtx(_Ctx):
         b = min(block, self._axis())
         return torch.zeros_like(self.q)[:, None], ((self.q // b + 1) * b)[:, None]
 
+    def _b_document(self, lengths, causal):
+        if not causal:  # the last document's rows see it to the end of the cache
+            lengths = (*lengths[:-1], self.kv_len)
+        return super()._b_document(lengths, causal)
+
     def _rules(self, mask: RuleMask):
         if not mask.rules:
             z = torch.full((self.rows, 1), self.kv_len, dtype=I32, device=self.device)
@@ -345,7 +350,7 @@ def _tree(parents, pos: torch.Tensor, offset: torch.Tensor, kv_len: int):
         )
     values, k = _tree_table(tuple(parents))
     runs = _device_table(("tree", tuple(parents)), values, pos.device).view(2, 1, nq, k)
-    base = offset.clamp(min=0)[:, None, None]  # [B, 1, 1]
+    base = offset[:, None, None]  # [B, 1, 1]; keys before 0 are cut by the clip
     lo = torch.cat([torch.zeros_like(base).expand(B, nq, 1), base + runs[0]], -1)
     hi = torch.cat([base.expand(B, nq, 1), base + runs[1]], -1)
     lo, hi = iv.clip(lo, hi, kv_len)
