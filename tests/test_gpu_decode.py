@@ -21,8 +21,12 @@ pytestmark = [
 
 def test_step_plan_makes_no_host_sync():
     lens = torch.tensor([4000, 9000, 0, 8192], device="cuda", dtype=torch.int32)
-    cases = [(masks.causal(), 1), (masks.sliding_window(1024), 4),
-             (masks.tree([-1, 0, 0, 1, 1, 2, 2], 0), 7), (masks.document([100, 50]), 1)]  # fmt: skip
+    cases = [
+        (masks.causal(), 1),
+        (masks.sliding_window(1024), 4),  # fmt: skip
+        (masks.tree([-1, 0, 0, 1, 1, 2, 2], 0), 7),
+        (masks.document([100, 50]), 1),
+    ]
     for mask, nq in cases:
         cm.step_plan(mask, lens, nq, kv_len=9216)  # host tables cached
         torch.cuda.synchronize()
