@@ -43,7 +43,7 @@ def _decode_kernel(
     srow_b, srow_m,
     so_s, so_b, so_h, so_m,
     sl_s, sl_b, sl_h,
-    Hkv, Nq, R, num_pages, pages_per_row, capacity, sm_scale,
+    Hkv, Nq, R, num_pages, pages_per_row, capacity, sm_scale, SPLITS,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -51,7 +51,6 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     SLOTS: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -81,6 +80,11 @@ def _decode_kernel(
         kmin = tl.minimum(kmin, tl.min(tl.where(live, lo, capacity), 0))
         kmax = tl.maximum(kmax, tl.max(tl.where(live, hi, 0), 0))
     kmin = tl.maximum(kmin, 0)
+    # keys every row sees (inside every row's first interval): their blocks need no mask
+    lo0 = tl.load(row_base, mask=row_ok, other=0)
+    hi0 = tl.minimum(tl.load(hi_base, mask=row_ok, other=capacity), seqlen)
+    full_lo = tl.max(tl.where(row_ok, lo0, 0), 0)
+    full_hi = tl.min(tl.where(row_ok, hi0, capacity), 0)
     per = tl.cdiv(tl.cdiv(tl.maximum(kmax - kmin, 0), SPLITS), BLOCK_N) * BLOCK_N
     start = kmin + pid_s * per
     end = tl.minimum(start + per, kmax)
@@ -112,13 +116,15 @@ def _decode_kernel(
             other=0.0,
         )
         qk = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
-        for j in tl.static_range(SLOTS):
-            lo = tl.load(row_base + j, mask=row_ok, other=0)
-            hi = tl.minimum(tl.load(hi_base + j, mask=row_ok, other=0), seqlen)
-            visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
-        visible = visible & key_ok[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
+        if (start_n < full_lo) | (start_n + BLOCK_N > tl.minimum(full_hi, end)):
+            visible = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
+            for j in tl.static_range(SLOTS):
+                lo = tl.load(row_base + j, mask=row_ok, other=0)
+                hi = tl.minimum(tl.load(hi_base + j, mask=row_ok, other=0), seqlen)
+                visible = visible | (
+                    (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+                )
+            qk = tl.where(visible & key_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(qk - m_safe[:, None])
@@ -171,6 +177,9 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    block_m: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV masked attention of few query rows over a paged KV cache.
 
@@ -185,6 +194,9 @@ def decode_attention(
         scale: softmax scale.
         num_splits: key slices S per program column (None: :func:`choose_splits`).
         block_n: keys per inner iteration (None: 64, or 32 at head_dim 256).
+        block_m: packed query rows per program (None: ``G * Nq`` rounded up to a power of
+            two, 16 to 64).
+        num_warps, num_stages: the launch's warps and software-pipelining stages.
 
     Returns:
         (out, lse): out [B, Hq, Nq, D] in q's dtype; lse float32 [B, Hq, Nq] (natural log,
@@ -196,7 +208,8 @@ def decode_attention(
     R = G * Nq
     pages_per_row = block_table.shape[1]
     capacity = pages_per_row * page
-    block_m = max(16, min(64, triton.next_power_of_2(R)))
+    if block_m is None:
+        block_m = max(16, min(64, triton.next_power_of_2(R)))
     m_blocks = triton.cdiv(R, block_m)
     if block_n is None:
         block_n = 32 if D > 128 else 64
@@ -212,10 +225,10 @@ def decode_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
         row_lo.stride(0) if row_lo.shape[0] > 1 else 0, row_lo.stride(1),
         *opart.stride()[:4], *lpart.stride()[:3],
-        Hkv, Nq, R, num_pages, pages_per_row, capacity, float(scale),
+        Hkv, Nq, R, num_pages, pages_per_row, capacity, float(scale), num_splits,
         G=G, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SLOTS=row_lo.shape[-1], SPLITS=num_splits,
-        num_warps=4, num_stages=2,
+        SLOTS=row_lo.shape[-1],
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits == 1:
         return opart[0].to(q.dtype), lpart[0]
