@@ -58,6 +58,7 @@ def _flex(q, k, v, mask_kind, nq, window):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--commit", default="", help="the commit measured, recorded per row")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     dev = "cuda"
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001 - a peer that does not run is reported
                     flex = f"error: {type(e).__name__}: {str(e)[:120]}"
             row = {
+                "commit": args.commit,
                 "mask": kind, "cache_len": nk, "new_queries": nq, "B": B, "Hq": HQ, "Hkv": HKV,
                 "D": D, "page_size": PAGE, "dtype": "bfloat16", "compilemask_us": ours,
                 "flex_us": flex, "step_plan_wall_us": build, "max_abs_err_vs_fp32_ref": err,

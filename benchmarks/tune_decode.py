@@ -35,6 +35,7 @@ CASES = [
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--commit", default="", help="the commit measured, recorded per row")
     args = ap.parse_args(argv)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -59,9 +60,9 @@ def main(argv=None) -> int:
                 us = triton.testing.do_bench(run, warmup=10, rep=50) * 1e3
             except Exception as e:  # noqa: BLE001 - a configuration that does not fit
                 us = f"error: {type(e).__name__}"
-            row = {"mask": kind, "new_queries": nq, "cache_len": nk, "block_n": bn,
-                   "num_warps": warps, "num_stages": stages, "num_splits": splits,
-                   "block_m": bm, "us": us}  # fmt: skip
+            row = {"commit": args.commit, "mask": kind, "new_queries": nq, "cache_len": nk,
+                   "block_n": bn, "num_warps": warps, "num_stages": stages,
+                   "num_splits": splits, "block_m": bm, "us": us}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:
