@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         plan = cm.step_plan(mask, lens, nq, kv_len=nk)
         big = nq * HQ // HKV > 64
         for bn, warps, stages, splits, bm in itertools.product(
-            (64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8, 16), (64, 128) if big else (None,)
+            (64, 128), (4, 8), (2, 3), (None, 1, 4, 16), (64, 128) if big else (None,)
         ):
             run = functools.partial(
                 decode_attention, q, kc, vc, plan.row_lo, plan.row_hi, table, lens, D**-0.5,
