@@ -279,3 +279,21 @@ def test_generation_example(capsys):
 
     assert generate_paged.main(["--device", "cpu", "--steps", "2"]) == 0
     assert "tree draft" in capsys.readouterr().out
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_paged_attention_head_dims(head_dim):
+    pytest.importorskip("triton")
+    kc, vc, table = _paged(2, 2, head_dim, 32, 2, torch.float16)
+    lens = torch.tensor([64, 30], dtype=torch.int32, device=DEVICE)
+    plan = cm.step_plan(masks.chunked(8), lens, 3, kv_len=64)
+    q = torch.randn(2, 6, 3, head_dim).to(torch.float16).to(DEVICE)  # 3 query heads per kv head
+    with torch.no_grad():
+        out = cm.attention(q, kc, vc, plan, block_table=table, backend="triton")
+    _check(out, q, kc, vc, plan, table, lens)
+
+
+def test_cache_longer_than_the_plan_axis_is_cut():
+    plan = cm.step_plan(masks.causal(), torch.tensor([70, 3]), 1, kv_len=64)
+    assert int(plan.row_hi.max()) == 64 and plan.row_count.tolist() == [[1], [1]]

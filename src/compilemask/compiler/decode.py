@@ -175,7 +175,7 @@ def step_plan(
     else:
         lo, hi = _lower(mask, pos, offset, kv_len)
     # each row inside its own cache; rows before the axis see nothing
-    end = torch.where(pos >= 0, lens[:, None], 0)[..., None]
+    end = torch.where(pos >= 0, lens.clamp(max=kv_len)[:, None], 0)[..., None]
     hi = torch.minimum(hi, end)
     valid = lo < hi
     pad = torch.full((), kv_len, dtype=I32, device=device)
