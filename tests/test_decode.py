@@ -297,3 +297,26 @@ def test_paged_attention_head_dims(head_dim):
 def test_cache_longer_than_the_plan_axis_is_cut():
     plan = cm.step_plan(masks.causal(), torch.tensor([70, 3]), 1, kv_len=64)
     assert int(plan.row_hi.max()) == 64 and plan.row_count.tolist() == [[1], [1]]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize(
+    "mask",
+    [masks.causal(), masks.sliding_window(3), masks.prefix_lm(5), masks.chunked(4),
+     masks.block_causal(3)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("nq", [1, 3])
+def test_one_launch_step_rows_equal_the_tensor_build(mask, nq):
+    """The Triton builder of one-interval masks (the CUDA fast path of step_plan)."""
+    pytest.importorskip("triton")
+    from compilemask.kernels.triton.decode import step_rows
+
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    for offsets in (None, torch.tensor([2, 0, 5, 4, 17], dtype=torch.int32)):
+        want = cm.step_plan(mask, lens, nq, kv_len=KV, q_offset=offsets)
+        param = mask.args[0] if mask.args else 1
+        lo, hi, count, off, got_lens = step_rows(mask.name, param, lens, offsets, nq, KV)
+        assert torch.equal(lo, want.row_lo) and torch.equal(hi, want.row_hi)
+        assert torch.equal(count, want.row_count) and torch.equal(off, want.q_offset)
+        assert torch.equal(got_lens, lens)

@@ -41,6 +41,20 @@ DECODE_BUILTINS = (
 )
 
 
+#: the one-launch builder of one-interval catalogue masks on a device, or None (registered by
+#: ``kernels/triton/device_builder.py``: the compiler does not import the kernels)
+_STEP_BUILDER = None
+_ONE_INTERVAL = {"causal", "sliding_window", "prefix_lm", "chunked", "block_causal"}
+
+
+def register_device_step_builder(builder) -> None:
+    """Use ``builder(name, param, lens, offset, q_len, kv_len)`` for the one-interval catalogue
+    masks (it returns ``(lo, hi, count, offset, lens)``, or None to decline); None: the tensor
+    operations only."""
+    global _STEP_BUILDER
+    _STEP_BUILDER = builder
+
+
 @dataclass(frozen=True, eq=False)
 class DecodePlan:
     """The visible key intervals of the new query rows of one decoding step.
@@ -158,6 +172,19 @@ def step_plan(
         kv_len = max(1, int(lens.max())) if B else 1
     if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len < 2**31 - 1:
         raise CompileMaskError(f"kv_len must be a positive int below 2**31, got {kv_len!r}")
+    if (
+        _STEP_BUILDER is not None
+        and isinstance(mask, Builtin)
+        and mask.name in _ONE_INTERVAL
+        and (q_offset is None or isinstance(q_offset, torch.Tensor))
+    ):
+        if q_offset is not None:
+            _offsets(q_offset, lens, q_len)  # checks only
+        param = mask.args[0] if mask.args else 1
+        built = _STEP_BUILDER(mask.name, param, cache_seqlens, q_offset, q_len, kv_len)
+        if built is not None:
+            lo, hi, count, offset, lens = built
+            return DecodePlan(q_len, kv_len, B, lo, hi, count, lens, offset, str(mask), mask)
     offset = _offsets(q_offset, lens, q_len)
     pos = offset[:, None] + torch.arange(q_len, device=device, dtype=I32)  # [B, Nq]
     if isinstance(mask, PerBatch):

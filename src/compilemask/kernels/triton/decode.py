@@ -259,3 +259,66 @@ def merge_splits(opart: torch.Tensor, lpart: torch.Tensor, dtype: torch.dtype):
     w = torch.exp(lpart - torch.where(finite, lse, 0.0)).nan_to_num_(0.0)
     out = (w[..., None] * opart).sum(0)
     return out.to(dtype), torch.where(finite, lse, float("-inf"))
+
+
+# ------------------------------------------------------------------ one-launch decoding plans
+#: the catalogue masks :func:`step_rows` builds, by kernel code
+STEP_KINDS = {"causal": 0, "sliding_window": 1, "prefix_lm": 2, "chunked": 3, "block_causal": 4}
+
+
+@triton.jit
+def _step_rows_kernel(
+    Lens, Offset, Out, Nq, B, kv_len, param,
+    KIND: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Batch row ``b``: the one interval of each new row (``Out`` holds lo ``[B, Nq]``, hi,
+    count, then the offsets and lengths ``[B]``), as ``compiler.decode.step_plan``."""
+    b = tl.program_id(0)
+    L = tl.load(Lens + b).to(tl.int64)
+    if HAS_OFFSET:
+        off = tl.load(Offset + b).to(tl.int64)
+    else:
+        off = L - Nq
+    if tl.program_id(1) == 0:
+        tl.store(Out + 3 * B * Nq + b, off.to(tl.int32))
+        tl.store(Out + 3 * B * Nq + B + b, L.to(tl.int32))
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < Nq
+    p = off + i
+    pp = tl.maximum(p, 0)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = pp + 1
+    if KIND == 1:
+        lo = pp - param + 1
+    elif KIND == 2:
+        hi = tl.maximum(pp + 1, param)
+    elif KIND == 3:
+        lo = pp // param * param
+    elif KIND == 4:
+        hi = (pp // param + 1) * param
+    end = tl.where(p >= 0, tl.minimum(L, kv_len), 0)
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, end)
+    live = lo < hi
+    base = b * Nq + i
+    tl.store(Out + base, tl.where(live, lo, kv_len).to(tl.int32), mask=ok)
+    tl.store(Out + B * Nq + base, tl.where(live, hi, kv_len).to(tl.int32), mask=ok)
+    tl.store(Out + 2 * B * Nq + base, live.to(tl.int32), mask=ok)
+
+
+def step_rows(name: str, param: int, lens, offset, q_len: int, kv_len: int):
+    """``(lo [B, Nq, 1], hi, count [B, Nq], offset [B], lens [B])`` int32 of a one-interval
+    catalogue mask in one launch (the registered fast path of ``compiler.decode.step_plan``);
+    ``offset`` None: bottom-right. ``param``: the window, prefix length, chunk or block."""
+    B = lens.shape[0]
+    out = torch.empty(3 * B * q_len + 2 * B, dtype=torch.int32, device=lens.device)
+    block = min(1024, triton.next_power_of_2(q_len))
+    grid = (B, triton.cdiv(q_len, block))
+    param = max(1, min(int(param), kv_len + q_len + 1))
+    _step_rows_kernel[grid](
+        lens, offset if offset is not None else lens, out, q_len, B, kv_len, param,
+        KIND=STEP_KINDS[name], HAS_OFFSET=offset is not None, BLOCK=block, num_warps=1,
+    )  # fmt: skip
+    n = B * q_len
+    lo, hi = out[:n].view(B, q_len, 1), out[n : 2 * n].view(B, q_len, 1)
+    return lo, hi, out[2 * n : 3 * n].view(B, q_len), out[3 * n : 3 * n + B], out[3 * n + B :]
