@@ -108,7 +108,7 @@ def compile(  # noqa: A001 - the public name is fixed by the design
             plan then depends on the batch row (``batch = B``). The intervals are absolute key
             positions, so every kernel runs such a plan unchanged. A tensor offset is read on
             the host; per-step decoding plans are built without host reads by
-            :func:`compilemask.decode.step_plan`. ``kv_len`` None: ``q_offset + q_len``
+            :func:`compilemask.step_plan`. ``kv_len`` None: ``q_offset + q_len``
             (or the mask's own key length).
 
     Returns:
