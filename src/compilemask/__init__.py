@@ -12,6 +12,7 @@ Example::
 
 from . import masks, score_mods
 from .api.functional import attention, explain
+from .compiler.decode import DecodePlan, step_plan
 from .compiler.migrate import from_block_mask, from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
 from .compiler.plan import MaskPlan
@@ -22,6 +23,7 @@ from .language.semantics import dense, visible
 
 __all__ = [
     "CompileMaskError",
+    "DecodePlan",
     "MaskPlan",
     "PlanError",
     "TileSchedule",
@@ -37,6 +39,7 @@ __all__ = [
     "masks",
     "parse",
     "score_mods",
+    "step_plan",
     "tile_grid",
     "visible",
 ]

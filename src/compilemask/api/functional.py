@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ..compiler.decode import DecodePlan
 from ..compiler.plan import MaskPlan
 from ..errors import InputError
 from ..kernels import registry
 from ..kernels.interface import call_of
-from . import validate
+from . import paged, validate
 from .autograd import BackendAttention
 
 
@@ -71,6 +72,8 @@ def attention(
     check_plan: bool = False,
     score_mod=None,
     sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
 ):
     """Masked attention ``softmax(scale * q @ k^T + mask) @ v`` with the mask of ``plan``.
 
@@ -110,6 +113,16 @@ def attention(
             row's softmax denominator gets ``+ exp(sink_h)``, and the sink adds no value. A
             row that sees no key then gives out 0 and lse = sink_h; lse includes the sink.
 
+        block_table: int32 [B, P]: ``k`` and ``v`` are paged KV caches ``[num_pages,
+            page_size, Hkv, D]`` (the FlashAttention / vLLM layout; any page size, pages in any
+            order) and batch row ``b``'s key ``t`` is ``k[block_table[b, t // page_size], t %
+            page_size]``. Forward only (docs/decode.md).
+        cache_seqlens: int [B]: keys in each batch row's cache (ragged caches; later keys are
+            never read). With it and no ``block_table``, k and v are contiguous caches
+            ``[B, Hkv, Nk, D]``. A :class:`~compilemask.DecodePlan` (``compilemask.step_plan``)
+            brings its own. Cache calls take a MaskPlan (shared by the heads) or a DecodePlan,
+            run the split-KV decode kernel (Triton) or the reference, and are forward only.
+
     Differentiable in q, k and v through out and lse (Triton: deterministic FlashAttention-2
     backward kernels, also under ``torch.compile``; cudnn: cuDNN-frontend's backward;
     reference: torch autograd with per-chunk recomputation). Forward-mode AD (dual tensors of
@@ -136,6 +149,18 @@ def attention(
 
     Source: FlashAttention-2 (Dao, 2023) over the plan's tile lists.
     """
+    if block_table is not None or cache_seqlens is not None or isinstance(plan, DecodePlan):
+        if score_mod is not None or sinks is not None:
+            raise InputError(
+                "score_mod and sinks are not supported with KV caches (block_table / "
+                "cache_seqlens / a DecodePlan) yet"
+            )
+        if check_plan and isinstance(plan, MaskPlan):
+            plan.verify()
+        scale = validate.check_scale(scale, q.shape[-1]) if isinstance(q, torch.Tensor) else scale
+        return paged.attend_cache(
+            q, k, v, plan, block_table, cache_seqlens, scale, return_lse, backend
+        )
     validate.check_tensors(q, k, v)
     validate.check_plan(q, k, plan, full=check_plan)
     scale = validate.check_scale(scale, q.shape[-1])

@@ -277,10 +277,14 @@ class _Ctx:
         n = len(rows)
         host = self.t(table)  # one host-to-device copy
         ends, ab, counts = host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
-        idx = torch.searchsorted(ends, self.q, right=True)
+        idx = self._piece_of_row(ends)
         a, b = ab.index_select(2, idx)  # [lo / hi, Nq, K] each
         lo, hi = torch.addcmul(b, a, self.q[:, None])  # two contiguous halves of one tensor
         return _Rows(lo, hi, counts.index_select(0, idx))
+
+    def _piece_of_row(self, ends: torch.Tensor) -> torch.Tensor:
+        """The piece of every query row (``ends`` ascending, the last one ``Nq``)."""
+        return torch.searchsorted(ends, self.q, right=True)
 
     def _b_clear(self, grid, radius, text_len):
         if not grid_may_touch(grid, "disc", (radius,)) and 2 * self.kv_len < I32_MAX:

@@ -12,7 +12,8 @@ import torch
 from ..errors import CompileMaskError
 from ..language.ast import Mask, TiledGrid
 from ..language.permutation import grid_permutation
-from ..language.semantics import accepted_lengths, natural_lengths
+from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
+from . import intervals as iv
 from .lower import lower
 from .permute import permute_rows
 from .plan import MaskPlan, built_plans, outside_inference_mode
@@ -82,6 +83,7 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     block_n: int = 128,
     device=None,
     cache: bool = True,
+    q_offset=0,
 ) -> MaskPlan:
     """Compile a mask into a :class:`MaskPlan` for the given lengths.
 
@@ -99,6 +101,15 @@ def compile(  # noqa: A001 - the public name is fixed by the design
             vectorised torch operations; on a GPU K is kept at its static bound so that the
             build does not synchronise with the host.
         cache: reuse a plan compiled for the same (mask, lengths, sizes, tiles, device).
+        q_offset: where the query rows sit on the key axis (see :func:`compilemask.dense`):
+            row ``i`` is position ``q_offset + i``. An int >= 0 (default 0: top-left, the
+            rows start at the first key; ``kv_len - q_len`` is bottom-right, the decoding
+            alignment), or a ``[B]`` integer tensor / sequence, one offset per batch row: the
+            plan then depends on the batch row (``batch = B``). The intervals are absolute key
+            positions, so every kernel runs such a plan unchanged. A tensor offset is read on
+            the host; per-step decoding plans are built without host reads by
+            :func:`compilemask.step_plan`. ``kv_len`` None: ``q_offset + q_len``
+            (or the mask's own key length).
 
     Returns:
         A :class:`MaskPlan`.
@@ -120,6 +131,11 @@ def compile(  # noqa: A001 - the public name is fixed by the design
         q_len = natural_lengths(mask)[0]
         if q_len is None:
             raise CompileMaskError(f"q_len is needed: {mask} accepts any length")
+    offsets = offsets_of(q_offset)
+    if offsets != 0:
+        return _compile_offset(
+            mask, q_len, kv_len, offsets, batch, heads, block_m, block_n, device, cache
+        )
     q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
     if max(q_len, kv_len) > 2**31 - 1:
         raise CompileMaskError(
@@ -148,6 +164,63 @@ def compile(  # noqa: A001 - the public name is fixed by the design
             while len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
     return plan
+
+
+def _compile_offset(mask, q_len, kv_len, offsets, batch, heads, block_m, block_n, device, cache):
+    """A plan whose row ``i`` of batch row ``b`` is position ``offsets[b] + i`` (``offsets``:
+    an int, or a list of one per batch row): the rows ``[o, o + q_len)`` of the plan compiled
+    for ``o + q_len`` rows, one such slice per distinct offset."""
+    if isinstance(mask, TiledGrid):
+        raise CompileMaskError("q_offset must be 0 for a tile_grid mask (it permutes one axis)")
+    per_row = isinstance(offsets, list)
+    if per_row:
+        if batch is not None and batch != len(offsets):
+            raise CompileMaskError(f"batch={batch} but q_offset has {len(offsets)} rows")
+        if mask.batch_count is not None and mask.batch_count != len(offsets):
+            raise CompileMaskError(
+                f"q_offset has {len(offsets)} rows but the mask is per_batch with "
+                f"{mask.batch_count} entries"
+            )
+    if not isinstance(q_len, int) or isinstance(q_len, bool) or q_len < 1:
+        raise CompileMaskError(f"q_len must be a positive int, got {q_len!r}")
+    rows = offsets if per_row else [offsets]
+    kv = kv_len if kv_len is not None else max(rows) + q_len
+    full = {
+        o: compile(mask, o + q_len, kv, batch=batch if not per_row else mask.batch_count,
+                   heads=heads, block_m=block_m, block_n=block_n, device=device, cache=cache)
+        for o in sorted(set(rows))
+    }  # fmt: skip
+    some = next(iter(full.values()))
+    k = max(p.row_lo.shape[-1] for p in full.values())
+    hm = some.heads or 1
+    parts = []
+    for b, o in enumerate(rows):
+        p = full[o]
+        lo, hi, cnt = (
+            t.view(p.batch or 1, hm, p.q_len, -1)
+            for t in (p.row_lo, p.row_hi, p.row_count[..., None])
+        )
+        pick = b if (per_row and p.batch is not None) else 0
+        lo, hi = iv.pad_k(lo[pick, :, o:], hi[pick, :, o:], k, p.kv_len)
+        parts.append((lo, hi, cnt[pick, :, o:, 0]))
+    lo, hi, cnt = (torch.stack([x[i] for x in parts]) for i in range(3))
+    nb = len(rows) if per_row else (some.batch or 1)
+    if not per_row and some.batch is not None:  # a per_batch mask at one offset: rows kept
+        lo, hi, cnt = (full[offsets].row_lo, full[offsets].row_hi, full[offsets].row_count)
+        lo = lo.view(nb, hm, -1, lo.shape[-1])[:, :, offsets:]
+        hi = hi.view(nb, hm, -1, hi.shape[-1])[:, :, offsets:]
+        cnt = cnt.view(nb, hm, -1)[:, :, offsets:]
+    m = lo.shape[0] * lo.shape[1]
+    lo, hi = lo.reshape(m, q_len, -1).contiguous(), hi.reshape(m, q_len, -1).contiguous()
+    cnt = cnt.reshape(m, q_len).contiguous()
+    host = some.device.type == "cpu"
+    schedule = build_tiles(lo, hi, cnt, q_len, some.kv_len, block_m, block_n, use_bits=host)
+    out_batch = len(rows) if per_row else some.batch
+    source = f"{some.source} @ q_offset={offsets}"
+    with built_plans():
+        return MaskPlan(
+            q_len, some.kv_len, out_batch, some.heads, lo, hi, cnt, schedule, source=source
+        )
 
 
 def available_memory(device: torch.device) -> int | None:

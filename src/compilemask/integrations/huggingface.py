@@ -22,13 +22,17 @@ Keywords read from the model call (all optional but the plan):
 
 - ``compilemask_plan``: a MaskPlan compiled for the sequence length, or a callable
   ``plan_for(module) -> MaskPlan`` (e.g. to give sliding-window layers another plan than the
-  full-attention ones: ``module.layer_idx`` names the layer);
+  full-attention ones: ``module.layer_idx`` names the layer), or a mask (``compilemask.masks``,
+  the language; or a callable returning one): compiled for each call's lengths, the queries
+  aligned bottom-right on the keys, so that decoding with transformers' KV cache works (steps
+  with a cache run the forward-only decode path, docs/decode.md). ``generate()`` refuses
+  keywords the model does not declare: give it the mask with :func:`use_mask` instead;
 - ``compilemask_backend``: the ``backend`` of :func:`compilemask.attention` (default "auto").
 
 What the integration refuses (an :class:`~compilemask.errors.InputError`, never wrong numbers):
 no plan; a padding ``attention_mask`` with a zero in it (padding belongs in the plan: pack the
 sequences instead); a 4-D mask; attention dropout while training; a KV cache longer than the
-plan (generation with a cache is not supported: the plan is compiled for one length).
+plan (a plan is compiled for one length: give a mask to generate with a cache).
 
 transformers is imported lazily (it is the optional extra ``compilemask[hf]``).
 
@@ -37,18 +41,23 @@ Legend: B batch, Hq / Hkv query / key-value heads, N sequence length, D head_dim
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..api.functional import attention
+from ..compiler.decode import step_plan
 from ..compiler.pipeline import compile as compile_mask
 from ..compiler.plan import MaskPlan
 from ..errors import InputError
+from ..language.ast import Mask
 from ..masks import document
 
 NAME = "compilemask"
 PLAN_KWARG = "compilemask_plan"
+#: the model config's attribute holding the mask text set by :func:`use_mask`
+MASK_ATTR = "compilemask_mask"
 BACKEND_KWARG = "compilemask_backend"
 
 
@@ -84,12 +93,18 @@ def compilemask_attention_forward(
     """
     plan = kwargs.get(PLAN_KWARG)
     if plan is None:
+        text = getattr(getattr(module, "config", None), MASK_ATTR, None)
+        plan = _parsed(text) if isinstance(text, str) else None
+    if plan is None:
         raise InputError(
             f"attn_implementation='{NAME}' needs the mask as a MaskPlan: call the model with "
             f"{PLAN_KWARG}=compilemask.compile(mask, seq_len) (got no {PLAN_KWARG} keyword)"
         )
-    if not isinstance(plan, MaskPlan) and callable(plan):
+    if not isinstance(plan, (MaskPlan, Mask)) and callable(plan):
         plan = plan(module)
+    cache_lens = None
+    if isinstance(plan, Mask):
+        plan, cache_lens = _plan_of_mask(plan, query, key)
     if attention_mask is not None:
         raise InputError(
             f"attn_implementation='{NAME}' takes its mask from {PLAN_KWARG}, but the layer "
@@ -103,9 +118,46 @@ def compilemask_attention_forward(
             f"attention_probs_dropout_prob=0.0, Llama: attention_dropout=0.0) or call model.eval()"
         )
     out = attention(
-        query, key, value, plan, scale=scaling, backend=kwargs.get(BACKEND_KWARG) or "auto"
-    )
+        query, key, value, plan, scale=scaling, backend=kwargs.get(BACKEND_KWARG) or "auto",
+        cache_seqlens=cache_lens,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def use_mask(model, mask: Mask) -> None:
+    """Give every compilemask attention layer of ``model`` the mask ``mask`` when a call has no
+    ``compilemask_plan`` keyword: what ``model.generate()`` needs (it refuses undeclared
+    keywords). The mask is stored as its text in ``model.config.compilemask_mask`` (so the
+    config still saves as JSON) and compiled per call for the call's lengths, bottom-right.
+
+    Example::
+
+        >>> cm_hf.use_mask(model, cm.masks.sliding_window(4096))
+        >>> model.generate(input_ids, max_new_tokens=32, do_sample=False)
+
+    Raises:
+        InputError: ``mask`` is not a compilemask mask.
+    """
+    if not isinstance(mask, Mask):
+        raise InputError(f"mask must be a compilemask mask, got {type(mask).__name__}")
+    model.config.compilemask_mask = str(mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> Mask:
+    from ..language.parser import parse
+
+    return parse(text)
+
+
+def _plan_of_mask(mask: Mask, query: torch.Tensor, key: torch.Tensor):
+    """``(plan, cache_seqlens)`` of ``mask`` for this call: a cached MaskPlan when the
+    queries are the keys (prefill, training), else a decoding plan of the last ``Nq`` keys."""
+    nq, nk = query.shape[2], key.shape[2]
+    if nq == nk:
+        return compile_mask(mask, nq, device=query.device), None
+    lens = torch.full((query.shape[0],), nk, dtype=torch.int32, device=query.device)
+    return step_plan(mask, lens, nq, kv_len=nk), lens
 
 
 def compilemask_mask_interface(*args, attention_mask: torch.Tensor | None = None, **kwargs):

@@ -72,6 +72,33 @@ class AttentionCall:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
+@dataclass(frozen=True)
+class DecodeCall:
+    """An attention call over a KV cache (``compilemask.attention(..., block_table=...,
+    cache_seqlens=...)``), for a backend's optional ``decode(q, k_cache, v_cache, call,
+    scale) -> (out, lse)`` (forward only).
+
+    ``k_cache`` / ``v_cache`` reach ``decode`` as ``[num_pages, page_size, Hkv, D]`` (a
+    contiguous cache as one page of ``Nk`` keys per batch row, ``block_table[b] = [b]``).
+
+    Attributes:
+        row_lo, row_hi: int32 ``[Mb, Nq, K]`` (``Mb`` 1 or B): the visible key intervals of
+            each query row (absolute key positions; shared by the heads).
+        block_table: int32 ``[B, P]``: the pages of each batch row in key order.
+        cache_seqlens: int32 ``[B]``: keys in each batch row's cache; later keys are hidden.
+        page_size: keys per page; kv_len: ``P * page_size``.
+        attention: the call's sizes (``kv_len`` = the capacity per batch row).
+    """
+
+    row_lo: torch.Tensor
+    row_hi: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    page_size: int
+    kv_len: int
+    attention: AttentionCall
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One attention implementation over a :class:`~compilemask.MaskPlan`."""

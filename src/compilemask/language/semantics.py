@@ -18,6 +18,8 @@ Semantics (from ``docs/workloads.md`` and ``docs/design.md``, the language):
 * :class:`PerHead` / :class:`PerBatch` -- ``masks[h]`` / ``masks[b]``.
 
 Only rows ``0 <= q < q_len`` and keys ``0 <= k < kv_len`` exist; ``visible`` is False elsewhere.
+Queries that sit further along the key axis (decoding: the new rows are the last positions) are
+rows ``q_offset .. q_offset + q_len - 1`` of the axis: ``dense(..., q_offset=o)``.
 
 Example::
 
@@ -41,7 +43,7 @@ from .ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask, TiledGrid
 from .permutation import grid_permutation
 from .resolve import check_rules, fixed_length, resolve, span_ranges
 
-__all__ = ["accepted_lengths", "natural_lengths", "visible", "dense"]
+__all__ = ["accepted_lengths", "natural_lengths", "visible", "dense", "offsets_of"]
 
 # Builtins that fix the axis length (q_len == kv_len == that length), by name -> length of args.
 _FIXED_LENGTH = {
@@ -272,44 +274,101 @@ def dense(
     *,
     batch: int | None = None,
     heads: int | None = None,
+    q_offset=0,
 ) -> torch.Tensor:
     """The dense boolean mask, built by calling :func:`visible` on index grids.
 
     Args:
         mask: any mask.
-        q_len, kv_len: lengths (``kv_len`` None: the mask's own key length, else ``q_len``).
+        q_len, kv_len: lengths (``kv_len`` None: the mask's own key length, else
+            ``q_offset + q_len``).
         batch, heads: sizes; they must equal ``mask.batch_count`` / ``mask.head_count`` when the
             mask depends on the batch row / head, and are ignored otherwise (it broadcasts).
+        q_offset: where the query rows sit on the key axis: row ``i`` is position
+            ``q_offset + i`` (an int >= 0; default 0, the rows start at the first key), or a
+            ``[B]`` integer tensor / sequence with one offset per batch row (ragged caches).
+            The mask is evaluated on a query axis of ``q_offset + q_len`` positions of which the
+            last ``q_len`` rows are returned, so ``dense(m, n, q_offset=o)`` equals
+            ``dense(m, o + n)[o:]``. ``q_offset = kv_len - q_len`` is the bottom-right
+            alignment of decoding. ``tree`` defines its own query coordinates (row ``i`` is
+            draft node ``i``): use offset 0 with it.
 
     Returns:
-        bool ``[Nq, Nk]`` when the mask depends on neither batch row nor head, else
-        ``[B or 1, H or 1, Nq, Nk]`` (``B = mask.batch_count``, ``H = mask.head_count``).
+        bool ``[Nq, Nk]`` when the mask depends on neither batch row nor head and ``q_offset``
+        is an int, else ``[B or 1, H or 1, Nq, Nk]`` (``B = mask.batch_count``, or the length
+        of a per-row ``q_offset``; ``H = mask.head_count``).
 
     Raises:
-        CompileMaskError: bad lengths, or ``batch`` / ``heads`` that contradict the mask.
+        CompileMaskError: bad lengths or offsets, or ``batch`` / ``heads`` that contradict the
+            mask.
 
     Example::
 
         >>> from compilemask import masks
         >>> dense(masks.per_head([masks.causal(), masks.dilated(1, 1)]), 3, heads=2).shape
         torch.Size([1, 2, 3, 3])
+        >>> dense(masks.causal(), 1, 4, q_offset=3).int()
+        tensor([[1, 1, 1, 1]], dtype=torch.int32)
     """
-    q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
+    offsets = offsets_of(q_offset)
+    if isinstance(offsets, list):
+        B = mask.batch_count
+        if B is not None and B != len(offsets):
+            raise CompileMaskError(
+                f"q_offset has {len(offsets)} rows but the mask is per_batch with {B} entries"
+            )
+        _check_size(batch, len(offsets), "batch", "per-row q_offset")
+        rows = []
+        for b, off in enumerate(offsets):
+            one = dense(mask, q_len, kv_len, heads=heads, q_offset=off)
+            if one.dim() == 2:
+                one = one[None, None]
+            rows.append(one[b if one.shape[0] > 1 else 0])
+        return torch.stack(rows)
+    full = _length(q_len, "q_len") + offsets
+    full, kv_len = accepted_lengths(mask, full, kv_len)
     B, H = mask.batch_count, mask.head_count
     _check_size(batch, B, "batch", "per_batch")
     _check_size(heads, H, "heads", "per_head")
-    q = torch.arange(q_len).view(-1, 1)
+    q = torch.arange(offsets, full).view(-1, 1)
     k = torch.arange(kv_len).view(1, -1)
     if B is None and H is None:
-        return visible(mask, q, k, q_len=q_len, kv_len=kv_len)
+        return visible(mask, q, k, q_len=full, kv_len=kv_len)
     return torch.stack(
         [
             torch.stack(
-                [visible(mask, q, k, q_len=q_len, kv_len=kv_len, b=b, h=h) for h in range(H or 1)]
+                [visible(mask, q, k, q_len=full, kv_len=kv_len, b=b, h=h) for h in range(H or 1)]
             )
             for b in range(B or 1)
         ]
     )
+
+
+def offsets_of(q_offset) -> int | list[int]:
+    """``q_offset`` as an int >= 0, or (a ``[B]`` tensor or sequence of them) a list of ints.
+
+    Raises:
+        CompileMaskError: not integers, negative, or a tensor that is not one-dimensional.
+    """
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.dim() == 0:
+            q_offset = q_offset.item()
+        elif (
+            q_offset.dim() != 1 or q_offset.dtype.is_floating_point or q_offset.dtype == torch.bool
+        ):
+            raise CompileMaskError(
+                f"q_offset must be an int or a [B] integer tensor, got a tensor of shape "
+                f"{tuple(q_offset.shape)} and dtype {q_offset.dtype}"
+            )
+        else:
+            q_offset = q_offset.tolist()
+    if isinstance(q_offset, (list, tuple)):
+        if not q_offset:
+            raise CompileMaskError("q_offset must hold one offset per batch row, got none")
+        return [offsets_of(o) for o in q_offset]
+    if isinstance(q_offset, bool) or not isinstance(q_offset, numbers.Integral) or q_offset < 0:
+        raise CompileMaskError(f"q_offset must be an int >= 0, got {q_offset!r}")
+    return int(q_offset)
 
 
 def _check_size(given: int | None, count: int | None, name: str, kind: str) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from ..interface import SUPPORTED_DTYPES, AttentionCall
 from .kernel import reference_attention, reference_attention_backward
+from .paged import paged_reference_attention
 
 
 class ReferenceBackend:
@@ -46,6 +47,15 @@ class ReferenceBackend:
     def backward(self, q, k, v, out, lse, dout, plan, prepared, scale: float):
         with torch.no_grad():
             return reference_attention_backward(q, k, v, prepared, dout, scale)
+
+    def decode(self, q, k_cache, v_cache, call, scale: float):
+        """``(out, lse)`` over a paged cache (``interface.DecodeCall``): pages gathered, then
+        the definition."""
+        out, lse = paged_reference_attention(
+            q, k_cache, v_cache, call.row_lo, call.row_hi, call.block_table, call.cache_seqlens,
+            scale,
+        )  # fmt: skip
+        return out.to(q.dtype), lse.to(torch.float32)
 
 
 BACKEND = ReferenceBackend()

@@ -451,6 +451,16 @@ class TritonBackend:
             )
         return True, ""
 
+    def decode(self, q, k_cache, v_cache, call, scale: float):
+        """``(out, lse)`` over a paged cache (``interface.DecodeCall``): the split-KV kernel
+        of ``decode.py``."""
+        from .decode import decode_attention
+
+        return decode_attention(
+            q, k_cache, v_cache, call.row_lo, call.row_hi, call.block_table, call.cache_seqlens,
+            scale,
+        )  # fmt: skip
+
     def prepare(self, plan, call: AttentionCall) -> TritonPrepared:
         """Launch configurations and schedules of ``call`` (schedules cached on the plan per
         tiling in eager calls; traced from the plan's tensors under ``torch.compile``)."""

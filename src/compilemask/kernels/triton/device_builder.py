@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from ...compiler.decode import register_device_step_builder
 from ...compiler.tiles import register_device_tile_builder
 from .backend import triton_usable
 
@@ -60,3 +61,14 @@ def install_default() -> None:
         )
         choice = "triton"
     register_device_tile_builder(triton_tile_builder if choice == "triton" else None)
+    register_device_step_builder(triton_step_builder if choice == "triton" else None)
+
+
+def triton_step_builder(name, param, lens, offset, q_len, kv_len):
+    """The registered decoding-plan hook (``compiler.decode.register_device_step_builder``):
+    one Triton launch for CUDA tensors, None (decline) elsewhere or without Triton."""
+    if not _on_cuda(lens):
+        return None
+    from .decode import step_rows
+
+    return step_rows(name, param, lens, offset, q_len, kv_len)

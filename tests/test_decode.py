@@ -1,0 +1,322 @@
+"""Decoding steps: ``step_plan`` (the new rows' intervals, against the dense evaluator) and
+attention over paged / contiguous KV caches (reference and the Triton split-KV kernel, against
+the float64 reference), with ragged cache lengths, shuffled pages and empty rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.errors import CompileMaskError, InputError
+from compilemask.kernels.reference import reference_attention
+from compilemask.kernels.reference.paged import gather_pages, paged_reference_attention
+from compilemask.testing import check_close
+from conftest import DEVICE
+
+KV = 24
+LENS = [13, 1, 0, 7, 20]  # ragged, with an empty row and a row shorter than the draft
+RULES = cm.parse("{ layout p:4 rest:*; p -> p : full; rest -> p : full; rest -> rest : causal }")
+# (mask, the same mask at length KV with its last part run on, for the reference)
+MASKS = [
+    (masks.causal(), None),
+    (masks.sliding_window(3), None),
+    (masks.prefix_lm(4), None),
+    (masks.chunked(4), None),
+    (masks.block_causal(3), None),
+    (masks.dilated(4, 2), None),
+    (RULES, None),
+    (masks.causal() - masks.sliding_window(2), None),
+    (masks.sliding_window(5) | masks.prefix_lm(2), None),
+    (masks.document([5, 4, 4]), masks.document([5, 4, 15])),
+    (masks.document([5, 4, 4], causal=False), masks.document([5, 4, 15], causal=False)),
+    (masks.shared_prompt(4, [3, 3]), masks.shared_prompt(4, [3, 17])),
+    (masks.hstu([6, 5], [2, 2], 1), masks.hstu([6, 18], [2, 15], 1)),
+]
+
+
+def _expected(full: torch.Tensor, lens, nq: int, offsets) -> torch.Tensor:
+    """``[B, 1, Nq, KV]``: row i of batch row b is row ``offsets[b] + i`` of the full mask,
+    cut to the row's cache; rows outside the axis see nothing."""
+    rows = []
+    for L, o in zip(lens, offsets):
+        d = torch.zeros(nq, full.shape[-1], dtype=torch.bool)
+        for i in range(nq):
+            if 0 <= o + i < full.shape[0]:
+                d[i] = full[o + i]
+        d[:, L:] = False
+        rows.append(d)
+    return torch.stack(rows)[:, None]
+
+
+@pytest.mark.parametrize("mask,whole", MASKS, ids=[str(m) for m, _ in MASKS])
+@pytest.mark.parametrize("nq", [1, 3])
+def test_step_plan_matches_dense(mask, whole, nq):
+    lens = torch.tensor(LENS)
+    full = cm.dense(whole or mask, KV, KV)
+    plan = cm.step_plan(mask, lens, nq, kv_len=KV)
+    assert torch.equal(plan.to_dense(), _expected(full, LENS, nq, [n - nq for n in LENS]))
+    offsets = torch.tensor([2, 0, 5, 4, 17])
+    plan = cm.step_plan(mask, lens, nq, kv_len=KV, q_offset=offsets)
+    assert torch.equal(plan.to_dense(), _expected(full, LENS, nq, offsets.tolist()))
+    _assert_canonical(plan)
+
+
+def _assert_canonical(plan):
+    lo, hi, cnt = plan.row_lo, plan.row_hi, plan.row_count
+    used = torch.arange(lo.shape[-1]) < cnt[..., None]
+    assert bool((lo[used] < hi[used]).all())
+    assert bool((lo[~used] == plan.kv_len).all()) and bool((hi[~used] == plan.kv_len).all())
+    gaps = lo[..., 1:] > hi[..., :-1]
+    assert bool(gaps[used[..., 1:]].all())
+
+
+def test_step_plan_agrees_with_compile_q_offset():
+    lens = torch.tensor([9, 16, 12])
+    for mask in (masks.causal(), masks.sliding_window(4), masks.chunked(3)):
+        step = cm.step_plan(mask, lens, 2, kv_len=16)
+        plan = cm.compile(mask, 2, 16, q_offset=lens - 2)
+        want = plan.to_dense() & (torch.arange(16) < lens[:, None, None, None])
+        assert torch.equal(step.to_dense(), want)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 3, -1], [-1, 0, 1, 2], [-1]])
+def test_tree_draft_over_ragged_prefixes(parents):
+    n = len(parents)
+    lens = torch.tensor([n + 9, n, n - 1, 0, n + 2])
+    plan = cm.step_plan(masks.tree(parents, 0), lens, n, kv_len=KV)
+    for b, L in enumerate(lens.tolist()):
+        want = torch.zeros(n, KV, dtype=torch.bool)
+        if L >= n:  # node i at key L - n + i sees the prefix and its ancestors
+            want[:, :L] = cm.dense(masks.tree(parents, L - n), n)
+        elif L:  # the draft starts before the first key: what lies inside [0, L) remains
+            own = cm.dense(masks.tree(parents, 0), n)[n - L :, n - L :]
+            want[n - L :, :L] = own
+        assert torch.equal(plan.to_dense()[b, 0], want), b
+    _assert_canonical(plan)
+    with pytest.raises(CompileMaskError, match="needs q_len"):
+        cm.step_plan(masks.tree(parents, 0), lens, n + 1, kv_len=KV)
+
+
+def test_per_batch_masks_and_next_step():
+    lens = torch.tensor([10, 6])
+    mask = masks.per_batch([masks.causal(), masks.sliding_window(2)])
+    plan = cm.step_plan(mask, lens, 1, kv_len=12)
+    assert plan.to_dense()[:, 0, 0].int().tolist() == [
+        [1] * 10 + [0] * 2,
+        [0] * 4 + [1] * 2 + [0] * 6,
+    ]
+    nxt = plan.next(lens + 1)
+    assert nxt.to_dense()[:, 0, 0].sum(-1).tolist() == [11, 2]
+    with pytest.raises(CompileMaskError, match="per_batch with 2"):
+        cm.step_plan(mask, torch.tensor([3]), 1, kv_len=12)
+
+
+@pytest.mark.parametrize(
+    "mask,match",
+    [
+        (masks.per_head([masks.causal()]), "no decoding form"),
+        (masks.natten2d((2, 2), (1, 1)), "no decoding form"),
+        (masks.causal() | masks.tree([-1], 1), "whole mask"),
+    ],
+)
+def test_step_plan_refuses(mask, match):
+    with pytest.raises(CompileMaskError, match=match):
+        cm.step_plan(mask, torch.tensor([4]), 1, kv_len=8)
+
+
+@pytest.mark.parametrize(
+    "lens,kwargs,match",
+    [
+        ([[3]], {}, "cache_seqlens"),
+        ([3.0], {}, "cache_seqlens"),
+        ([3], {"q_len": 0}, "q_len"),
+        ([3], {"kv_len": 0}, "kv_len"),
+        ([3], {"q_offset": -1}, "q_offset"),
+        ([3], {"q_offset": torch.tensor([1, 2])}, "q_offset"),
+    ],
+)
+def test_step_plan_bad_arguments(lens, kwargs, match):
+    with pytest.raises(CompileMaskError, match=match):
+        cm.step_plan(masks.causal(), torch.tensor(lens), **kwargs)
+
+
+# ----------------------------------------------------------------- attention over caches
+def _paged(B, Hkv, D, page, pages_per_row, dtype, seed=0):
+    """A paged cache with the pages of each row shuffled among spare ones."""
+    g = torch.Generator().manual_seed(seed)
+    n = B * pages_per_row + 3
+    table = torch.randperm(n, generator=g)[: B * pages_per_row].view(B, pages_per_row)
+    k = torch.randn(n, page, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(n, page, Hkv, D, generator=g).to(dtype)
+    return k.to(DEVICE), v.to(DEVICE), table.to(torch.int32).to(DEVICE)
+
+
+def _check(out, q, kc, vc, plan, table, lens):
+    args = (q, kc, vc, plan.row_lo, plan.row_hi, table, lens)
+    ref64, _ = paged_reference_attention(*args, compute_dtype=torch.float64)
+    ref_dt, _ = paged_reference_attention(*args, compute_dtype=torch.float32, matmul_dtype=q.dtype)
+    ok, err, bound = check_close(out, ref64, ref_dt, q.dtype)
+    assert ok, f"err {err:.3g} > bound {bound:.3g}"
+
+
+def test_paged_reference_equals_reference_on_gathered_cache():
+    kc, vc, table = _paged(3, 2, 32, 16, 3, torch.float64)
+    lens = torch.tensor([40, 0, 17], device=DEVICE)
+    q = torch.randn(3, 4, 2, 32, dtype=torch.float64, device=DEVICE)
+    dplan = cm.step_plan(masks.sliding_window(9), lens, 2, kv_len=48)
+    out, lse = paged_reference_attention(
+        q, kc, vc, dplan.row_lo, dplan.row_hi, table, lens, compute_dtype=torch.float64
+    )
+    plan = cm.compile(masks.sliding_window(9), 2, 48, q_offset=[38, 0, 15], device=DEVICE)
+    k, v = gather_pages(kc, table), gather_pages(vc, table)
+    ref, ref_lse = reference_attention(q, k, v, plan, compute_dtype=torch.float64)
+    ref[1], ref_lse[1] = 0, float("-inf")  # the empty cache
+    assert torch.allclose(out, ref) and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert bool((out[1] == 0).all())
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize(
+    "mask,nq,page",
+    [
+        (masks.causal(), 1, 16),
+        (masks.sliding_window(20), 4, 32),
+        (masks.chunked(16), 2, 64),
+        (masks.tree([-1, 0, 0, 1, 1, 2], 0), 6, 16),
+        (masks.causal(), 3, 256),
+    ],
+    ids=["causal-1", "window-4", "chunked-2", "tree-6", "page256"],
+)
+def test_paged_attention(backend, mask, nq, page):
+    pytest.importorskip("triton")
+    B, Hq, Hkv, D = 4, 4, 2, 32
+    pages_per_row = max(1, 96 // page)
+    kc, vc, table = _paged(B, Hkv, D, page, pages_per_row, torch.float16)
+    cap = pages_per_row * page
+    lens = torch.tensor([cap, 0, nq, min(cap, 37)], dtype=torch.int32, device=DEVICE)
+    plan = cm.step_plan(mask, lens, nq, kv_len=cap)
+    q = torch.randn(B, Hq, nq, D).to(torch.float16).to(DEVICE)
+    with torch.no_grad():
+        out, lse = cm.attention(
+            q, kc, vc, plan, block_table=table, backend=backend, return_lse=True
+        )
+    assert out.shape == q.shape and lse.shape == (B, Hq, nq) and lse.dtype == torch.float32
+    assert bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())
+    _check(out, q, kc, vc, plan, table, lens)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_split_kv_merge(splits):
+    pytest.importorskip("triton")
+    from compilemask.kernels.triton.decode import decode_attention
+
+    kc, vc, table = _paged(2, 1, 64, 16, 6, torch.float32)
+    lens = torch.tensor([96, 41], dtype=torch.int32, device=DEVICE)
+    plan = cm.step_plan(masks.sliding_window(50) - masks.sliding_window(3), lens, 2, kv_len=96)
+    q = torch.randn(2, 3, 2, 64).to(DEVICE)  # 3 query heads share the one kv head
+    out, lse = decode_attention(
+        q, kc, vc, plan.row_lo, plan.row_hi, table, lens, 0.125, num_splits=splits, block_n=16
+    )
+    ref, ref_lse = paged_reference_attention(
+        q, kc, vc, plan.row_lo, plan.row_hi, table, lens, 0.125, compute_dtype=torch.float64
+    )
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_contiguous_cache_with_mask_plan(backend):
+    pytest.importorskip("triton")
+    B, Hq, Hkv, Nk, D = 3, 2, 1, 40, 32
+    lens = torch.tensor([40, 25, 0], dtype=torch.int32, device=DEVICE)
+    k = torch.randn(B, Nk, Hkv, D).to(torch.float16).to(DEVICE).transpose(1, 2)  # strided
+    v = torch.randn(B, Hkv, Nk, D).to(torch.float16).to(DEVICE)
+    q = torch.randn(B, Hq, 2, D).to(torch.float16).to(DEVICE)
+    plan = cm.compile(masks.causal(), 2, Nk, q_offset=[38, 23, 0], device=DEVICE)
+    with torch.no_grad():
+        out = cm.attention(q, k, v, plan, cache_seqlens=lens, backend=backend)
+    table = torch.arange(B, dtype=torch.int32, device=DEVICE)[:, None]
+    kc, vc = k.transpose(1, 2), v.transpose(1, 2)
+    _check(out, q, kc, vc, cm.step_plan(masks.causal(), lens, 2, kv_len=Nk), table, lens)
+    assert bool((out[2] == 0).all())
+
+
+def test_cache_calls_refuse_bad_input():
+    kc, vc, table = _paged(2, 1, 32, 16, 2, torch.float32)
+    lens = torch.tensor([20, 5], device=DEVICE)
+    plan = cm.step_plan(masks.causal(), lens, 1, kv_len=32)
+    q = torch.randn(2, 2, 1, 32, device=DEVICE)
+    with pytest.raises(InputError, match="forward only"):
+        cm.attention(q.requires_grad_(), kc, vc, plan, block_table=table)
+    q = q.detach()
+    with pytest.raises(InputError, match="block_table"):
+        cm.attention(q, kc, vc, plan, block_table=table[:1])
+    with pytest.raises(InputError, match="longer than the cache"):
+        cm.attention(q, kc, vc, cm.step_plan(masks.causal(), lens, 1, kv_len=64), block_table=table)
+    with pytest.raises(InputError, match="B=2, q_len=1"):
+        cm.attention(q[:, :, :0], kc, vc, plan, block_table=table)
+    with pytest.raises(InputError, match="per_head"):
+        per_head = cm.compile(masks.per_head([masks.causal()] * 2), 1, 32, heads=2)
+        cm.attention(q, kc, vc, per_head, block_table=table, cache_seqlens=lens)
+    with pytest.raises(InputError, match="cache_seqlens"):
+        cm.attention(q, kc, vc, plan, block_table=table, cache_seqlens=lens[:1])
+
+
+@pytest.mark.kernel
+def test_generation_example(capsys):
+    """examples/generate_paged.py: greedy tokens over a paged cache equal full recomputation,
+    and a tree draft's logits equal each branch run alone (the example asserts both)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import generate_paged
+
+    assert generate_paged.main(["--device", "cpu", "--steps", "2"]) == 0
+    assert "tree draft" in capsys.readouterr().out
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_paged_attention_head_dims(head_dim):
+    pytest.importorskip("triton")
+    kc, vc, table = _paged(2, 2, head_dim, 32, 2, torch.float16)
+    lens = torch.tensor([64, 30], dtype=torch.int32, device=DEVICE)
+    plan = cm.step_plan(masks.chunked(8), lens, 3, kv_len=64)
+    q = torch.randn(2, 6, 3, head_dim).to(torch.float16).to(DEVICE)  # 3 query heads per kv head
+    with torch.no_grad():
+        out = cm.attention(q, kc, vc, plan, block_table=table, backend="triton")
+    _check(out, q, kc, vc, plan, table, lens)
+
+
+def test_cache_longer_than_the_plan_axis_is_cut():
+    plan = cm.step_plan(masks.causal(), torch.tensor([70, 3]), 1, kv_len=64)
+    assert int(plan.row_hi.max()) == 64 and plan.row_count.tolist() == [[1], [1]]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize(
+    "mask",
+    [masks.causal(), masks.sliding_window(3), masks.prefix_lm(5), masks.chunked(4),
+     masks.block_causal(3)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("nq", [1, 3])
+def test_one_launch_step_rows_equal_the_tensor_build(mask, nq):
+    """The Triton builder of one-interval masks (the CUDA fast path of step_plan)."""
+    pytest.importorskip("triton")
+    from compilemask.kernels.triton.decode import step_rows
+
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    for offsets in (None, torch.tensor([2, 0, 5, 4, 17], dtype=torch.int32)):
+        want = cm.step_plan(mask, lens, nq, kv_len=KV, q_offset=offsets)
+        param = mask.args[0] if mask.args else 1
+        lo, hi, count, off, got_lens = step_rows(mask.name, param, lens, offsets, nq, KV)
+        assert torch.equal(lo, want.row_lo) and torch.equal(hi, want.row_hi)
+        assert torch.equal(count, want.row_count) and torch.equal(off, want.q_offset)
+        assert torch.equal(got_lens, lens)
