@@ -320,3 +320,11 @@ def test_one_launch_step_rows_equal_the_tensor_build(mask, nq):
         assert torch.equal(lo, want.row_lo) and torch.equal(hi, want.row_hi)
         assert torch.equal(count, want.row_count) and torch.equal(off, want.q_offset)
         assert torch.equal(got_lens, lens)
+
+
+def test_cache_calls_refuse_score_mods_and_sinks():
+    plan = cm.step_plan(cm.masks.causal(), torch.tensor([5]), 1, kv_len=8)
+    q = torch.randn(1, 2, 1, 32)
+    cache = torch.randn(1, 8, 2, 32)
+    with pytest.raises(InputError, match="score_mod and sinks"):
+        cm.attention(q, cache, cache, plan, cache_seqlens=torch.tensor([5]), sinks=torch.zeros(2))
