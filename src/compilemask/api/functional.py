@@ -96,9 +96,10 @@ def attention(
         backend: "auto" (the first backend of ``kernels.registry.AUTO_TABLE`` that runs the
             call: Triton on CUDA, or on the CPU when TRITON_INTERPRET=1; else the reference;
             :func:`explain` says which and why), "triton", "reference" or any registered
-            name ("cudnn": cuDNN-frontend interval attention, ``compilemask[cudnn]``). An
-            explicit backend that is unavailable or does not support the call raises (never
-            a silent fallback).
+            name ("cudnn": cuDNN-frontend interval attention, ``compilemask[cudnn]``; "fa4":
+            FlashAttention-4's block-sparse kernels, ``compilemask[fa4]``; "cute": our CuTe-DSL
+            sm90 forward, ``compilemask[cute]``). An explicit backend that is unavailable or
+            does not support the call raises (never a silent fallback).
         check_plan: verify every invariant of the plan on this call (O(N*K + Tq*Tk) work and
             one host read; also with ``COMPILEMASK_CHECK_PLAN=1``). Plans are checked where
             they enter (constructors, copies, unpickling, ``MaskPlan.load``) and refused when
