@@ -41,6 +41,8 @@ from .tiles import EMPTY, FULL, PARTIAL, _div, _lists, _pairs_per_tile
 I32 = torch.int32
 #: largest |slope| a segment stores (int8)
 MAX_SLOPE = 127
+#: the slope byte of a constant bound stored as an absolute key position
+ABSOLUTE = -128
 #: tiles of ``[M, chunk, Tk]`` kind tables made at once by :func:`tile_runs_from_rows`
 CHUNK_TILES = 1 << 22
 
@@ -52,7 +54,8 @@ def _nbytes(*tensors) -> int:
 # ---------------------------------------------------------------------------- segments
 @dataclass(frozen=True)
 class Segments:
-    """Row intervals as affine segments. ``S`` segments, ``T`` intervals over all segments.
+    """Row intervals as affine segments. ``S`` segments, ``U`` templates, ``T`` intervals over all
+    templates.
 
     Attributes:
         q_len, kv_len: ``Nq``, ``Nk`` (tokens).
@@ -60,16 +63,22 @@ class Segments:
             ``mask_ptr[m] .. mask_ptr[m + 1] - 1``, by ascending first row.
         r0: int32 ``[S]``: first row of each segment; a segment ends where the next one of its
             mask starts (the last at ``Nq``). The first segment of a mask starts at row 0.
-        slot_ptr: int32 ``[S + 1]``: the intervals of segment ``s`` are
-            ``slot_ptr[s] .. slot_ptr[s + 1] - 1`` (sorted, disjoint, not touching on every row).
-        slope: int8 ``[T, 2]``: ``(a, c)``; base: int32 ``[T, 2]``: ``(b, d)``; row ``q`` of
-            the segment sees ``[a*q + b, c*q + d)`` (clipped to ``[0, Nk]``).
+        template: int32 ``[S]``: the template of each segment (segments that are equal up to a
+            shift along the diagonal, like the documents of a document mask or the inner rows
+            of a disc on a grid, share one).
+        slot_ptr: int32 ``[U + 1]``: the intervals of template ``u`` are
+            ``slot_ptr[u] .. slot_ptr[u + 1] - 1`` (sorted, disjoint, not touching on every row).
+        slope: int8 ``[T, 2]``: ``(a, c)``; base: int32 ``[T, 2]``: ``(b, d)``; row ``q`` of a
+            segment starting at ``r0`` sees ``[a*(q - r0) + b + r0, c*(q - r0) + d + r0)``
+            (clipped to ``[0, Nk]``); a slope of :data:`ABSOLUTE` (-128) marks a constant
+            bound stored as the key position itself.
     """
 
     q_len: int
     kv_len: int
     mask_ptr: torch.Tensor
     r0: torch.Tensor
+    template: torch.Tensor
     slot_ptr: torch.Tensor
     slope: torch.Tensor
     base: torch.Tensor
@@ -84,7 +93,7 @@ class Segments:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.mask_ptr, self.r0, self.slot_ptr, self.slope, self.base)
+        return _nbytes(self.mask_ptr, self.r0, self.template, self.slot_ptr, self.slope, self.base)
 
 
 def segments_from_rows(lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor) -> Segments:
@@ -122,22 +131,63 @@ def segments_from_rows(lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor) 
     single = (rs + 1 >= n) | start[ms, nxt]
     a = torch.where(single[:, None], 0, lo[ms, nxt] - lo[ms, rs])
     c = torch.where(single[:, None], 0, hi[ms, nxt] - hi[ms, rs])
-    b = lo[ms, rs] - a * rs[:, None].to(I32)
-    d = hi[ms, rs] - c * rs[:, None].to(I32)
     used = torch.arange(k, device=dev) < seg_count[:, None]
-    slope = torch.stack((a[used], c[used]), -1).to(torch.int8)
-    base = torch.stack((b[used], d[used]), -1).to(I32)
+    a, b = _anchor(a, lo[ms, rs], rs, used)
+    c, d = _anchor(c, hi[ms, rs], rs, used)
+    zero = torch.zeros((), dtype=I32, device=dev)
+    table = torch.cat(
+        [seg_count[:, None].to(I32)] + [torch.where(used, x.to(I32), zero) for x in (a, c, b, d)],
+        -1,
+    )
+    # segments equal up to a shift along the diagonal share one template
+    if table.shape[0]:
+        uniq, tmpl = torch.unique(table, dim=0, return_inverse=True)
+    else:
+        uniq, tmpl = table, torch.zeros(0, dtype=torch.int64, device=dev)
+    t_count = uniq[:, 0].to(torch.int64)
+    t_used = torch.arange(k, device=dev) < t_count[:, None]
+    ua, uc, ub, ud = uniq[:, 1:].view(-1, 4, k).unbind(1)
+    slope = torch.stack((ua[t_used], uc[t_used]), -1).to(torch.int8)
+    base = torch.stack((ub[t_used], ud[t_used]), -1).to(I32)
     mask_ptr = torch.zeros(m + 1, dtype=torch.int64, device=dev)
     mask_ptr[1:] = torch.cumsum(torch.bincount(ms, minlength=m), 0)
-    slot_ptr = torch.zeros(ms.shape[0] + 1, dtype=torch.int64, device=dev)
-    slot_ptr[1:] = torch.cumsum(seg_count, 0)
+    slot_ptr = torch.zeros(uniq.shape[0] + 1, dtype=torch.int64, device=dev)
+    slot_ptr[1:] = torch.cumsum(t_count, 0)
     return Segments(
-        n, -1, mask_ptr.to(I32), rs.to(I32), slot_ptr.to(I32), slope.contiguous(), base
+        n, -1, mask_ptr.to(I32), rs.to(I32), tmpl.to(I32), slot_ptr.to(I32), slope.contiguous(),
+        base.contiguous(),
     )
 
 
+def _anchor(slope, value, r0, used):
+    """``(slope, base)`` of one bound of every segment slot: relative to the segment's first
+    row (``base = value - r0``: documents, windows and grid rows repeat along the diagonal),
+    or, for a constant bound whose absolute value is shared by more segments than its relative
+    one (a text prefix ``[0, text)`` on every row), absolute (slope :data:`ABSOLUTE`)."""
+    r = r0[:, None].to(torch.int64)
+    rel = value.to(torch.int64) - r
+    flat = value.to(torch.int64)
+    const = used & (slope == 0)
+    j = torch.arange(slope.shape[1], device=slope.device).expand_as(slope)
+    keys = torch.cat(((j << 34) + rel + 2**32, (1 << 40) + (j << 34) + flat + 2**32))[
+        torch.cat((const, const))
+    ]
+    base = rel.to(I32)
+    if keys.numel():
+        _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        n = int(const.sum())
+        freq = counts[inverse]
+        absolute = torch.zeros_like(const)
+        absolute[const] = freq[n:] > freq[:n]
+        slope = torch.where(absolute, ABSOLUTE, slope)
+        base = torch.where(absolute, value.to(I32), base)
+    return slope, base
+
+
 def _with_kv(seg: Segments, kv_len: int) -> Segments:
-    return Segments(seg.q_len, kv_len, seg.mask_ptr, seg.r0, seg.slot_ptr, seg.slope, seg.base)
+    return Segments(
+        seg.q_len, kv_len, seg.mask_ptr, seg.r0, seg.template, seg.slot_ptr, seg.slope, seg.base
+    )
 
 
 def expand_rows(seg: Segments, start: int = 0, end: int | None = None, k: int | None = None):
@@ -151,21 +201,24 @@ def expand_rows(seg: Segments, start: int = 0, end: int | None = None, k: int | 
     seg_keys = _segment_mask(seg) * (seg.q_len + 1) + seg.r0
     sid = torch.searchsorted(seg_keys, _row_keys(seg, rows), right=True) - 1
     sid = sid.view(m, end - start)
-    first = seg.slot_ptr[sid].to(torch.int64)
-    count = (seg.slot_ptr[sid + 1].to(torch.int64) - first).to(I32)
+    u = seg.template[sid].to(torch.int64)
+    first = seg.slot_ptr[u].to(torch.int64)
+    count = (seg.slot_ptr[u + 1].to(torch.int64) - first).to(I32)
     if k is None:
         k = max(1, int(count.max())) if count.numel() else 1
     j = torch.arange(k, device=dev)
     used = j < count[..., None]
-    t = torch.where(used, first[..., None] + j, 0)
-    if seg.slope.shape[0] == 0:
-        nk = torch.full(used.shape, seg.kv_len, dtype=I32, device=dev)
-        return nk, nk.clone(), count
-    q = rows.view(1, -1, 1)
-    slope, base = seg.slope[t].to(I32), seg.base[t]
-    lo = (slope[..., 0] * q + base[..., 0]).clamp(0, seg.kv_len)
-    hi = (slope[..., 1] * q + base[..., 1]).clamp(0, seg.kv_len)
     pad = torch.full((), seg.kv_len, dtype=I32, device=dev)
+    if seg.slope.shape[0] == 0:
+        nk = pad.expand(used.shape).clone()
+        return nk, nk.clone(), count
+    t = torch.where(used, first[..., None] + j, 0)
+    r0 = seg.r0[sid][..., None]
+    q = rows.view(1, -1, 1) - r0
+    slope, base = seg.slope[t].to(I32), seg.base[t]
+    rel = slope != ABSOLUTE
+    bound = torch.where(rel, slope * q[..., None] + base + r0[..., None], base)
+    lo, hi = bound.clamp(0, seg.kv_len).unbind(-1)
     return torch.where(used, lo, pad), torch.where(used, hi, pad), count
 
 
