@@ -26,14 +26,17 @@ def check_compact(plan: cm.MaskPlan) -> sg.CompactPlan:
     c = plan.compact()
     s, m = plan.schedule, plan.num_masks
     if plan.encoding == "intervals":
-        seg = sg.segments_from_rows(plan.row_lo, plan.row_hi, plan.row_count)
-        seg = sg._with_kv(seg, plan.kv_len)
+        seg = sg.segments_from_rows(plan.row_lo, plan.row_hi, plan.row_count, plan.kv_len)
         lo, hi, count = sg.expand_rows(seg, k=plan.max_intervals)
         assert torch.equal(lo, plan.row_lo)
         assert torch.equal(hi, plan.row_hi)
         assert torch.equal(count, plan.row_count)
         if c.rows == "segments":
-            assert c.segments.nbytes == c.row_bytes < sg.rows_nbytes(m, plan.q_len, 1) * 10**9
+            assert c.segments.nbytes == c.row_bytes
+            assert c.row_bytes < sg.rows_nbytes(m, plan.q_len, plan.max_intervals)
+        else:
+            assert c.row_bytes == sg.rows_nbytes(m, plan.q_len, plan.max_intervals)
+            assert seg.nbytes >= c.row_bytes
         # a band of rows on its own
         a, b = plan.q_len // 3, plan.q_len - plan.q_len // 4
         lo, hi, count = sg.expand_rows(seg, a, b, k=plan.max_intervals)
@@ -131,18 +134,17 @@ def test_segment_starts_are_the_greedy_ones():
     # lo: 0 0 0 5 0 0 0 -> runs [0, 3), [3, 4) and [4, 7) (greedy: a pair is always affine)
     lo = torch.tensor([0, 0, 0, 5, 0, 0, 0], dtype=torch.int32).view(1, 7, 1)
     hi = lo + 1
-    seg = sg.segments_from_rows(lo, hi, torch.ones(1, 7, dtype=torch.int32))
+    seg = sg.segments_from_rows(lo, hi, torch.ones(1, 7, dtype=torch.int32), 10)
     assert seg.r0.tolist() == [0, 3, 5]  # [3, 5) is the pair (5, 0): slope -5
-    seg = sg._with_kv(seg, 10)
     got = sg.expand_rows(seg, k=1)
     assert torch.equal(got[0], lo) and torch.equal(got[1], hi)
 
 
 def test_large_jumps_split_segments():
     lo = torch.tensor([0, 200, 400, 600], dtype=torch.int32).view(1, 4, 1)
-    seg = sg.segments_from_rows(lo, lo + 1, torch.ones(1, 4, dtype=torch.int32))
+    seg = sg.segments_from_rows(lo, lo + 1, torch.ones(1, 4, dtype=torch.int32), 700)
     assert seg.num_segments == 4  # slopes must fit int8
-    assert torch.equal(sg.expand_rows(sg._with_kv(seg, 700), k=1)[0], lo)
+    assert torch.equal(sg.expand_rows(seg, k=1)[0], lo)
 
 
 def test_empty_rows_and_single_rows():
@@ -156,4 +158,4 @@ def test_empty_rows_and_single_rows():
 def test_bad_row_shapes_are_refused():
     lo = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(CompileMaskError, match="lo, hi"):
-        sg.segments_from_rows(lo, lo, lo)
+        sg.segments_from_rows(lo, lo, lo, 3)

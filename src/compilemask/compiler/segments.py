@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CompileMaskError
-from .tiles import EMPTY, FULL, PARTIAL, _div, _lists, _pairs_per_tile
+from .tiles import EMPTY, FULL, PARTIAL, _lists, _pairs_per_tile
 
 I32 = torch.int32
 #: largest |slope| a segment stores (int8)
@@ -96,11 +96,12 @@ class Segments:
         return _nbytes(self.mask_ptr, self.r0, self.template, self.slot_ptr, self.slope, self.base)
 
 
-def segments_from_rows(lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor) -> Segments:
+def segments_from_rows(
+    lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor, kv_len: int
+) -> Segments:
     """The maximal affine segments (greedy, see the module docstring) of canonical row
     intervals ``lo, hi`` int32 ``[M, Nq, K]``, ``count`` int32 ``[M, Nq]`` whose bounds lie in
-    ``[0, Nk]``. O(M * Nq * K) tensor work; ``Nk`` is taken from the caller's plan
-    (:func:`compact_plan`) and only used for clipping on expansion."""
+    ``[0, kv_len]``. O(M * Nq * K) tensor work."""
     if lo.dim() != 3 or hi.shape != lo.shape or count.shape != lo.shape[:2]:
         raise CompileMaskError(
             f"segments_from_rows needs lo, hi [M, Nq, K] and count [M, Nq], got "
@@ -154,7 +155,13 @@ def segments_from_rows(lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor) 
     slot_ptr = torch.zeros(uniq.shape[0] + 1, dtype=torch.int64, device=dev)
     slot_ptr[1:] = torch.cumsum(t_count, 0)
     return Segments(
-        n, -1, mask_ptr.to(I32), rs.to(I32), tmpl.to(I32), slot_ptr.to(I32), slope.contiguous(),
+        n,
+        kv_len,
+        mask_ptr.to(I32),
+        rs.to(I32),
+        tmpl.to(I32),
+        slot_ptr.to(I32),
+        slope.contiguous(),
         base.contiguous(),
     )
 
@@ -182,12 +189,6 @@ def _anchor(slope, value, r0, used):
         slope = torch.where(absolute, ABSOLUTE, slope)
         base = torch.where(absolute, value.to(I32), base)
     return slope, base
-
-
-def _with_kv(seg: Segments, kv_len: int) -> Segments:
-    return Segments(
-        seg.q_len, kv_len, seg.mask_ptr, seg.r0, seg.template, seg.slot_ptr, seg.slope, seg.base
-    )
 
 
 def expand_rows(seg: Segments, start: int = 0, end: int | None = None, k: int | None = None):
@@ -448,7 +449,7 @@ def compact_plan(plan) -> CompactPlan:
         row_bytes += _nbytes(s.bits_index)
         kept, seg = "bits", None
     else:
-        seg = _with_kv(segments_from_rows(plan.row_lo, plan.row_hi, plan.row_count), plan.kv_len)
+        seg = segments_from_rows(plan.row_lo, plan.row_hi, plan.row_count, plan.kv_len)
         row_bytes = _nbytes(plan.row_lo, plan.row_hi, plan.row_count)
         kept = "rows"
         if seg.nbytes < row_bytes:
@@ -477,8 +478,15 @@ def tile_runs_from_rows(rows_fn, m: int, q_len: int, kv_len: int, block_m: int, 
     return _views(chunks(), m, tq, tk)
 
 
-def compact_from_mask(mask, q_len: int, kv_len: int | None = None, *, block_m: int = 128,
-                      block_n: int = 128, chunk_tiles: int = CHUNK_TILES) -> CompactPlan:  # fmt: skip
+def compact_from_mask(
+    mask,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    chunk_tiles: int = CHUNK_TILES,
+) -> CompactPlan:
     """The compact form of ``mask`` (the language) at ``q_len x kv_len`` on the CPU, built from
     the lowered rows without the ``[M, Tq, Tk]`` tables of a plan: for lengths where a plan
     does not fit in memory. The same as ``compact_plan(compile(mask, ...))`` where both fit.
@@ -497,7 +505,7 @@ def compact_from_mask(mask, q_len: int, kv_len: int | None = None, *, block_m: i
     hi = hi.reshape(lo.shape)
     count = count.reshape(lo.shape[:2])
     m = lo.shape[0]
-    seg = _with_kv(segments_from_rows(lo, hi, count), kv_len)
+    seg = segments_from_rows(lo, hi, count, kv_len)
     row_bytes = rows_nbytes(m, q_len, lo.shape[-1])
     if seg.nbytes < row_bytes:
         kept, row_bytes = "segments", seg.nbytes
