@@ -479,6 +479,15 @@ class MaskPlan:
         t = (self.row_lo, self.row_hi, self.row_count)
         return sum(x.numel() * x.element_size() for x in t) + self.schedule.nbytes
 
+    def compact(self):
+        """The compact descriptor at the default tiling (:class:`compiler.segments.CompactPlan`:
+        affine row segments or the rows, whichever is smaller, and both tile views as runs),
+        derived on first use and cached; the kernels still read the rows and the schedule.
+        Its ``nbytes`` is the compact size, ``parts()`` the bytes by part."""
+        from .segments import compact_plan
+
+        return self.cached("compact", lambda: compact_plan(self))
+
     def stats(self) -> dict:
         """Numbers about the plan, over all its masks.
 
