@@ -174,3 +174,30 @@ def plain_attention_reason(call, backend: str) -> str:
             f'{call.head_dim}, Dv {dv}; use backend="triton" or "reference"'
         )
     return ""
+
+
+def plan_fit_reason(plan: MaskPlan, call) -> str:
+    """Why ``plan`` does not fit ``call`` for a backend that reads it as it is (GQA grouping,
+    per-head / per-batch plans, lengths), or "" when it fits."""
+    if call.heads_kv < 1 or call.heads_q % call.heads_kv:
+        return f"heads_q {call.heads_q} is not a multiple of heads_kv {call.heads_kv}"
+    if plan.heads is not None and plan.heads != call.heads_q:
+        return f"the plan is per-head for {plan.heads} heads, call: {call.heads_q}"
+    if plan.batch is not None and plan.batch != call.batch:
+        return f"the plan is per-batch for {plan.batch} rows, the call has {call.batch}"
+    if (plan.q_len, plan.kv_len) != (call.q_len, call.kv_len):
+        return (
+            f"the plan is for q_len {plan.q_len}, kv_len {plan.kv_len}; "
+            f"the call has {call.q_len}, {call.kv_len}"
+        )
+    return ""
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (``cuda`` and ``cuda:<current>`` are)."""
+    if a.type != b.type or (a.index != b.index and a.type != "cuda"):
+        return False
+    if a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)

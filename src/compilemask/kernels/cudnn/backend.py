@@ -50,7 +50,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason
+from ..interface import plain_attention_reason, plan_fit_reason, same_device
 from .lower import endpoints
 
 #: the oldest nvidia-cudnn-frontend with ``cudnn.flex_attention`` as read here
@@ -76,16 +76,6 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 def _arch(device: torch.device) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """``cuda`` and ``cuda:<current>`` are the same device."""
-    if a.type != b.type or (a.index != b.index and a.type != "cuda"):
-        return False
-    if a.index == b.index:
-        return True
-    current = torch.cuda.current_device()
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def _native(t: torch.Tensor, align_bytes: int = 16) -> torch.Tensor:
@@ -181,17 +171,9 @@ class CudnnBackend:
                 f"cudnn has no kernel for head_dim {call.head_dim} "
                 "(needs a multiple of 8 in [8, 128], or 256)"
             )
-        if call.heads_kv < 1 or call.heads_q % call.heads_kv:
-            return False, f"heads_q {call.heads_q} is not a multiple of heads_kv {call.heads_kv}"
-        if plan.heads is not None and plan.heads != call.heads_q:
-            return False, f"the plan is per-head for {plan.heads} heads, call: {call.heads_q}"
-        if plan.batch is not None and plan.batch != call.batch:
-            return False, f"the plan is per-batch for {plan.batch} rows, the call has {call.batch}"
-        if (plan.q_len, plan.kv_len) != (call.q_len, call.kv_len):
-            return False, (
-                f"the plan is for q_len {plan.q_len}, kv_len {plan.kv_len}; "
-                f"the call has {call.q_len}, {call.kv_len}"
-            )
+        why = plan_fit_reason(plan, call)
+        if why:
+            return False, why
         if call.batch * call.q_len >= 2**31:
             return False, "B * Nq must fit in int32 for cudnn"
         if torch.cuda.is_available():
@@ -205,7 +187,7 @@ class CudnnBackend:
         backward)`` and cached on ``plan`` (a plan with backward payloads also serves calls
         without a backward). Two host reads on the first call: the smallest ``nfunc`` and
         the header ``create_mask_plan`` reads back; none afterwards."""
-        if not _same_device(plan.device, call.device):
+        if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         base = ("cudnn", call.batch, call.heads_q, call.heads_kv, call.head_dim, call.dtype)
         if not call.requires_grad:  # a plan prepared with its backward serves forwards too

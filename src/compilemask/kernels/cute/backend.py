@@ -22,7 +22,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason
+from ..interface import plain_attention_reason, plan_fit_reason, same_device
 from .lower import CuteLowered, lower
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
@@ -89,27 +89,16 @@ class CuteBackend:
             return False, f"cute runs bfloat16 / float16, not {call.dtype}"
         if call.head_dim not in HEAD_DIMS:
             return False, f"cute has kernels for head_dim 64 and 128, not {call.head_dim}"
-        if call.heads_kv < 1 or call.heads_q % call.heads_kv:
-            return False, f"heads_q {call.heads_q} is not a multiple of heads_kv {call.heads_kv}"
         if plan.encoding == "bits":
             return False, "cute reads row intervals; this plan stores bitmasks (from_dense)"
-        if plan.heads is not None and plan.heads != call.heads_q:
-            return False, f"the plan is per-head for {plan.heads} heads, call: {call.heads_q}"
-        if plan.batch is not None and plan.batch != call.batch:
-            return False, f"the plan is per-batch for {plan.batch} rows, the call has {call.batch}"
-        if (plan.q_len, plan.kv_len) != (call.q_len, call.kv_len):
-            return False, (
-                f"the plan is for q_len {plan.q_len}, kv_len {plan.kv_len}; "
-                f"the call has {call.q_len}, {call.kv_len}"
-            )
+        why = plan_fit_reason(plan, call)
+        if why:
+            return False, why
         return True, ""
 
     def prepare(self, plan: MaskPlan, call) -> CuteLowered:
         """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv)."""
-        if plan.device != call.device and not (
-            plan.device.type == call.device.type == "cuda"
-            and (plan.device.index or 0) == (call.device.index or 0)
-        ):
+        if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         key = ("cute", call.batch, call.heads_q, call.heads_kv)
         return plan.cached(key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv))

@@ -35,7 +35,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason
+from ..interface import plain_attention_reason, plan_fit_reason, same_device
 from .lower import BLOCK, Fa4Blocks, lower
 
 INSTALL_HINT = "install compilemask[fa4] (flash-attn-4>=4.0.0b36)"
@@ -117,22 +117,15 @@ class Fa4Backend:
                 f"fa4 runs head_dim {' and '.join(map(str, HEAD_DIMS))} here (its block-sparse "
                 f"kernels need {BLOCK}-key tiles), not {call.head_dim}"
             )
-        if call.heads_kv < 1 or call.heads_q % call.heads_kv:
-            return False, f"heads_q {call.heads_q} is not a multiple of heads_kv {call.heads_kv}"
-        if (plan.q_len, plan.kv_len) != (call.q_len, call.kv_len):
-            return False, (
-                f"the plan is for q_len {plan.q_len}, kv_len {plan.kv_len}; "
-                f"the call has {call.q_len}, {call.kv_len}"
-            )
+        why = plan_fit_reason(plan, call)
+        if why:
+            return False, why
         return True, ""
 
     def prepare(self, plan: MaskPlan, call) -> Fa4Blocks:
         """The block lists and tile bitmasks of :func:`.lower.lower`, built once per plan and
         cached on it (shared by every call shape: batch and heads broadcast at the call)."""
-        if plan.device != call.device and not (
-            plan.device.type == call.device.type == "cuda"
-            and (plan.device.index or 0) == (call.device.index or 0)
-        ):
+        if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         return plan.cached(("fa4", BLOCK), lambda: lower(plan, BLOCK))
 
