@@ -328,3 +328,41 @@ def test_cache_calls_refuse_score_mods_and_sinks():
     cache = torch.randn(1, 8, 2, 32)
     with pytest.raises(InputError, match="score_mod and sinks"):
         cm.attention(q, cache, cache, plan, cache_seqlens=torch.tensor([5]), sinks=torch.zeros(2))
+
+
+def test_next_infers_the_key_axis_again_when_it_was_inferred():
+    lens = torch.tensor([5, 17, 9])
+    plan = cm.step_plan(masks.causal(), lens, q_len=2)
+    assert plan.next(lens + 1).kv_len == 18  # the longest cache grew: so does the axis
+    fixed = cm.step_plan(masks.causal(), lens, q_len=2, kv_len=64)
+    assert fixed.next(lens + 1).kv_len == 64
+
+
+@pytest.mark.parametrize(
+    "table,lens,match",
+    [
+        ([[0, 1], [2, -1], [3, 0]], [5, 17, 9], r"block_table\[1, 1\] = -1"),
+        ([[0, 1], [2, 4], [3, 0]], [5, 17, 9], r"block_table\[1, 1\] = 4"),
+        ([[0, 1], [2, 3], [3, 0]], [5, -2, 9], r"cache_seqlens\[1\] = -2"),
+        ([[0, 1], [2, 3], [3, 0]], [5, 33, 9], r"cache_seqlens\[1\] = 33"),
+    ],
+)
+def test_bad_page_ids_and_cache_lengths_are_refused(table, lens, match):
+    plan = cm.step_plan(masks.causal(), torch.tensor([5, 17, 9]), q_len=2, kv_len=32)
+    q = torch.randn(3, 2, 2, 32)
+    cache = torch.randn(4, 16, 2, 32)
+    with pytest.raises(InputError, match=match):
+        cm.attention(
+            q, cache, cache, plan, block_table=torch.tensor(table), cache_seqlens=torch.tensor(lens)
+        )
+
+
+def test_unused_block_table_entries_may_hold_anything():
+    plan = cm.step_plan(masks.causal(), torch.tensor([5, 17, 9]), q_len=2, kv_len=32)
+    q = torch.randn(3, 2, 2, 32)
+    cache = torch.randn(4, 16, 2, 32)
+    table = torch.tensor([[0, -1], [2, 3], [3, 99]])  # rows 0 and 2 read one page only
+    out = cm.attention(
+        q, cache, cache, plan, block_table=table, cache_seqlens=torch.tensor([5, 17, 9])
+    )
+    assert torch.isfinite(out).all()

@@ -83,6 +83,7 @@ def attend_cache(q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, r
     lo, hi, kv_len, seqlens = _intervals(plan, B, Nq, capacity, cache_seqlens, q.device)
     if seqlens is None:
         seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+    _check_cache_values(block_table, seqlens, page, k_pages.shape[0], capacity)
     call = DecodeCall(
         lo, hi, block_table, seqlens.to(torch.int32), page, capacity,
         AttentionCall(B, Hq, Hkv, Nq, capacity, D, q.dtype, q.device, False, return_lse),
@@ -91,6 +92,36 @@ def attend_cache(q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, r
     scale = 1.0 / D**0.5 if scale is None else float(scale)
     out, lse = impl.decode(q, k_pages, v_pages, call, scale)
     return (out, lse) if return_lse else out
+
+
+def _check_cache_values(block_table, seqlens, page: int, num_pages: int, capacity: int) -> None:
+    """Every cache length in ``[0, capacity]`` and every page a row reads (the first
+    ``ceil(cache_seqlens[b] / page_size)`` entries of its ``block_table`` row) in
+    ``[0, num_pages)``: one host read per call (the kernels would clamp a bad page id and read
+    another sequence's keys). Skipped while a CUDA graph is captured or torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return
+    if seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    lens = seqlens.to(torch.int64)
+    bad_len = (lens < 0) | (lens > capacity)
+    used = (
+        torch.arange(block_table.shape[1], device=lens.device)
+        < ((lens + page - 1) // page)[:, None]
+    )
+    bad_page = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad_len.any() | bad_page.any()):
+        if bool(bad_len.any()):
+            b = int(bad_len.nonzero()[0, 0])
+            raise InputError(
+                f"cache_seqlens[{b}] = {int(lens[b])} is outside [0, {capacity}] (block_table "
+                f"pages per row x page_size)"
+            )
+        b, j = (int(x) for x in bad_page.nonzero()[0])
+        raise InputError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the cache "
+            f"(num_pages {num_pages}); row {b} reads it for its first {int(lens[b])} keys"
+        )
 
 
 def _intervals(plan, B, Nq, capacity, cache_seqlens, device):

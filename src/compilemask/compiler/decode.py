@@ -71,6 +71,8 @@ class DecodePlan:
         cache_seqlens: int32 ``[B]``: keys in each batch row's cache.
         q_offset: int32 ``[B]``: the key position of each batch row's first query row.
         source: the mask's text.
+        kv_len_given: whether ``kv_len`` was passed to :func:`step_plan` (else it is the
+            longest cache, and :meth:`next` infers it again from the new lengths).
     """
 
     q_len: int
@@ -83,6 +85,7 @@ class DecodePlan:
     q_offset: torch.Tensor
     source: str = ""
     mask: Mask | None = None
+    kv_len_given: bool = True  # False: kv_len was inferred from cache_seqlens (next() infers)
 
     # the fields MaskPlan users read
     heads = None
@@ -101,10 +104,13 @@ class DecodePlan:
         return iv.dense_rows(self.row_lo, self.row_hi, self.kv_len)[:, None]
 
     def next(self, cache_seqlens: torch.Tensor, q_len: int | None = None, **kwargs) -> DecodePlan:
-        """The plan of the next step of the same mask (``q_len`` default: this plan's)."""
+        """The plan of the next step of the same mask (``q_len`` default: this plan's; the key
+        axis: this plan's when it was given, else inferred again; ``q_offset``: bottom-right
+        unless passed again)."""
         if self.mask is None:
             raise CompileMaskError("this DecodePlan records no mask; call step_plan")
-        kwargs.setdefault("kv_len", self.kv_len)
+        if self.kv_len_given:  # an inferred key axis grows with the caches: infer it again
+            kwargs.setdefault("kv_len", self.kv_len)
         return step_plan(self.mask, cache_seqlens, self.q_len if q_len is None else q_len, **kwargs)
 
     def __repr__(self) -> str:
@@ -168,6 +174,7 @@ def step_plan(
     B, device = lens.shape[0], lens.device
     if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 1:
         raise CompileMaskError(f"q_len must be a positive int, got {q_len!r}")
+    kv_len_given = kv_len is not None
     if kv_len is None:
         kv_len = max(1, int(lens.max())) if B else 1
     if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len < 2**31 - 1:
@@ -184,7 +191,9 @@ def step_plan(
         built = _STEP_BUILDER(mask.name, param, cache_seqlens, q_offset, q_len, kv_len)
         if built is not None:
             lo, hi, count, offset, lens = built
-            return DecodePlan(q_len, kv_len, B, lo, hi, count, lens, offset, str(mask), mask)
+            return DecodePlan(
+                q_len, kv_len, B, lo, hi, count, lens, offset, str(mask), mask, kv_len_given
+            )
     offset = _offsets(q_offset, lens, q_len)
     pos = offset[:, None] + torch.arange(q_len, device=device, dtype=I32)  # [B, Nq]
     if isinstance(mask, PerBatch):
@@ -209,8 +218,9 @@ def step_plan(
     lo, hi = torch.where(valid, lo, pad), torch.where(valid, hi, pad)
     count = valid.sum(-1, dtype=I32)
     return DecodePlan(
-        q_len, kv_len, B, lo.contiguous(), hi.contiguous(), count, lens, offset, str(mask), mask
-    )
+        q_len, kv_len, B, lo.contiguous(), hi.contiguous(), count, lens, offset, str(mask), mask,
+        kv_len_given,
+    )  # fmt: skip
 
 
 def _lengths(cache_seqlens) -> torch.Tensor:
