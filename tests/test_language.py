@@ -450,3 +450,13 @@ def test_property_rule_block_roundtrip(m):
 @given(all_masks)
 def test_property_any_mask_roundtrip(m):
     roundtrip(m)
+
+
+def test_expressions_nested_too_deeply_raise_a_compile_mask_error():
+    import compilemask as cm
+
+    deep = cm.parse(" | ".join(f"sliding_window({i + 1})" for i in range(2000)))
+    with pytest.raises(cm.CompileMaskError, match="nested too deeply"):
+        cm.compile(deep, 64)
+    with pytest.raises(cm.CompileMaskError, match="nested too deeply"):
+        cm.parse("(" * 3000 + "causal()" + ")" * 3000)

@@ -17,12 +17,13 @@ from .compiler.migrate import from_block_mask, from_dense, from_mask_mod
 from .compiler.pipeline import clear_cache, compile
 from .compiler.plan import MaskPlan
 from .compiler.tiles import TileSchedule
-from .errors import CompileMaskError, PlanError
+from .errors import CompileMaskError, InputError, PlanError
 from .language.parser import parse
 from .language.semantics import dense, visible
 
 __all__ = [
     "CompileMaskError",
+    "InputError",
     "DecodePlan",
     "MaskPlan",
     "PlanError",

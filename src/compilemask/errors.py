@@ -38,3 +38,22 @@ class PlanError(CompileMaskError):
     """A :class:`~compilemask.MaskPlan` breaks an invariant the kernels rely on (built by hand,
     edited, or loaded from a corrupt file), or its tensors were modified after it was built.
     The message names the field."""
+
+
+def too_deep(fn):
+    """Turn a ``RecursionError`` of ``fn`` (a mask expression nested or chained thousands of
+    levels deep: each ``|`` / ``&`` / parenthesis is a level) into a :class:`CompileMaskError`."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RecursionError:
+            raise CompileMaskError(
+                f"{fn.__name__}(): the mask expression is nested too deeply (each |, & and "
+                "parenthesis is a level; a few hundred are supported): combine many terms with "
+                "a catalogue mask (document, per_batch, ...) or a rule block"
+            ) from None
+
+    return wrapper

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..errors import CompileMaskError
+from ..errors import CompileMaskError, too_deep
 from ..language.ast import Mask, TiledGrid
 from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
@@ -72,6 +72,7 @@ def dependence(mask: Mask, batch: int | None, heads: int | None) -> tuple[int | 
     return out[0], out[1]
 
 
+@too_deep
 def compile(  # noqa: A001 - the public name is fixed by the design
     mask: Mask,
     q_len: int | None = None,

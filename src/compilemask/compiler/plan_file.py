@@ -39,7 +39,10 @@ def load_plan(cls, path, map_location=None):
     try:
         obj = torch.load(path, map_location=map_location or "cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a PlanError
-        raise PlanError(f"cannot read a MaskPlan from {path!r}: {err}") from None
+        why = str(err).strip() or type(err).__name__
+        if "weights_only" in why:  # not torch's advice to retry unsafely: the file is suspect
+            why = "it holds objects a weights-only load refuses (not a MaskPlan file, or damaged)"
+        raise PlanError(f"cannot read a MaskPlan from {path!r}: {why.splitlines()[0]}") from None
     if not (
         isinstance(obj, dict)
         and obj.get("format") == _SAVE_FORMAT

@@ -47,7 +47,14 @@ import inspect
 import re
 from dataclasses import dataclass
 
-from ..errors import CompileMaskError, InputError, LayoutError, LengthError, MaskSyntaxError
+from ..errors import (
+    CompileMaskError,
+    InputError,
+    LayoutError,
+    LengthError,
+    MaskSyntaxError,
+    too_deep,
+)
 from .ast import RELATION_ARITY, Combine, Mask, Relation, Rule, RuleMask, Segment, Span
 from .resolve import check_layout, check_rules
 
@@ -498,6 +505,7 @@ class _Parser:
         return Relation(kind, tuple(params))
 
 
+@too_deep
 def parse(text: str) -> Mask:
     """Parse mask text (an expression, or a bare rule block starting with ``layout``).
 

@@ -47,7 +47,8 @@ def _availability() -> tuple[bool, str]:
     try:
         importlib.metadata.version("nvidia-cutlass-dsl")
     except importlib.metadata.PackageNotFoundError:
-        return False, INSTALL_HINT
+        no_gpu = "" if torch.cuda.is_available() else "it needs a CUDA sm90 GPU, none here; "
+        return False, no_gpu + INSTALL_HINT
     try:
         import cutlass  # noqa: F401
         import cutlass.cute  # noqa: F401

@@ -50,7 +50,8 @@ def _availability() -> tuple[bool, str]:
     try:
         importlib.metadata.version("flash-attn-4")
     except importlib.metadata.PackageNotFoundError:
-        return False, INSTALL_HINT
+        no_gpu = "" if torch.cuda.is_available() else "it needs a CUDA sm90 GPU, none here; "
+        return False, no_gpu + INSTALL_HINT
     try:
         from flash_attn.cute import flash_attn_func  # noqa: F401
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: F401
