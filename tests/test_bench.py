@@ -255,6 +255,7 @@ def test_plan_rows_on_cpu(monkeypatch):
         assert tuple(r)[: len(RESULT_KEYS)] == RESULT_KEYS
         assert r["mode"] == "plan" and r["status"] == "ok" and r["ms"] > 0, r
     assert rows[0]["plan_bytes"] > 0 and rows[0]["sync_free"] is None  # checked on CUDA only
+    assert 0 < rows[0]["compact_bytes"] < rows[0]["plan_bytes"]
     assert rows[1]["blockmask_bytes"] > 0
 
 

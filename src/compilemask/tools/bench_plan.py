@@ -115,6 +115,7 @@ def _our_plan_row(case: Case, env: dict, shape: Shape) -> dict:
             sync_free, sync_error = False, " ".join(str(err).split())[:200]
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    compact = compile_only().compact()  # the compact descriptor (compiler/segments.py)
     return result_row(
         env,
         shape,
@@ -127,5 +128,7 @@ def _our_plan_row(case: Case, env: dict, shape: Shape) -> dict:
         sync_free=sync_free,
         sync_error=sync_error,
         plan_bytes=int(build().nbytes),
+        compact_bytes=int(compact.nbytes),
+        compact_rows=compact.rows,
         includes=f"compile + forward and dK/dV schedules, {PLAN_BLOCK}x{PLAN_BLOCK}",
     )
