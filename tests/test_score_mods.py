@@ -283,6 +283,9 @@ def test_validation_names_the_argument():
     plan = _plan()
     with pytest.raises(InputError, match="sinks must have shape"):
         cm.attention(q, k, v, plan, sinks=torch.zeros(3))
+    if q.device.type == "cpu":
+        with pytest.raises(InputError, match="sinks must be finite"):
+            cm.attention(q, k, v, plan, sinks=torch.full((q.shape[1],), float("inf")))
     with pytest.raises(InputError, match="bias: tensor must have shape"):
         cm.attention(q, k, v, plan, score_mod=sm.bias(torch.zeros(1, 1, N, N + 1)))
     with pytest.raises(InputError, match="relative_bias table must have shape"):

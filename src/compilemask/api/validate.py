@@ -144,7 +144,8 @@ def check_scale(scale: object, head_dim: int) -> float:
 
 
 def check_sinks(sinks: object, q: torch.Tensor) -> None:
-    """``sinks``: a floating-point tensor [Hq] on q's device (any float dtype; learnable)."""
+    """``sinks``: a floating-point tensor [Hq] on q's device (any float dtype; learnable), of
+    finite values (checked on the CPU; a GPU tensor is not read back)."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor):
@@ -158,6 +159,10 @@ def check_sinks(sinks: object, q: torch.Tensor) -> None:
         raise InputError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
     if sinks.device != q.device:
         raise InputError(f"sinks are on {sinks.device} but q is on {q.device}")
+    # values: checked where it costs no host synchronisation (a GPU tensor is not read back)
+    if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(torch.isfinite(sinks.detach()).all()):
+            raise InputError(f"sinks must be finite, got {sinks.detach().tolist()}")
 
 
 def check_score_mod(score_mod: object, q: torch.Tensor, k: torch.Tensor, plan: MaskPlan):
