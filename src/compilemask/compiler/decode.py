@@ -237,6 +237,8 @@ def _lengths(cache_seqlens) -> torch.Tensor:
             f"cache_seqlens must be an int32/int64 [B] tensor with B >= 1, got shape "
             f"{tuple(cache_seqlens.shape)} and dtype {cache_seqlens.dtype}"
         )
+    if cache_seqlens.device.type == "meta":
+        raise CompileMaskError("cache_seqlens must hold values: a meta tensor has none")
     return cache_seqlens.to(I32)
 
 

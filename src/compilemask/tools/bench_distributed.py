@@ -243,7 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time forward+backward on R spawned ranks (0: this torchrun "
                    "launch)")  # fmt: skip
     p.add_argument("--time-tokens", type=int, default=4096, help="tokens of the timed runs")
-    p.add_argument("--backend", default="auto", help="single-device backend of the pieces")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "reference", "triton", "cudnn", "fa4", "cute"),
+        help="single-device backend of the pieces",
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="JSON-lines file rows are appended to")

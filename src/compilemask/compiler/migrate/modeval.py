@@ -72,6 +72,13 @@ def _probe_points(n: int, k: int, device) -> torch.Tensor:
 def _user_error(exc: Exception) -> CompileMaskError:
     if isinstance(exc, CompileMaskError):
         return exc
+    if "must only return Tensors" in str(exc):  # torch.vmap on a Python bool / number
+        err = CompileMaskError(
+            "mask_mod must return a bool tensor (built from q_idx / kv_idx), got a Python value; "
+            "e.g. write `q_idx >= 0` instead of `True`"
+        )
+        err.__cause__ = exc
+        return err
     err = CompileMaskError(f"mask_mod raised {type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
