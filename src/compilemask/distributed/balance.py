@@ -191,6 +191,12 @@ def balance(
     """
     if not isinstance(plan, MaskPlan):
         raise InputError(f"plan must be a MaskPlan, got {type(plan).__name__}")
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not (1.0 <= tolerance < float("inf"))
+    ):
+        raise InputError(f"tolerance must be a finite number >= 1, got {tolerance!r}")
     if plan.q_len != plan.kv_len:
         raise InputError(
             f"context parallelism shards one sequence for queries and keys alike: the plan "

@@ -67,7 +67,8 @@ def from_block_mask(block_mask, *, batch=None, heads=None, block_m=None, block_n
     batch = batch if batch is not None else (b0 if b0 > 1 else None)
     heads = heads if heads is not None else (h0 if h0 > 1 else None)
     device = torch.device(device) if device is not None else block_mask.kv_num_blocks.device
-    block_m, block_n = block_m or bm, block_n or bn
+    block_m = bm if block_m is None else block_m  # 0 and other bad sizes: refused by the build
+    block_n = bn if block_n is None else block_n
     mm = block_mask.mask_mod
     if mm is None:
         mm = _noop
