@@ -356,3 +356,19 @@ def test_bench_checks_a_score_mod_system_against_the_modified_reference(monkeypa
         for mode in ("fwd", "fwd+bwd"):
             assert bench.measure(good, case, mode, env)["status"] == "ok"
         assert bench.measure(bad, case, "fwd", env)["status"] == "failed"
+
+
+def test_custom_torch_fn_errors_name_the_modifier():
+    (q, k, v), _, _ = _inputs(torch.float32)
+    plan = _plan()
+
+    def broken(score, b, h, i, j, aux):
+        return 1 // 0
+
+    def wrong_shape(score, b, h, i, j, aux):
+        return torch.zeros(*score.shape[:-1], score.shape[-1] + 1)
+
+    for fn, match in ((broken, "raised ZeroDivisionError"), (wrong_shape, "score's shape")):
+        mod = sm.custom(fn, fn, name="mine")
+        with pytest.raises(InputError, match=f"'mine'.*{match}"):
+            cm.attention(q, k, v, plan, score_mod=mod, backend="reference")

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .errors import InputError
+from .errors import CompileMaskError, InputError
 
 MAX_STAGES = 4
 SOFTCAP, ALIBI, RELATIVE_BIAS, BIAS, CUSTOM = 1, 2, 3, 4, 5
@@ -280,7 +280,27 @@ class Custom(ScoreMod):
         self.aux, self.name = aux, name
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return self.torch_fn(score, b, h, q_idx, kv_idx, self.aux)
+        try:
+            out = self.torch_fn(score, b, h, q_idx, kv_idx, self.aux)
+        except CompileMaskError:
+            raise
+        except Exception as exc:  # the user's function: name it in the error
+            raise InputError(
+                f"custom score_mod {self.name!r}: torch_fn raised {type(exc).__name__}: {exc}"
+            ) from exc
+        ok = isinstance(out, torch.Tensor)
+        if ok:
+            try:
+                ok = torch.broadcast_shapes(out.shape, score.shape) == score.shape
+            except RuntimeError:
+                ok = False
+        if not ok:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InputError(
+                f"custom score_mod {self.name!r}: torch_fn must return a tensor of score's "
+                f"shape {tuple(score.shape)} (or one that broadcasts to it), got {got}"
+            )
+        return out
 
     def check(self, B, Hq, Nq, Nk, device):
         if self.aux is not None and self.aux.device != device:

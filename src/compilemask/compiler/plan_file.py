@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from ..errors import PlanError
+from ..errors import InputError, PlanError
 from .tiles import TileSchedule
 
 _SAVE_FORMAT = "compilemask.MaskPlan"
@@ -32,7 +32,11 @@ def save_plan(plan, path) -> None:
             tensors[name] = getattr(plan, name)
     tensors.update({f"schedule.{k}": v for k, v in s.tensors().items()})
     obj = {"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "meta": meta, "tensors": tensors}
-    torch.save(obj, path)
+    try:
+        torch.save(obj, path)
+    except (OSError, RuntimeError) as err:  # a missing folder, no permission, a full disk
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"cannot write the plan to {path!r}: {why}") from None
 
 
 def load_plan(cls, path, map_location=None):
