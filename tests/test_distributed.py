@@ -333,3 +333,30 @@ def test_bench_distributed_bad_input_is_one_line():
     assert result.exit_code == 2
     assert "multiple of world_size * chunk" in result.output
     assert "Traceback" not in result.output
+
+
+def test_merging_pieces_keeps_rows_that_see_nothing_free_of_nan():
+    """A row that sees no key in any piece: out 0, lse -inf, and finite gradients to every
+    piece (logsumexp's backward at -inf would give NaN)."""
+    from compilemask.distributed.attention import _merge, _piece_grads
+    from compilemask.distributed.local import sub_plan
+
+    plan = cm.compile(cm.masks.causal() - cm.masks.sliding_window(1), 64)  # row 0: nothing
+    rows = torch.arange(64)
+    pieces = [sub_plan(plan, rows, torch.tensor(own), 32) for own in ([True, False], [False, True])]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, 64, 32, generator=g, dtype=torch.float64).requires_grad_()
+        for _ in range(3)
+    )
+    outs, lses = [], []
+    for i, p in enumerate(pieces):
+        ks, vs = k[:, :, 32 * i : 32 * (i + 1)], v[:, :, 32 * i : 32 * (i + 1)]
+        o, lse = cm.attention(q, ks, vs, p, return_lse=True, backend="reference")
+        outs.append(o)
+        lses.append(lse)
+    out, lse = _merge(outs, lses, q)
+    assert bool(torch.isneginf(lse[..., 0]).all()) and bool((out[..., 0, :] == 0).all())
+    pieces_grads = _piece_grads(out, lse, torch.ones_like(out), None, outs, lses)
+    grads = [t for _, piece_grads in pieces_grads for t in piece_grads]
+    assert grads and all(bool(torch.isfinite(t).all()) for t in grads)

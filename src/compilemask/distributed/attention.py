@@ -263,8 +263,12 @@ def _merge(outs: list, lses: list, q: torch.Tensor):
         return outs[0], lses[0]
     dtype = torch.promote_types(lses[0].dtype, torch.float32)
     lse_all = torch.stack([x.to(dtype) for x in lses])
-    lse = torch.logsumexp(lse_all, 0)
-    base = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    # a row that sees no key in any piece: its lse is -inf, and the gradient of logsumexp
+    # there would be 0 * exp(-inf - -inf) = NaN; such rows are merged from zeros instead
+    empty = torch.isneginf(lse_all).all(0)
+    lse = torch.logsumexp(torch.where(empty, torch.zeros_like(lse_all), lse_all), 0)
+    lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+    base = torch.where(empty, torch.zeros_like(lse), lse)
     weights = torch.exp(lse_all - base)  # 0 for pieces where the row sees nothing
     acc = torch.promote_types(dtype, q.dtype)
     out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs))
