@@ -177,3 +177,26 @@ def test_auto_rules_match_on_length_and_backward():
     assert not rule.matches(call(8192, False))
     assert AutoRule("x", min_q_len=4096).matches(call(8192, False))
     assert not AutoRule("x", device="cuda").matches(call(8192, False))
+
+
+class _WithoutNeedLse(_Counting):
+    """A backend written before ``need_lse`` joined the contract."""
+
+    name = "counting-old"
+
+    def forward(self, q, k, v, plan, prepared, scale):
+        return super().forward(q, k, v, plan, prepared, scale)
+
+
+def test_backends_whose_forward_takes_no_need_lse_still_run():
+    backend = _WithoutNeedLse()
+    registry.register(backend)
+    try:
+        plan = cm.compile(cm.masks.causal(), 32)
+        q, k, v = _qkv(32)
+        out = cm.attention(q, k, v, plan, backend="counting-old")
+        torch.testing.assert_close(out, cm.attention(q, k, v, plan, backend="reference"))
+        assert registry.forward_options(backend, False) == {}
+        assert registry.forward_options(registry.get("reference"), False) == {"need_lse": False}
+    finally:
+        registry._BACKENDS.pop("counting-old", None)

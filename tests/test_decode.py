@@ -366,3 +366,25 @@ def test_unused_block_table_entries_may_hold_anything():
         q, cache, cache, plan, block_table=table, cache_seqlens=torch.tensor([5, 17, 9])
     )
     assert torch.isfinite(out).all()
+
+
+def test_decode_plans_must_cover_the_caches_they_run_on():
+    with pytest.raises(CompileMaskError, match="shorter than the longest cache"):
+        cm.step_plan(masks.causal(), torch.tensor([20]), 1, kv_len=16)
+    plan = cm.step_plan(masks.causal(), torch.tensor([5, 17, 9]), 2, kv_len=32)
+    q = torch.randn(3, 2, 2, 32)
+    cache = torch.randn(4, 16, 2, 32)
+    table = torch.tensor([[0, 1], [2, 3], [3, 0]])
+    with pytest.raises(InputError, match="DecodePlan was built for 17 keys"):
+        cm.attention(
+            q, cache, cache, plan, block_table=table, cache_seqlens=torch.tensor([5, 16, 9])
+        )
+
+
+def test_kv_cache_calls_refuse_bitmask_plans():
+    g = torch.Generator().manual_seed(0)
+    plan = cm.from_dense(torch.rand(2, 40, generator=g) < 0.5)
+    assert plan.encoding == "bits"
+    q, k = torch.randn(1, 2, 2, 32), torch.randn(1, 2, 40, 32)
+    with pytest.raises(InputError, match="stores bitmasks"):
+        cm.attention(q, k, k, plan, cache_seqlens=torch.tensor([40]))

@@ -193,7 +193,9 @@ def _run(impl, q, k, v, plan, prepared, scale, call, extra=None):
         raise InputError(f"backend={impl.name!r} does not run score_mod or sinks")
     if call.requires_grad:
         return BackendAttention.apply(q, k, v, impl, plan, prepared, scale)
-    return impl.forward(q, k, v, plan, prepared, scale, need_lse=call.return_lse)
+    return impl.forward(
+        q, k, v, plan, prepared, scale, **registry.forward_options(impl, call.return_lse)
+    )
 
 
 def explain(

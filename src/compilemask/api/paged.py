@@ -83,7 +83,12 @@ def attend_cache(q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, r
     lo, hi, kv_len, seqlens = _intervals(plan, B, Nq, capacity, cache_seqlens, q.device)
     if seqlens is None:
         seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
-    _check_cache_values(block_table, seqlens, page, k_pages.shape[0], capacity)
+    plan_lens = plan.cache_seqlens if isinstance(plan, DecodePlan) else None
+    if plan_lens is not None:  # a DecodePlan clips its rows at its key axis
+        capacity_checked = min(capacity, plan.kv_len)
+    else:
+        capacity_checked = capacity
+    _check_cache_values(block_table, seqlens, page, k_pages.shape[0], capacity_checked, plan_lens)
     call = DecodeCall(
         lo, hi, block_table, seqlens.to(torch.int32), page, capacity,
         AttentionCall(B, Hq, Hkv, Nq, capacity, D, q.dtype, q.device, False, return_lse),
@@ -94,8 +99,11 @@ def attend_cache(q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, r
     return (out, lse) if return_lse else out
 
 
-def _check_cache_values(block_table, seqlens, page: int, num_pages: int, capacity: int) -> None:
-    """Every cache length in ``[0, capacity]`` and every page a row reads (the first
+def _check_cache_values(
+    block_table, seqlens, page: int, num_pages: int, capacity: int, plan_lens=None
+) -> None:
+    """Every cache length in ``[0, capacity]`` (and equal to a DecodePlan's own
+    ``cache_seqlens``, ``plan_lens``) and every page a row reads (the first
     ``ceil(cache_seqlens[b] / page_size)`` entries of its ``block_table`` row) in
     ``[0, num_pages)``: one host read per call (the kernels would clamp a bad page id and read
     another sequence's keys). Skipped while a CUDA graph is captured or torch.compile traces."""
@@ -110,9 +118,17 @@ def _check_cache_values(block_table, seqlens, page: int, num_pages: int, capacit
         < ((lens + page - 1) // page)[:, None]
     )
     bad_page = used & ((block_table < 0) | (block_table >= num_pages))
+    if plan_lens is not None:
+        bad_len = bad_len | (plan_lens.to(torch.int64) != lens)
     if bool(bad_len.any() | bad_page.any()):
         if bool(bad_len.any()):
             b = int(bad_len.nonzero()[0, 0])
+            if plan_lens is not None and int(plan_lens[b]) != int(lens[b]):
+                raise InputError(
+                    f"cache_seqlens[{b}] = {int(lens[b])}, but the DecodePlan was built for "
+                    f"{int(plan_lens[b])} keys in that row: build the step's plan from the same "
+                    f"lengths (step_plan / plan.next)"
+                )
             raise InputError(
                 f"cache_seqlens[{b}] = {int(lens[b])} is outside [0, {capacity}] (block_table "
                 f"pages per row x page_size)"
@@ -144,6 +160,12 @@ def _intervals(plan, B, Nq, capacity, cache_seqlens, device):
         if plan.q_len != Nq:
             raise InputError(f"the plan was compiled for q_len={plan.q_len}, q has Nq={Nq}")
         plan.check_unchanged()
+        if plan.encoding == "bits":
+            raise InputError(
+                "attention over a KV cache reads row intervals; this plan stores bitmasks "
+                "(from_dense / from_mask_mod with many intervals per row): compile the mask, or "
+                "call without a cache"
+            )
         m = plan.row_lo.shape[0]
         lo, hi = plan.row_lo.view(m, Nq, -1), plan.row_hi.view(m, Nq, -1)
         seqlens = cache_seqlens

@@ -142,8 +142,9 @@ def step_plan(
             (``prefix_len`` is not used: each batch row's prefix is its ``q_offset``).
         cache_seqlens: int ``[B]`` tensor (int32 or int64) on the device the plan is built
             on: the keys in each batch row's cache, the ``q_len`` new tokens' keys included.
-            Rows at a position outside ``[0, cache_seqlens[b])`` see nothing (a batch row with
-            ``cache_seqlens[b] = 0`` is an empty row).
+            Every row sees only keys inside ``[0, cache_seqlens[b])`` (a batch row with
+            ``cache_seqlens[b] = 0`` is an empty row), and rows at a negative position see
+            nothing.
         q_len: new query rows per batch row (int >= 1).
         kv_len: the key axis (cache capacity per batch row, tokens: e.g. pages per sequence *
             page size); every ``cache_seqlens[b]`` must be at most this (not checked on the
@@ -179,6 +180,11 @@ def step_plan(
         kv_len = max(1, int(lens.max())) if B else 1
     if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len < 2**31 - 1:
         raise CompileMaskError(f"kv_len must be a positive int below 2**31, got {kv_len!r}")
+    if kv_len_given and lens.device.type == "cpu" and B and int(lens.max()) > kv_len:
+        # (on a GPU the attention call checks it: no host read here)
+        raise CompileMaskError(
+            f"kv_len={kv_len} is shorter than the longest cache ({int(lens.max())} keys)"
+        )
     if (
         _STEP_BUILDER is not None
         and isinstance(mask, Builtin)

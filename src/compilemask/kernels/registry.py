@@ -17,6 +17,7 @@ reference).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,9 @@ AUTO_TABLE: list[AutoRule] = [
 ]
 
 _BACKENDS: dict[str, Backend] = {}
+#: names of registered backends whose ``forward`` takes ``need_lse`` (backends written before
+#: the keyword existed are called without it)
+_TAKES_NEED_LSE: set[str] = set()
 
 
 def register(backend: Backend) -> None:
@@ -112,6 +116,15 @@ def register(backend: Backend) -> None:
         if not hasattr(backend, attr):
             raise TypeError(f"a backend needs {attr!r} (kernels/interface.py): {backend!r}")
     _BACKENDS[backend.name] = backend
+    params = inspect.signature(backend.forward).parameters
+    takes = "need_lse" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    (_TAKES_NEED_LSE.add if takes else _TAKES_NEED_LSE.discard)(backend.name)
+
+
+def forward_options(backend: Backend, need_lse: bool) -> dict:
+    """The keyword arguments of ``backend.forward`` beyond the contract's first six:
+    ``need_lse`` for backends that take it."""
+    return {"need_lse": need_lse} if backend.name in _TAKES_NEED_LSE else {}
 
 
 def install_defaults() -> None:
