@@ -294,9 +294,9 @@ def test_paged_attention_head_dims(head_dim):
     _check(out, q, kc, vc, plan, table, lens)
 
 
-def test_cache_longer_than_the_plan_axis_is_cut():
-    plan = cm.step_plan(masks.causal(), torch.tensor([70, 3]), 1, kv_len=64)
-    assert int(plan.row_hi.max()) == 64 and plan.row_count.tolist() == [[1], [1]]
+def test_cache_longer_than_the_plan_axis_is_refused():
+    with pytest.raises(CompileMaskError, match="kv_len=64 is shorter"):
+        cm.step_plan(masks.causal(), torch.tensor([70, 3]), 1, kv_len=64)
 
 
 @pytest.mark.kernel
