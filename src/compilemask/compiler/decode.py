@@ -148,8 +148,9 @@ def step_plan(
         q_len: new query rows per batch row (int >= 1).
         kv_len: the key axis (cache capacity per batch row, tokens: e.g. pages per sequence *
             page size); every ``cache_seqlens[b]`` must be at most this (checked here for CPU
-            lengths, and by ``compilemask.attention`` on every call with the plan). None: ``cache_seqlens.max()``, read on the host (a synchronisation on a
-            GPU: pass it there).
+            lengths, and by ``compilemask.attention`` on every call with the plan). None:
+            ``cache_seqlens.max()``, read on the host (a synchronisation on a GPU: pass it
+            there).
         q_offset: None (bottom-right: ``cache_seqlens - q_len``), an int, or an int ``[B]``
             tensor on the same device: the key position of each batch row's first new row.
 
