@@ -23,7 +23,7 @@ def _dense(plan):
 
 
 @pytest.mark.parametrize("name,plan,batch,heads", CATALOGUE, ids=[c[0] for c in CATALOGUE])
-@pytest.mark.parametrize("block", [32, 64])
+@pytest.mark.parametrize("block", [32, 64, 128])
 def test_block_lists_and_bits_rebuild_the_plan(name, plan, batch, heads, block):
     blocks = lower(plan, block)
     want = _dense(plan)

@@ -6,7 +6,8 @@ inside the methods). What they read and return (from the 4.0.0b36 sources):
 - Mask: ``block_sparse_tensors`` (``BlockSparseTensorsTorch``: per q-block the PARTIAL
   ("mask") and FULL kv-blocks, counts ``[B, H, Tq]`` and indices ``[B, H, Tq, Tk]``) for the
   forward, the transposed lists for the backward, at ``128 x 128`` token blocks (sm90, head_dim
-  64 and 128: the forward tile; the backward runs 64-row tiles, two per block). FULL blocks run
+  64 and 128: the forward tile; the backward runs 64-row tiles at head_dim 128, two per block,
+  and 128-row tiles at 64). FULL blocks run
   without a mask; every element of a PARTIAL block goes through a CuTe ``mask_mod`` reading
   ``aux_tensors`` (:mod:`.mask_mod`: a lookup in the tile bitmasks of :mod:`.lower`). Blocks
   not listed are skipped. Broadcast batch / head dims are passed with stride 0.
