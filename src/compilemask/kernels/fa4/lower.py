@@ -5,7 +5,8 @@ FlashAttention-4 (``flash_attn.cute``) skips the tiles a ``BlockSparseTensorsTor
 list, runs the listed FULL tiles without a mask, and calls a ``mask_mod`` for every element of
 the listed PARTIAL ("mask") tiles. Its sparse block is ``BLOCK x BLOCK`` tokens (``BLOCK =
 128``: the forward tile of head_dim 64 and 128 on sm90; its backward runs 64-row tiles at
-head_dim 128, two per sparse block, and 128-row tiles at 64). From the plan's schedule at that tiling (``plan.tiles(BLOCK, BLOCK)``):
+head_dim 128, two per sparse block, and 128-row tiles at 64). From the plan's schedule at
+that tiling (``plan.tiles(BLOCK, BLOCK)``):
 
 - forward, per q-block: the FULL and PARTIAL kv-blocks, counts ``[Bm, Hm, Tq]`` and ascending
   indices ``[Bm, Hm, Tq, Tk]``;
