@@ -97,6 +97,17 @@ def _cudnn_fe():
     return setup, step, True
 
 
+#: what one step of each system runs (recorded in its row)
+NOTES = {
+    "compilemask-triton": "compile(cache=False) + attention(backend=triton) + backward",
+    "compilemask-cudnn": "compile(cache=False) + attention(backend=cudnn) + backward",
+    "compilemask-fa4": "compile(cache=False) + attention(backend=fa4) + backward",
+    "compilemask-auto": "compile(cache=False) + attention(backend=auto) + backward",
+    "flex-triton": "create_block_mask (eager) + compiled flex_attention + backward",
+    "flex-fa4": "create_block_mask (eager) + compiled flex_attention (FLASH) + backward",
+    "cudnn-fe": "create_mask_plan on given endpoints + flex_attn_func + backward",
+}
+
 STEPS: dict[str, Callable] = {
     "compilemask-triton": lambda: _ours("triton"),
     "compilemask-cudnn": lambda: _ours("cudnn"),
@@ -112,13 +123,14 @@ def _count_syncs(fn: Callable[[], None]) -> int:
     """Host synchronisations torch reports while ``fn`` runs (``set_sync_debug_mode``)."""
     if not torch.cuda.is_available():
         return 0
+    before = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
     return sum("synchroniz" in str(c.message) for c in caught)
 
 
@@ -183,4 +195,7 @@ def _time_system(system: str, name: str, N0: int, shape: Shape, dev, dtype) -> d
         _sync(dev)
         if i > FRESH_WARMUP:
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": statistics.median(times), "syncs": syncs, "steps": len(times)}
+    return {
+        "ms": statistics.median(times), "syncs": syncs, "steps": len(times),
+        "step": NOTES[system],
+    }  # fmt: skip
