@@ -41,7 +41,16 @@ def attend_cache(q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, r
         )
     B, Hq, Nq, D = q.shape
     if k_cache.shape != v_cache.shape:
-        raise InputError(f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} differ")
+        same_but_dv = k_cache.shape[:-1] == v_cache.shape[:-1]
+        raise InputError(
+            f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} differ"
+            + (
+                " in head_dim: attention over a KV cache needs v's head_dim equal to k's (a "
+                "value head_dim of its own runs without a cache)"
+                if same_but_dv
+                else ""
+            )
+        )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype or t.device != q.device:
             raise InputError(
