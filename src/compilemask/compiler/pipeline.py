@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..errors import CompileMaskError, too_deep
+from ..errors import CompileMaskError, LengthError, too_deep
 from ..language.ast import Mask, TiledGrid
 from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
@@ -186,11 +186,17 @@ def _compile_offset(mask, q_len, kv_len, offsets, batch, heads, block_m, block_n
         raise CompileMaskError(f"q_len must be a positive int, got {q_len!r}")
     rows = offsets if per_row else [offsets]
     kv = kv_len if kv_len is not None else max(rows) + q_len
-    full = {
-        o: compile(mask, o + q_len, kv, batch=batch if not per_row else mask.batch_count,
-                   heads=heads, block_m=block_m, block_n=block_n, device=device, cache=cache)
-        for o in sorted(set(rows))
-    }  # fmt: skip
+    try:
+        full = {
+            o: compile(mask, o + q_len, kv, batch=batch if not per_row else mask.batch_count,
+                       heads=heads, block_m=block_m, block_n=block_n, device=device, cache=cache)
+            for o in sorted(set(rows))
+        }  # fmt: skip
+    except LengthError as err:
+        raise LengthError(
+            f"with q_offset={offsets}, the plan's rows are positions q_offset + [0, {q_len}) of "
+            f"a mask compiled for q_offset + q_len rows: {err}"
+        ) from None
     some = next(iter(full.values()))
     k = max(p.row_lo.shape[-1] for p in full.values())
     hm = some.heads or 1
