@@ -159,9 +159,12 @@ def call_of(
 
 
 def plain_attention_reason(call, backend: str) -> str:
-    """Why ``backend`` (one that runs plain masked attention only: no score modifiers, no sinks,
-    ``Dv == Dqk``) refuses ``call``, or "" when it does not. Reads the fields with ``getattr``
-    so calls built before they existed (``SimpleNamespace`` ones in tests) pass."""
+    """Why ``backend`` (one that runs plain masked attention only, in eager calls: no score
+    modifiers, no sinks, ``Dv == Dqk``, not under ``torch.compile``) refuses ``call``, or ""
+    when it does not. Reads the fields with ``getattr`` so calls built before they existed
+    (``SimpleNamespace`` ones in tests) pass."""
+    if torch.compiler.is_compiling():
+        return under_compile_reason(backend)
     if getattr(call, "score_mod", None) is not None or getattr(call, "has_sinks", False):
         return (
             f'the {backend} backend has no score modifiers or sinks; use backend="triton" or '
@@ -201,3 +204,8 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         return True
     current = torch.cuda.current_device()
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def under_compile_reason(backend: str) -> str:
+    """The reason a backend driven through an eager library call gives under torch.compile."""
+    return f'{backend} does not run under torch.compile (use backend="triton")'

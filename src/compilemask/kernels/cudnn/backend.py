@@ -50,7 +50,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason, plan_fit_reason, same_device
+from ..interface import plain_attention_reason, plan_fit_reason, same_device, under_compile_reason
 from .lower import endpoints
 
 #: the oldest nvidia-cudnn-frontend with ``cudnn.flex_attention`` as read here
@@ -105,7 +105,7 @@ class CudnnPrepared:
     has_backward: bool
 
 
-UNDER_COMPILE = 'cudnn does not run under torch.compile (use backend="triton")'
+UNDER_COMPILE = under_compile_reason("cudnn")
 
 
 @functools.cache
@@ -153,8 +153,6 @@ class CudnnBackend:
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether cuDNN runs this call; (False, reason) otherwise. Reads no tensor data."""
-        if torch.compiler.is_compiling():
-            return False, UNDER_COMPILE
         why = plain_attention_reason(call, "cudnn")
         if why:
             return False, why

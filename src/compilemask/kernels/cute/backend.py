@@ -22,13 +22,13 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason, plan_fit_reason, same_device
+from ..interface import plain_attention_reason, plan_fit_reason, same_device, under_compile_reason
 from .lower import CuteLowered, lower
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
 HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-UNDER_COMPILE = 'cute does not run under torch.compile (use backend="triton")'
+UNDER_COMPILE = under_compile_reason("cute")
 
 #: compiled kernels by (head_dim, dtype name, tile config)
 _KERNELS: dict[tuple, object] = {}
@@ -75,8 +75,6 @@ class CuteBackend:
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether the kernel runs this call; (False, reason) otherwise. Reads no tensor data."""
-        if torch.compiler.is_compiling():
-            return False, UNDER_COMPILE
         why = plain_attention_reason(call, "cute")
         if why:
             return False, why

@@ -36,14 +36,14 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason, plan_fit_reason, same_device
+from ..interface import plain_attention_reason, plan_fit_reason, same_device, under_compile_reason
 from .lower import BLOCK, Fa4Blocks, lower
 
 INSTALL_HINT = "install compilemask[fa4] (flash-attn-4>=4.0.0b36)"
 _DTYPES = (torch.float16, torch.bfloat16)
 #: head dims whose sm90 kernel tiles equal the 128-token sparse block, forward and backward
 HEAD_DIMS = (64, 128)
-UNDER_COMPILE = 'fa4 does not run under torch.compile (use backend="triton")'
+UNDER_COMPILE = under_compile_reason("fa4")
 
 
 @functools.cache
@@ -103,8 +103,6 @@ class Fa4Backend:
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether FlashAttention-4 runs this call; (False, reason) otherwise."""
-        if torch.compiler.is_compiling():
-            return False, UNDER_COMPILE
         why = plain_attention_reason(call, "fa4")
         if why:
             return False, why
