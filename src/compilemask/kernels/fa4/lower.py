@@ -33,6 +33,7 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...compiler.tiles import FULL, PARTIAL, PARTIAL_BITS, _tile_bits, unpack_bits
+from ...compiler.tiles import _lists as touched_lists
 
 #: FlashAttention-4's sparse block (query rows and keys) for head_dim 64 and 128 on sm90
 BLOCK = 128
@@ -64,11 +65,8 @@ class Fa4Blocks:
 
 def _lists(kind: torch.Tensor, want: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Count and ascending indices (0-padded) of the entries ``== want`` along the last dim."""
-    hit = kind == want
-    count = hit.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    idx = torch.arange(kind.shape[-1], device=kind.device)
-    return count, torch.where(idx < count[..., None], order, 0).contiguous()
+    count, lists, _ = touched_lists(kind == want)
+    return count, lists.clamp(min=0)
 
 
 def _direction(kind: torch.Tensor) -> BlockSparseLists:
