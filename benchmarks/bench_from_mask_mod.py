@@ -12,7 +12,7 @@ masks): causal, sliding_window (N/8), document (N/16 random documents, causal), 
   ``path`` says which path was taken).
 
 Median of ``--repeat`` warm runs (``time.perf_counter``, a device synchronisation on CUDA), the
-systems alternating within each round.
+systems alternating within each repeat.
 Results go to ``benchmarks/results/<cpu|h200>-from-mask-mod-<date>.jsonl``, one JSON line per
 (mask, system) with the git commit. ``COMPILEMASK_COMMIT=...`` names the commit without git.
 
@@ -80,7 +80,7 @@ def systems_for(mm, n: int, device) -> dict:
 
 
 def medians_s(systems: dict, device, repeat: int) -> dict:
-    """Median seconds per system; the systems alternate within each round, so that a change
+    """Median seconds per system; the systems alternate within each repeat, so that a change
     of load on a shared machine falls on all of them alike."""
     times = {name: [] for name in systems}
     for fn in systems.values():

@@ -306,6 +306,28 @@ def test_validation_names_the_argument():
         cm.attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], grid, score_mod=sm.softcap(1.0))
 
 
+def test_fa4_takes_a_lone_softcap_and_sinks_and_names_the_rest():
+    """fa4 runs softcap(cap) alone and sinks (FlashAttention's softcap / learnable_sink); other
+    modifiers and compositions are refused with the reason."""
+    from compilemask.kernels.fa4.backend import Fa4Backend
+    from compilemask.kernels.interface import plain_attention_reason
+
+    (q, k, v), _, _ = _inputs(torch.float32, D=64, Dv=64)
+    fa4 = Fa4Backend()
+    assert (
+        plain_attention_reason(call_of(q, k, v, False, score_mod=sm.softcap(3.0)), "fa4", True)
+        == ""
+    )
+    assert plain_attention_reason(call_of(q, k, v, False, sinks=torch.zeros(HQ)), "fa4", True) == ""
+    both = sm.compose(sm.softcap(3.0), sm.alibi(sm.alibi_slopes(HQ)))
+    for mod in (both, sm.alibi(sm.alibi_slopes(HQ))):
+        ok, why = fa4.supports(_plan(), call_of(q, k, v, False, score_mod=mod))
+        assert not ok and "softcap(cap) alone" in why
+    (q, k, v), _, _ = _inputs(torch.float32, D=64, Dv=32)
+    ok, why = fa4.supports(_plan(), call_of(q, k, v, False, score_mod=sm.softcap(3.0)))
+    assert not ok and "head_dim equal" in why
+
+
 def test_cudnn_and_auto_refuse_what_they_lack():
     """cudnn refuses score_mod, sinks and Dv != D with a reason (auto then skips it);
     Triton refuses a custom modifier without its gradient when a backward is needed."""

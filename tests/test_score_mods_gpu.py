@@ -24,12 +24,13 @@ DT = torch.bfloat16
 N, H = 2048, 4
 
 
-def _check(plan, make, learn, sinks=None, D=128, Dv=128):
+def _check(plan, make, learn, sinks=None, D=128, Dv=128, backend="triton", B=1):
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, H, N, D, device="cuda", dtype=DT, generator=g)
-    k = torch.randn(1, H, N, D, device="cuda", dtype=DT, generator=g)
-    v = torch.randn(1, H, N, Dv, device="cuda", dtype=DT, generator=g)
-    do = torch.randn(1, H, N, Dv, device="cuda", generator=g)
+    nq, nk = plan.q_len, plan.kv_len
+    q = torch.randn(B, H, nq, D, device="cuda", dtype=DT, generator=g)
+    k = torch.randn(B, H, nk, D, device="cuda", dtype=DT, generator=g)
+    v = torch.randn(B, H, nk, Dv, device="cuda", dtype=DT, generator=g)
+    do = torch.randn(B, H, nq, Dv, device="cuda", generator=g)
     extra = ([] if sinks is None else [sinks]) + learn
 
     def run(kind):
@@ -41,8 +42,8 @@ def _check(plan, make, learn, sinks=None, D=128, Dv=128):
         snk = ins[3] if sinks is not None else None
         mod = make(ins[3 + (sinks is not None) :])
         mod = None if mod is None else sm.as_score_mod(mod)
-        if kind == "triton":
-            out = cm.attention(*ins[:3], plan, backend="triton", score_mod=mod, sinks=snk)
+        if kind == "kernel":
+            out = cm.attention(*ins[:3], plan, backend=backend, score_mod=mod, sinks=snk)
         else:
             cd, mm = (torch.float64, None) if kind == "ref64" else (torch.float32, DT)
             out, _ = reference_attention(
@@ -51,7 +52,7 @@ def _check(plan, make, learn, sinks=None, D=128, Dv=128):
         grads = torch.autograd.grad(out, ins, do.to(out.dtype))
         return (out, *grads)
 
-    tri, r64, rdt = run("triton"), run("ref64"), run("refdt")
+    tri, r64, rdt = run("kernel"), run("ref64"), run("refdt")
     for i, (a, b, c) in enumerate(zip(tri, r64, rdt)):
         ok, err, bound = check_close(a, b, c, DT)
         assert ok, f"tensor {i}: err {err:.3g} > bound {bound:.3g}"
@@ -74,3 +75,19 @@ def test_learnable_relative_bias_and_bias_sliding_window():
 def test_value_head_dim_of_its_own(D, Dv):
     plan = cm.compile(cm.masks.document([700, 900, 448]), N, device="cuda")
     _check(plan, lambda t: None, [], D=D, Dv=Dv)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_fa4_softcap_and_sinks(with_sinks):
+    """FlashAttention-4's softcap and learnable sinks under a plan with PARTIAL tiles and rows
+    that see no key (q_len > kv_len: the last rows of a sliding window see nothing)."""
+    from compilemask.kernels import registry
+
+    ok, why = registry.get("fa4").available()
+    if not ok:
+        pytest.skip(f"fa4: {why}")
+    plan = cm.compile(cm.masks.hstu([700, 900, 448], [30, 60, 20]), device="cuda")
+    sinks = torch.randn(H) if with_sinks else None
+    _check(plan, lambda t: sm.softcap(20.0), [], sinks=sinks, backend="fa4", B=2)
+    empty = cm.compile(cm.masks.sliding_window(64), 1100, 900, device="cuda")
+    _check(empty, lambda t: sm.softcap(20.0), [], sinks=sinks, backend="fa4")

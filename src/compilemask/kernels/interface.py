@@ -158,14 +158,22 @@ def call_of(
     )  # fmt: skip
 
 
-def plain_attention_reason(call, backend: str) -> str:
+def plain_attention_reason(call, backend: str, softcap_and_sinks: bool = False) -> str:
     """Why ``backend`` (one that runs plain masked attention only, in eager calls: no score
     modifiers, no sinks, ``Dv == Dqk``, not under ``torch.compile``) refuses ``call``, or ""
-    when it does not. Reads the fields with ``getattr`` so calls built before they existed
-    (``SimpleNamespace`` ones in tests) pass."""
+    when it does not; ``softcap_and_sinks=True``: the backend also runs a lone
+    :func:`~compilemask.score_mods.softcap` and sinks. Reads the fields with ``getattr`` so
+    calls built before they existed (``SimpleNamespace`` ones in tests) pass."""
     if torch.compiler.is_compiling():
         return under_compile_reason(backend)
-    if getattr(call, "score_mod", None) is not None or getattr(call, "has_sinks", False):
+    mod = getattr(call, "score_mod", None)
+    if softcap_and_sinks:
+        if mod is not None and softcap_of(mod) is None:
+            return (
+                f"the {backend} backend runs score_mod=softcap(cap) alone (and sinks), not "
+                f'{mod!r}; use backend="triton" or "reference"'
+            )
+    elif mod is not None or getattr(call, "has_sinks", False):
         return (
             f'the {backend} backend has no score modifiers or sinks; use backend="triton" or '
             '"reference"'
@@ -177,6 +185,17 @@ def plain_attention_reason(call, backend: str) -> str:
             f'{call.head_dim}, Dv {dv}; use backend="triton" or "reference"'
         )
     return ""
+
+
+def softcap_of(score_mod) -> float | None:
+    """The cap of a modifier that is one :func:`~compilemask.score_mods.softcap` stage, else
+    None (any other modifier, or a composition)."""
+    from ..score_mods import SOFTCAP
+
+    stages = score_mod.stages() if hasattr(score_mod, "stages") else []
+    if len(stages) == 1 and stages[0].kind == SOFTCAP:
+        return stages[0].cap
+    return None
 
 
 def plan_fit_reason(plan: MaskPlan, call) -> str:

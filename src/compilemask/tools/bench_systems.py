@@ -504,6 +504,12 @@ SYSTEMS: tuple[System, ...] = (
         )
     ),
     System(
+        "compilemask-fa4-softcap",
+        _all(_cuda, _backend_ok("fa4")),
+        _compilemask("fa4", "softcap"),
+        score_mod="softcap",
+    ),
+    System(
         "compilemask-reference", lambda: (True, ""), _compilemask("reference"), applies=_small_only
     ),
 )

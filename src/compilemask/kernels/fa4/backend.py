@@ -22,6 +22,11 @@ inside the methods). What they read and return (from the 4.0.0b36 sources):
   ``flash_attn.cute.interface._flash_attn_bwd(q, k, v, out, dout, lse, ...)``.
   :meth:`Fa4Backend.backward` calls that function directly with the saved ``out`` and ``lse``
   (the same kernels, no graph kept between the calls); :meth:`available` checks it exists.
+- Score modifiers and sinks: a lone :func:`~compilemask.score_mods.softcap` runs as
+  FlashAttention's ``softcap`` (``cap * tanh(s / cap)`` of the scaled score, forward and
+  backward), ``sinks`` [Hq] as its ``learnable_sink`` (natural-log logits added to each row's
+  denominator; lse includes them; a row that sees no key gets out 0 and lse = sink; the
+  gradient ``dsinks`` comes from the backward). Other modifiers and ``Dv != Dqk`` are refused.
 - Costs paid once: the lowering per plan (cached on the plan; two host reads, see
   :mod:`.lower`); FlashAttention JIT-compiles each kernel configuration on first use (seconds;
   cached by FlashAttention in the process).
@@ -36,7 +41,13 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason, plan_fit_reason, same_device, under_compile_reason
+from ..interface import (
+    plain_attention_reason,
+    plan_fit_reason,
+    same_device,
+    softcap_of,
+    under_compile_reason,
+)
 from .lower import BLOCK, Fa4Blocks, lower
 
 INSTALL_HINT = "install compilemask[fa4] (flash-attn-4>=4.0.0b36)"
@@ -103,7 +114,7 @@ class Fa4Backend:
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether FlashAttention-4 runs this call; (False, reason) otherwise."""
-        why = plain_attention_reason(call, "fa4")
+        why = plain_attention_reason(call, "fa4", softcap_and_sinks=True)
         if why:
             return False, why
         if call.return_lse and call.requires_grad:
@@ -134,9 +145,13 @@ class Fa4Backend:
         index = blocks.tile_index.expand(batch, heads, *blocks.tile_index.shape[2:])
         return [index, blocks.bits]
 
-    def forward(self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float, need_lse=True):
+    def forward(
+        self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float, need_lse=True,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
+    ):  # fmt: skip
         """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``; ``out`` is a transpose view;
-        ``need_lse=False`` asks FlashAttention for no lse (None is returned)."""
+        ``need_lse=False`` asks FlashAttention for no lse (None is returned). ``softcap``: the
+        cap of a softcap modifier; ``sinks``: float32 [Hq] sink logits (lse includes them)."""
         from flash_attn.cute import flash_attn_func
 
         from .mask_mod import plan_bits_mask_mod
@@ -148,12 +163,16 @@ class Fa4Backend:
                 softmax_scale=scale, pack_gqa=False, mask_mod=plan_bits_mask_mod(),
                 aux_tensors=self._aux(blocks, B, Hq),
                 block_sparse_tensors=_sparse(blocks.forward, B, Hq, blocks.block),
-                return_lse=need_lse,
+                return_lse=need_lse, softcap=softcap or 0.0, learnable_sink=sinks,
             )  # fmt: skip
         return out.transpose(1, 2), (lse if need_lse else None)
 
-    def backward(self, q, k, v, out, lse, dout, plan: MaskPlan, blocks: Fa4Blocks, scale: float):
-        """``(dq, dk, dv)`` in the shapes of q, k, v, from the forward's ``out`` and ``lse``."""
+    def backward(
+        self, q, k, v, out, lse, dout, plan: MaskPlan, blocks: Fa4Blocks, scale: float,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
+    ):  # fmt: skip
+        """``(dq, dk, dv)`` in the shapes of q, k, v, from the forward's ``out`` and ``lse``;
+        with ``sinks``, ``(dq, dk, dv, dsinks)``."""
         from flash_attn.cute.interface import _flash_attn_bwd
 
         from .mask_mod import plan_bits_mask_mod
@@ -162,9 +181,58 @@ class Fa4Backend:
         qb, kb, vb, ob, dob = (t.transpose(1, 2) for t in (q, k, v, out, dout))
         dob = dob if dob.stride(-1) == 1 else dob.contiguous()
         with torch.no_grad():
-            dq, dk, dv = _flash_attn_bwd(
+            grads = _flash_attn_bwd(
                 qb, kb, vb, ob, dob, lse.contiguous(), softmax_scale=scale,
-                mask_mod=plan_bits_mask_mod(), aux_tensors=self._aux(blocks, B, Hq),
+                softcap=softcap or 0.0, mask_mod=plan_bits_mask_mod(),
+                aux_tensors=self._aux(blocks, B, Hq),
                 block_sparse_tensors=_sparse(blocks.backward, B, Hq, blocks.block),
-            )[:3]  # fmt: skip
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+                learnable_sink=sinks,
+            )  # fmt: skip
+        dq, dk, dv = (g.transpose(1, 2) for g in grads[:3])
+        return (dq, dk, dv) if sinks is None else (dq, dk, dv, grads[3])
+
+    def attend(
+        self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float, call, *,
+        score_mod=None, sinks=None,
+    ):  # fmt: skip
+        """``(out, lse)`` with gradients to q, k, v and ``sinks``; ``score_mod`` is a lone
+        softcap (``supports`` refuses the others). ``lse`` is None when the call neither
+        returns it nor runs a backward."""
+        cap = softcap_of(score_mod) if score_mod is not None else None
+        sinks32 = None if sinks is None else sinks.to(torch.float32)
+        if not call.requires_grad:
+            return self.forward(
+                q, k, v, plan, blocks, scale, need_lse=call.return_lse, softcap=cap,
+                sinks=None if sinks32 is None else sinks32.detach(),
+            )  # fmt: skip
+        return _Fa4Attention.apply(q, k, v, sinks32, self, plan, blocks, scale, cap)
+
+
+class _Fa4Attention(torch.autograd.Function):
+    """``(out, lse)`` of :meth:`Fa4Backend.forward`; gradients to q, k, v and the sinks from
+    :meth:`Fa4Backend.backward` (through ``out``: no gradient of ``lse``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, backend, plan, blocks, scale, softcap):
+        out, lse = backend.forward(q, k, v, plan, blocks, scale, softcap=softcap, sinks=sinks)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (backend, plan, blocks, scale, softcap)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dlse is not None:
+            raise CompileMaskError(
+                'backend="fa4" has no gradient through lse; use the output only or '
+                'backend="reference"'
+            )
+        if dout is None:
+            return (None,) * 9
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        backend, plan, blocks, scale, softcap = ctx.args
+        grads = backend.backward(
+            q, k, v, out, lse, dout, plan, blocks, scale, softcap=softcap, sinks=sinks
+        )
+        dsinks = grads[3] if sinks is not None and ctx.needs_input_grad[3] else None
+        return (*grads[:3], dsinks, None, None, None, None, None)
