@@ -43,7 +43,7 @@ def run(plan, name, mod, sinks, D=128, Dv=128, ds=True) -> None:
     fwd, bwd = replace(fwd, tma=int(d == 128)), replace(bwd, tma=int(d == 128))  # H200: TMA
     q, k = (torch.randn(1, H, N, D, dtype=torch.bfloat16) for _ in range(2))
     v, do = (torch.randn(1, H, N, Dv, dtype=torch.bfloat16) for _ in range(2))
-    mods = pack(sm.as_score_mod(mod), N, N, "cpu") if mod is not None else None
+    mods = pack(sm.as_score_mod(mod), N, N, "cpu", fast_tanh=True) if mod is not None else None
     st = dict(mask_stride_b=0, mask_stride_h=0)
     with capture_sm90() as kernels:
         sched = forward_schedule(plan, fwd.block_m, fwd.block_n)

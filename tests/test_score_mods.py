@@ -394,3 +394,19 @@ def test_custom_torch_fn_errors_name_the_modifier():
         mod = sm.custom(fn, fn, name="mine")
         with pytest.raises(InputError, match=f"'mine'.*{match}"):
             cm.attention(q, k, v, plan, score_mod=mod, backend="reference")
+
+
+def test_softcap_runs_the_special_function_unit_on_cuda_only():
+    """Compiled kernels take softcap's tanh from ``tanh.approx.f32``; the interpreter (no
+    inline PTX) runs the exact formula. Both read (cap, 1 / cap)."""
+    from compilemask.kernels.triton import score_mods as tsm
+
+    mod = sm.as_score_mod([sm.alibi(sm.alibi_slopes(2)), sm.softcap(4.0)])
+    assert pack_kinds(tsm.pack(mod, 8, 8, "cpu")) == (tsm.ALIBI, tsm.SOFTCAP, 0, 0)
+    fast = tsm.pack(mod, 8, 8, "cpu", fast_tanh=True)
+    assert pack_kinds(fast) == (tsm.ALIBI, tsm.SOFTCAP_FAST, 0, 0)
+    assert fast.f[2:4].tolist() == [4.0, 0.25]
+
+
+def pack_kinds(packed):
+    return tuple(packed.kinds)

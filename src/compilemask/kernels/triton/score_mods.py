@@ -5,9 +5,10 @@ A modifier is a chain of up to :data:`MAX_STAGES` stages applied to the scaled s
 ``MOD0`` .. ``MOD3``; 0 = none, so a call without a modifier compiles the kernels exactly as
 before) and reads its data from three flat buffers built by :func:`pack`:
 
-- ``ModF`` float32: softcap's cap, ALiBi's slopes [Hq], the relative bias of every head and
-  relative position ``table[h, bucket(k - q)]`` [Hq, Nq + Nk - 1] (index ``k - q + Nq - 1``;
-  one load per score), the additive bias [Bb, Hb, Nq, Nk], a custom modifier's aux tensor;
+- ``ModF`` float32: softcap's cap and its inverse, ALiBi's slopes [Hq], the relative bias of
+  every head and relative position ``table[h, bucket(k - q)]`` [Hq, Nq + Nk - 1] (index
+  ``k - q + Nq - 1``; one load per score), the additive bias [Bb, Hb, Nq, Nk], a custom
+  modifier's aux tensor;
 - ``ModI`` int32: the relative-bias bucket of every relative position (for the table's
   gradient). Buckets are computed on the host by the same torch function as the reference,
   so that kernel and oracle agree on every bucket;
@@ -38,6 +39,10 @@ import triton.language as tl
 
 MAX_STAGES = 4
 SOFTCAP, ALIBI, RELATIVE_BIAS, BIAS, CUSTOM = 1, 2, 3, 4, 5
+#: softcap through the GPU's ``tanh.approx.f32`` (one MUFU op; relative error <= 2^-10.7, the
+#: precision of FlashAttention-4's softcap); :data:`SOFTCAP` is the exact formula, which the
+#: interpreter runs (it has no inline PTX)
+SOFTCAP_FAST = 6
 _META = 8
 _LOG2E = 1.4426950408889634
 
@@ -48,6 +53,14 @@ def _tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _tanh_approx(x):
+    """tanh by the GPU's special-function unit (``tanh.approx.f32``)."""
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -63,9 +76,13 @@ def _stage(
     ``q_idx``, ``kv_idx``: int32 indices broadcastable to ``s``."""
     meta = ModMeta + STAGE * 8
     d = 1.0
-    if KIND == 1:  # softcap: cap * tanh(s / cap)
-        cap = tl.load(ModF + tl.load(meta))
-        t = _tanh(s / cap)
+    if KIND == 1 or KIND == 6:  # softcap: cap * tanh(s / cap); ModF holds (cap, 1 / cap)
+        f = ModF + tl.load(meta)
+        cap = tl.load(f)
+        if KIND == 6:
+            t = _tanh_approx(s * tl.load(f + 1))
+        else:
+            t = _tanh(s * tl.load(f + 1))
         s = cap * t
         if WANT_D:
             d = 1.0 - t * t
@@ -285,9 +302,14 @@ class Packed:
         return grads
 
 
-def pack(mod, Nq: int, Nk: int, device) -> Packed:
-    """Flatten the stages of ``mod`` (a ``compilemask.score_mods`` modifier) into buffers."""
+def pack(mod, Nq: int, Nk: int, device, fast_tanh: bool | None = None) -> Packed:
+    """Flatten the stages of ``mod`` (a ``compilemask.score_mods`` modifier) into buffers.
+    ``fast_tanh``: softcap through ``tanh.approx.f32`` (:data:`SOFTCAP_FAST`); default: on
+    CUDA devices (compiled kernels), not in the interpreter."""
     from ...score_mods import relative_buckets
+
+    if fast_tanh is None:
+        fast_tanh = torch.device(device).type == "cuda"
 
     floats, ints = [], []
     f_len = i_len = 0
@@ -296,10 +318,10 @@ def pack(mod, Nq: int, Nk: int, device) -> Packed:
     score_fn = score_dfn = None
     table_stage, nb, learn = -1, 0, {}
     for n, st in enumerate(mod.stages()):
-        kinds[n] = st.kind
+        kinds[n] = SOFTCAP_FAST if st.kind == SOFTCAP and fast_tanh else st.kind
         meta[n, 0] = f_len
         if st.kind == SOFTCAP:
-            data = torch.tensor([st.cap], dtype=torch.float32)
+            data = torch.tensor([st.cap, 1.0 / st.cap], dtype=torch.float32)
         elif st.kind == ALIBI:
             data = st.slopes.detach().reshape(-1)
         elif st.kind == RELATIVE_BIAS:
