@@ -211,12 +211,35 @@ def attention_fwd(
 def _attention_fwd_impl(
     q, k, v, row_lo, row_hi, schedule, scale, mask_stride_b, mask_stride_h, config
 ):  # fmt: skip
-    from .forward import attention_forward
-
-    return attention_forward(
+    return _kernels()[0].attention_forward(
         q, k, v, row_lo, row_hi, dict(zip(FWD_SCHEDULE_FIELDS, schedule)), scale=scale,
-        mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h, cfg=FwdConfig(*config),
+        mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
+        cfg=_config(FwdConfig, config),
     )  # fmt: skip
+
+
+_KERNEL_MODULES: list = []
+_CONFIGS: dict[tuple, object] = {}
+
+
+def _kernels() -> list:
+    """``[forward, backward]``, the kernel modules, imported on first use (importing
+    compilemask never loads Triton; an ``import`` statement per call costs about a
+    microsecond). Their functions are looked up per call, so replacing one is honoured."""
+    if not _KERNEL_MODULES:
+        from . import backward, forward
+
+        _KERNEL_MODULES[:] = (forward, backward)
+    return _KERNEL_MODULES
+
+
+def _config(cls, ints: list[int]):
+    """``cls(*ints)`` (``FwdConfig`` / ``BwdConfig``, frozen), one object per distinct list."""
+    key = (cls, *ints)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = cls(*ints)
+    return cfg
 
 
 @attention_fwd.register_fake
@@ -269,14 +292,12 @@ def _attention_bwd_impl(
     q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, scale, mask_stride_b,
     mask_stride_h, bwd_config,
 ):  # fmt: skip
-    from .backward import attention_backward
-
-    return attention_backward(
+    return _kernels()[1].attention_backward(
         q, k, v, out, lse, dout, row_lo, row_hi,
         dict(zip(DKDV_SCHEDULE_FIELDS, bwd_schedule[:_N_DKDV])),
         dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:_N_BWD])),
         scale=scale, mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
-        cfg=BwdConfig(*bwd_config), dlse=dlse,
+        cfg=_config(BwdConfig, bwd_config), dlse=dlse,
         ds_slots=bwd_schedule[_N_BWD] if len(bwd_schedule) > _N_BWD else None,
     )  # fmt: skip
 
