@@ -39,6 +39,7 @@ from torch.autograd import forward_ad
 
 from ...errors import CompileMaskError, InputError
 from ..interface import AttentionCall
+from . import configs as _configs
 from .configs import (
     DENSE_TILE_EFFICIENCY,
     BwdConfig,
@@ -471,6 +472,13 @@ class TritonBackend:
                 "torch.autograd.grad) instead"
             )
         return True, ""
+
+    def dispatch_token(self):
+        """What ``supports`` and ``prepare`` read beyond the plan and the call (``registry.
+        dispatch_state``): nothing, except while a launch configuration is overridden
+        (``configs.override_forward_config`` / ``override_backward_config``: None, so such
+        calls are not kept)."""
+        return None if _configs._OVERRIDE or _configs._BWD_OVERRIDE else ()
 
     def decode(self, q, k_cache, v_cache, call, scale: float):
         """``(out, lse)`` over a paged cache (``interface.DecodeCall``): the split-KV kernel
