@@ -71,33 +71,49 @@ def _steps(name: str, n0: int, backend: str):
 
 
 def _launch_proxy(rounds: int, calls: int) -> None:
-    """Per launch of the forward kernel: Triton's binder + cache key against ours."""
+    """Per launch of the forward kernel (hstu 1K's real argument list): what
+    ``JITFunction.run`` computes before every launch (Triton's binder for sm_90, its cache key,
+    the launch metadata's dict) against the launcher's key and argument list."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
-    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
     from compilemask.kernels.triton import launcher
 
-    jit = launcher.jit_function(fwd_mod._attn_fwd)
-    captured = launcher.capture_launch(
-        lambda: cm.attention(*(torch.randn(2, 16, 1024, 128, dtype=torch.float16),) * 3,
-                             cm.compile(workload("hstu", 1024).mask, 1024), backend="triton")
-    )  # fmt: skip
-    args, kwargs = captured
-    binder = create_function_from_signature(
-        jit.signature, jit.params, CUDABackend(GPUTarget("cuda", 90, 32))
-    )
-    key_cache: dict = {}
-    kw = dict(kwargs, debug=False, instrumentation_mode="")
+    seen = []
 
-    def triton_key():
-        _, spec, opts = binder(*args, **kw)
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((a, kw))
+
+    real, fwd_mod._attn_fwd = fwd_mod._attn_fwd, Spy()
+    q = torch.randn(2, 16, 1024, 128, dtype=torch.float16)
+    with torch.no_grad():
+        cm.attention(q, q, q, cm.compile(workload("hstu", 1024).mask, 1024), backend="triton")
+    fwd_mod._attn_fwd = real
+    args, kwargs = seen[-1]
+    jit = launcher.CachedLaunchJIT(getattr(real, "fn", real))
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    jit.device_caches[0] = ({}, {}, backend.target, backend, binder)
+    key_cache: dict = {}
+    tail = jit._tail(len(args))
+
+    def triton_run():
+        kw = dict(kwargs)
+        kw["debug"] = kw.get("debug", jit.debug) or False
+        kw["instrumentation_mode"] = ""
+        bound, spec, opts = binder(*args, **kw)
         compute_cache_key(key_cache, spec, opts)
+        return tuple(bound.values())
 
     def ours():
-        launcher.launch_key(args, kwargs)
+        launcher.launch_key(jit, args, kwargs)
+        return (*args, *tail(kwargs))
 
-    for what, fn in (("Triton binder + cache key", triton_key), ("launcher key", ours)):
+    assert triton_run() == ours() or all(a is b for a, b in zip(triton_run(), ours()))
+    assert isinstance(jit, JITFunction)
+    for what, fn in (("Triton binder + cache key", triton_run), ("launcher key", ours)):
         fn()
         print(_line(f"forward launch, {what}", _rounds(fn, rounds, calls)))
 
@@ -116,7 +132,7 @@ def main() -> None:
         if name not in SEED_WORKLOADS:
             ap.error(f"unknown workload {name!r}")
     if a.launch:
-        _launch_proxy(a.rounds, a.calls * 10)
+        _launch_proxy(a.rounds, a.calls)
         return
     fwd_mod.attention_forward = _fwd_stub  # imported at call time by the backend
     bwd_mod.attention_backward = _bwd_stub

@@ -220,16 +220,23 @@ def _attention_fwd_impl(
 
 
 _KERNEL_MODULES: list = []
+_FWD_KERNELS = ("_attn_fwd",)
+_BWD_KERNELS = ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq_ds", "_attn_bwd_dq")
 _CONFIGS: dict[tuple, object] = {}
 
 
 def _kernels() -> list:
     """``[forward, backward]``, the kernel modules, imported on first use (importing
     compilemask never loads Triton; an ``import`` statement per call costs about a
-    microsecond). Their functions are looked up per call, so replacing one is honoured."""
+    microsecond), their kernels launched through ``launcher.py`` (compiled launchers for
+    seen launch keys). Their functions are looked up per call, so replacing one is
+    honoured."""
     if not _KERNEL_MODULES:
-        from . import backward, forward
+        from . import backward, forward, launcher
 
+        for module, names in ((forward, _FWD_KERNELS), (backward, _BWD_KERNELS)):
+            for name in names:
+                launcher.install(getattr(module, name))
         _KERNEL_MODULES[:] = (forward, backward)
     return _KERNEL_MODULES
 
