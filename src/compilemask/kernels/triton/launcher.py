@@ -221,8 +221,3 @@ def install(kernel) -> bool:
     kernel.__class__ = CachedLaunchJIT
     kernel._launches = {}
     return True
-
-
-def jit_function(kernel) -> JITFunction | None:
-    """``kernel`` if it is a (possibly installed) :class:`JITFunction`, else None."""
-    return kernel if isinstance(kernel, JITFunction) else None
