@@ -10,6 +10,8 @@ Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..compiler.decode import DecodePlan
@@ -162,15 +164,27 @@ def attention(
         return paged.attend_cache(
             q, k, v, plan, block_table, cache_seqlens, scale, return_lse, backend
         )
-    validate.check_tensors(q, k, v)
-    validate.check_plan(q, k, plan, full=check_plan)
-    scale = validate.check_scale(scale, q.shape[-1])
-    score_mod = validate.check_score_mod(score_mod, q, k, plan)
-    validate.check_sinks(sinks, q)
-    call = call_of(q, k, v, return_lse, score_mod=score_mod, sinks=sinks)
-    impl = registry.resolve(backend, plan, call)
-    prepared = impl.prepare(plan, call)
-    extra = {} if score_mod is None and sinks is None else {"score_mod": score_mod, "sinks": sinks}
+    hit = None
+    if score_mod is None and sinks is None and not check_plan:
+        hit = _dispatch_hit(q, k, v, plan, backend, return_lse)
+    if hit is not None:
+        impl, prepared, call = hit
+        scale = validate.check_scale(scale, q.shape[-1])
+        extra = None
+    else:
+        validate.check_tensors(q, k, v)
+        validate.check_plan(q, k, plan, full=check_plan)
+        scale = validate.check_scale(scale, q.shape[-1])
+        score_mod = validate.check_score_mod(score_mod, q, k, plan)
+        validate.check_sinks(sinks, q)
+        call = call_of(q, k, v, return_lse, score_mod=score_mod, sinks=sinks)
+        impl = registry.resolve(backend, plan, call)
+        prepared = impl.prepare(plan, call)
+        extra = None if score_mod is None and sinks is None else {
+            "score_mod": score_mod, "sinks": sinks
+        }  # fmt: skip
+        if score_mod is None and sinks is None and not check_plan:
+            _dispatch_store(q, k, v, plan, backend, return_lse, impl, prepared, call)
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
         gather = getattr(impl, "gather_tokens", None)
@@ -181,6 +195,64 @@ def attention(
     else:
         out, lse = _run(impl, q, k, v, plan, prepared, scale, call, extra)
     return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------ dispatch cache
+# A call's validation, backend resolution and ``prepare`` depend on the plan (checked per call
+# by ``check_unchanged``), the types, shapes, dtypes and devices of q, k, v, whether a
+# backward will run, ``return_lse``, the backend name, the registry's table and backends, and
+# (on the CPU) TRITON_INTERPRET. Their outcome is kept in the plan's cache (dropped with it
+# when the plan is rebuilt) under a key of exactly those inputs; a call whose key is new runs
+# every check. Calls with score_mod, sinks or check_plan, calls under torch.compile or
+# torch.func transforms, tensor subclasses and backends that opt out (``dispatch_token``
+# returning None) always run the full path.
+_DISPATCH = "api.dispatch"
+
+
+def _dispatch_key(q, k, v, plan, backend, return_lse):
+    """The key of a call in ``plan``'s dispatch cache, or None (no caching for this call)."""
+    if (
+        type(q) is not torch.Tensor
+        or type(k) is not torch.Tensor
+        or type(v) is not torch.Tensor
+        or type(backend) is not str
+        or not (return_lse is True or return_lse is False)
+        or not isinstance(plan, MaskPlan)
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or os.environ.get("COMPILEMASK_CHECK_PLAN") == "1"
+    ):
+        return None
+    device = q.device
+    interpret = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (
+        _DISPATCH, backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, device,
+        k.device, v.device, grad, return_lse, interpret,
+    )  # fmt: skip
+
+
+def _dispatch_hit(q, k, v, plan, backend, return_lse):
+    """``(impl, prepared, call)`` of a call seen before with the same key, or None. Runs the
+    per-call plan check (``check_unchanged``: the plan was not modified)."""
+    key = _dispatch_key(q, k, v, plan, backend, return_lse)
+    if key is None or plan._cache.get(key) is None:
+        return None
+    plan.check_unchanged()  # may rebuild the plan's cache (then this is a miss)
+    entry = plan._cache.get(key)
+    if entry is None:
+        return None
+    impl, prepared, call, state = entry
+    if state != registry.dispatch_state(impl):
+        return None
+    return impl, prepared, call
+
+
+def _dispatch_store(q, k, v, plan, backend, return_lse, impl, prepared, call) -> None:
+    key = _dispatch_key(q, k, v, plan, backend, return_lse)
+    state = registry.dispatch_state(impl)
+    if key is not None and state is not None:
+        plan._cache[key] = (impl, prepared, call, state)
 
 
 def _run(impl, q, k, v, plan, prepared, scale, call, extra=None):

@@ -19,6 +19,12 @@ Shapes: q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] (Dv may differ f
 call's ``head_dim_v``); out [B, Hq, Nq, Dv] in q's dtype; lse float32 [B, Hq, Nq], natural
 log, -inf for rows that see no key (whose out is 0; with sinks, lse is the sink's logit).
 
+A backend may also have ``dispatch_token()``: a hashable token of the process state its
+``supports`` and ``prepare`` read besides the plan and the call (``()`` when none), or None
+while that state makes a call's outcome unrepeatable. With it, ``compilemask.attention``
+keeps the outcome of steps 1-2 per (plan, call signature) and skips them on later calls with
+the same key (``registry.dispatch_state``); without it, every call runs them.
+
 Score modifiers and sinks (``docs/score-mods.md``): the call records them (``score_mod``,
 ``has_sinks``); a backend that lacks them refuses them in ``supports`` with its reason. A
 backend that runs them has ``attend``, which receives them as the keyword arguments

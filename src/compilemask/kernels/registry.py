@@ -110,12 +110,17 @@ _BACKENDS: dict[str, Backend] = {}
 _TAKES_NEED_LSE: set[str] = set()
 
 
+#: bumped by every ``register`` (cached dispatch decisions of older registries are dropped)
+_GENERATION = [0]
+
+
 def register(backend: Backend) -> None:
     """Register ``backend`` under ``backend.name`` (replacing one of the same name)."""
     for attr in ("name", "available", "supports", "prepare", "forward", "backward"):
         if not hasattr(backend, attr):
             raise TypeError(f"a backend needs {attr!r} (kernels/interface.py): {backend!r}")
     _BACKENDS[backend.name] = backend
+    _GENERATION[0] += 1
     params = inspect.signature(backend.forward).parameters
     takes = "need_lse" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
     (_TAKES_NEED_LSE.add if takes else _TAKES_NEED_LSE.discard)(backend.name)
@@ -171,6 +176,20 @@ def resolve(name: object, plan, call: AttentionCall) -> Backend:
     if not ok:
         raise InputError(f"backend={name!r} does not support this call: {why}")
     return backend
+
+
+def dispatch_state(backend: Backend) -> tuple | None:
+    """What a decision of :func:`resolve` for ``backend`` depends on besides the plan and the
+    call: the registry (its registrations and :data:`AUTO_TABLE`'s rows) and the backend's
+    own ``dispatch_token()`` (process state its ``supports`` / ``prepare`` read, e.g. a
+    launch-configuration override). ``compilemask.attention`` keeps a decision, with its
+    prepared data, while this compares equal. None: do not keep it (a backend without
+    ``dispatch_token``, or whose token is None)."""
+    token_of = getattr(backend, "dispatch_token", None)
+    token = None if token_of is None else token_of()
+    if token is None or _BACKENDS.get(backend.name) is not backend:
+        return None
+    return (_GENERATION[0], id(_BACKENDS), len(_BACKENDS), tuple(AUTO_TABLE), token)
 
 
 def explain_call(plan, call: AttentionCall) -> dict:

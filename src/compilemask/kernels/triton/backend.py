@@ -39,6 +39,7 @@ from torch.autograd import forward_ad
 
 from ...errors import CompileMaskError, InputError
 from ..interface import AttentionCall
+from . import configs as _configs
 from .configs import (
     DENSE_TILE_EFFICIENCY,
     BwdConfig,
@@ -211,12 +212,42 @@ def attention_fwd(
 def _attention_fwd_impl(
     q, k, v, row_lo, row_hi, schedule, scale, mask_stride_b, mask_stride_h, config
 ):  # fmt: skip
-    from .forward import attention_forward
-
-    return attention_forward(
+    return _kernels()[0].attention_forward(
         q, k, v, row_lo, row_hi, dict(zip(FWD_SCHEDULE_FIELDS, schedule)), scale=scale,
-        mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h, cfg=FwdConfig(*config),
+        mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
+        cfg=_config(FwdConfig, config),
     )  # fmt: skip
+
+
+_KERNEL_MODULES: list = []
+_FWD_KERNELS = ("_attn_fwd",)
+_BWD_KERNELS = ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq_ds", "_attn_bwd_dq")
+_CONFIGS: dict[tuple, object] = {}
+
+
+def _kernels() -> list:
+    """``[forward, backward]``, the kernel modules, imported on first use (importing
+    compilemask never loads Triton; an ``import`` statement per call costs about a
+    microsecond), their kernels launched through ``launcher.py`` (compiled launchers for
+    seen launch keys). Their functions are looked up per call, so replacing one is
+    honoured."""
+    if not _KERNEL_MODULES:
+        from . import backward, forward, launcher
+
+        for module, names in ((forward, _FWD_KERNELS), (backward, _BWD_KERNELS)):
+            for name in names:
+                launcher.install(getattr(module, name))
+        _KERNEL_MODULES[:] = (forward, backward)
+    return _KERNEL_MODULES
+
+
+def _config(cls, ints: list[int]):
+    """``cls(*ints)`` (``FwdConfig`` / ``BwdConfig``, frozen), one object per distinct list."""
+    key = (cls, *ints)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = cls(*ints)
+    return cfg
 
 
 @attention_fwd.register_fake
@@ -269,14 +300,12 @@ def _attention_bwd_impl(
     q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, scale, mask_stride_b,
     mask_stride_h, bwd_config,
 ):  # fmt: skip
-    from .backward import attention_backward
-
-    return attention_backward(
+    return _kernels()[1].attention_backward(
         q, k, v, out, lse, dout, row_lo, row_hi,
         dict(zip(DKDV_SCHEDULE_FIELDS, bwd_schedule[:_N_DKDV])),
         dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:_N_BWD])),
         scale=scale, mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
-        cfg=BwdConfig(*bwd_config), dlse=dlse,
+        cfg=_config(BwdConfig, bwd_config), dlse=dlse,
         ds_slots=bwd_schedule[_N_BWD] if len(bwd_schedule) > _N_BWD else None,
     )  # fmt: skip
 
@@ -450,6 +479,13 @@ class TritonBackend:
                 "torch.autograd.grad) instead"
             )
         return True, ""
+
+    def dispatch_token(self):
+        """What ``supports`` and ``prepare`` read beyond the plan and the call (``registry.
+        dispatch_state``): nothing, except while a launch configuration is overridden
+        (``configs.override_forward_config`` / ``override_backward_config``: None, so such
+        calls are not kept)."""
+        return None if _configs._OVERRIDE or _configs._BWD_OVERRIDE else ()
 
     def decode(self, q, k_cache, v_cache, call, scale: float):
         """``(out, lse)`` over a paged cache (``interface.DecodeCall``): the split-KV kernel
