@@ -39,6 +39,7 @@ from torch.autograd import forward_ad
 
 from ...errors import CompileMaskError, InputError
 from ..interface import AttentionCall
+from .bounds import bwd_segments, fwd_segments, split_bwd
 from .configs import (
     DENSE_TILE_EFFICIENCY,
     BwdConfig,
@@ -153,7 +154,7 @@ def _bwd_schedule(plan, cfg: BwdConfig) -> list[torch.Tensor]:
     tensors = list(dkdv.values()) + list(dq.values())
     if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling (backward_config)
         tensors.append(ds_slots(dkdv["kind"]))
-    return tensors
+    return tensors + bwd_segments(plan, cfg.dkdv_block_m, cfg.dq_block_m)
 
 
 def _ints(cfg) -> list[int]:
@@ -216,6 +217,7 @@ def _attention_fwd_impl(
     return attention_forward(
         q, k, v, row_lo, row_hi, dict(zip(FWD_SCHEDULE_FIELDS, schedule)), scale=scale,
         mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h, cfg=FwdConfig(*config),
+        segments=schedule[len(FWD_SCHEDULE_FIELDS):],
     )  # fmt: skip
 
 
@@ -271,13 +273,14 @@ def _attention_bwd_impl(
 ):  # fmt: skip
     from .backward import attention_backward
 
+    cfg = BwdConfig(*bwd_config)
+    slots, segments = split_bwd(bwd_schedule[_N_BWD:], cfg.ds_dq)
     return attention_backward(
         q, k, v, out, lse, dout, row_lo, row_hi,
         dict(zip(DKDV_SCHEDULE_FIELDS, bwd_schedule[:_N_DKDV])),
         dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:_N_BWD])),
         scale=scale, mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
-        cfg=BwdConfig(*bwd_config), dlse=dlse,
-        ds_slots=bwd_schedule[_N_BWD] if len(bwd_schedule) > _N_BWD else None,
+        cfg=cfg, dlse=dlse, ds_slots=slots, segments=segments,
     )  # fmt: skip
 
 
@@ -468,7 +471,9 @@ class TritonBackend:
         cfg = forward_config(_config_dim(call), call.dtype, call.device, efficiency, bitmask)
         bm, bn = cfg.block_m, cfg.block_n
         schedule = plan.cached(
-            ("triton.fwd", bm, bn), lambda: list(forward_schedule(plan, bm, bn, bits=True).values())
+            ("triton.fwd", bm, bn),
+            lambda: list(forward_schedule(plan, bm, bn, bits=True).values())
+            + fwd_segments(plan, bm),
         )
         bwd_schedule, bwd_config = [], []
         if call.requires_grad:
