@@ -472,8 +472,9 @@ class TritonBackend:
         bm, bn = cfg.block_m, cfg.block_n
         schedule = plan.cached(
             ("triton.fwd", bm, bn),
-            lambda: list(forward_schedule(plan, bm, bn, bits=True).values())
-            + fwd_segments(plan, bm),
+            lambda: (
+                list(forward_schedule(plan, bm, bn, bits=True).values()) + fwd_segments(plan, bm)
+            ),
         )
         bwd_schedule, bwd_config = [], []
         if call.requires_grad:

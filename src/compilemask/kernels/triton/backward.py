@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .backward_parts import _PRE_BLOCK, _attn_bwd_dq_ds, _attn_bwd_preprocess
+from .bounds import seg_args
 from .common import (
     check_bits,
     clamp,
@@ -57,7 +58,6 @@ from .common import (
     slots_mask,
     tile_of_rank,
 )
-from .bounds import seg_args
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 from .forward import tma_descriptors
 from .score_mods import apply_mods_bwd, mod_grads, store_table_grad
@@ -75,7 +75,7 @@ def _mask_p_t(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     qt=0,
-    seg=(None, None, None, 0, 1, 1),
+    seg=None,
     SEG: tl.constexpr = False,
     SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
@@ -139,7 +139,7 @@ def _attn_bwd_dkdv_inner(
     MOD3: tl.constexpr = 0,
     SCORE_FN: tl.constexpr = None,
     SCORE_DFN: tl.constexpr = None,
-    seg=(None, None, None, 0, 1, 1),
+    seg=None,
     SEG: tl.constexpr = False,
     SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
@@ -385,6 +385,7 @@ def _attn_bwd_dkdv(
         tbl = 0.0
         if TABLE_STAGE >= 0:
             tbl = tl.zeros([NB_PAD], dtype=tl.float32)
+        seg = (SegRow, SlotTab, TileSeg, mask_id * Tq, n_seg, n_tab)
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv, tbl = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
@@ -400,8 +401,7 @@ def _attn_bwd_dkdv(
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
             SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
-            seg=(SegRow, SlotTab, TileSeg, mask_id * Tq, n_seg, n_tab), SEG=SEG,
-            SEG_STEPS=SEG_STEPS,
+            seg=seg, SEG=SEG, SEG_STEPS=SEG_STEPS,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv, tbl = _attn_bwd_dkdv_inner(
@@ -417,7 +417,7 @@ def _attn_bwd_dkdv(
             STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles, tbl, Hq, NB_PAD, scale,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
-            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN, seg=seg,
         )  # fmt: skip
 
         if TABLE_STAGE >= 0:
@@ -469,7 +469,7 @@ def _attn_bwd_dq_inner(
     MOD3: tl.constexpr = 0,
     SCORE_FN: tl.constexpr = None,
     SCORE_DFN: tl.constexpr = None,
-    seg=(None, None, None, 0, 1, 1),
+    seg=None,
     SEG: tl.constexpr = False,
     SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
@@ -654,6 +654,7 @@ def _attn_bwd_dq(
         RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots, SegRow, SlotTab, TileSeg, tile_row,
         n_seg, n_tab, SLOTS, SEG, SEG_STEPS,
     )  # fmt: skip
+    seg = (SegRow, SlotTab, TileSeg, tile_row, n_seg, n_tab)
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
@@ -667,7 +668,7 @@ def _attn_bwd_dq(
         HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
             SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
-        seg=(SegRow, SlotTab, TileSeg, tile_row, n_seg, n_tab), SEG=SEG, SEG_STEPS=SEG_STEPS,
+        seg=seg, SEG=SEG, SEG_STEPS=SEG_STEPS,
     )  # fmt: skip
     # FULL kv-tiles: no mask, no bounds checks.
     dq = _attn_bwd_dq_inner(
@@ -681,7 +682,7 @@ def _attn_bwd_dq(
         HAS_BITS, SLOTS, USE_TMA, off_h, scale,
         HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
-            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN, seg=seg,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -827,7 +828,7 @@ def attention_backward(
     check_bits(bits, has_bits, cfg.dkdv_block_n, cfg.dkdv_block_m)  # transposed tiles
     order = launch_order(cfg.dkdv_order, B * Hkv)
     segs = segments[:3] if segments else None
-    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segs)
+    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segs, False)
     seg_kw = dict(SegRow=seg_row, SlotTab=slot_tab, n_seg=n_seg, n_tab=n_tab, SEG=seg)
     _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
@@ -871,7 +872,7 @@ def attention_backward(
     check_bits(bits, has_bits, cfg.dq_block_m, cfg.dq_block_n)
     order = launch_order(cfg.dq_order, B * Hq)
     segs = [*segments[:2], segments[3]] if segments else None
-    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segs)
+    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segs, slots > 0)
     _attn_bwd_dq[launch_grid(order, B * Hq, Tq)](
         q, k, v, do, lse2, delta, dq,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,

@@ -40,6 +40,7 @@ def clamp(x, hi):
     """``x`` clamped to [0, hi] (``common.clamp``; ``common`` imports this module)."""
     return tl.minimum(tl.maximum(x, 0), hi)
 
+
 #: the slope that marks an absolute bound (``compiler.segments.ABSOLUTE``)
 _ABSOLUTE = tl.constexpr(-128)
 
@@ -125,16 +126,24 @@ def seg_tile_mask(
             lo, hi = row_bounds(SlotTab, r0, t0, cnt, offs_m, jlo + step, Nq, Nk, n_tab)
             hi = tl.where(jlo + step < jhi, hi, 0)
             if TRANSPOSED:
-                visible = visible | ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :]))
+                visible = visible | (
+                    (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+                )
             else:
-                visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
+                visible = visible | (
+                    (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+                )
     else:
         for j in range(jlo, jhi):
             lo, hi = row_bounds(SlotTab, r0, t0, cnt, offs_m, j, Nq, Nk, n_tab)
             if TRANSPOSED:
-                visible = visible | ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :]))
+                visible = visible | (
+                    (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+                )
             else:
-                visible = visible | ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]))
+                visible = visible | (
+                    (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+                )
     return visible
 
 
@@ -144,6 +153,14 @@ SEG_FWD = 3
 #: ``SegRow, SlotTab, TileSeg`` of the dK/dV tiling, ``TileSeg`` of the dQ tiling
 SEG_BWD = 4
 _STEPS: dict[int, tuple[object, int]] = {}
+#: Whether kernels that would compute bounds per masked tile (the dK/dV kernel; the forward and
+#: dQ kernels of plans with more than ``common.MAX_PRELOAD_SLOTS`` slots per row) read the
+#: segments. Off: compiled for sm_90 (``benchmarks/sass_stats.py --segments``), the chained
+#: gathers inside the tile loop become extra asynchronous copies of the software pipeliner and
+#: the dK/dV kernel's spills grow (causal 80 -> 160 bytes, clear 80 -> 408), so those kernels
+#: read ``row_lo`` / ``row_hi``; the forward and dQ kernels compute their preloaded slots
+#: from the segments once per program (their tile loops are unchanged).
+PER_TILE = False
 
 
 def segment_tables(plan) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -230,15 +247,19 @@ def bwd_segments(plan, dkdv_block_m: int, dq_block_m: int) -> list[torch.Tensor]
     return fwd + [tile_segments(plan, dq_block_m)] if fwd else []
 
 
-def seg_args(tables) -> tuple[tuple, int, bool]:
+def seg_args(tables, per_program: bool) -> tuple[tuple, int, bool]:
     """``((SegRow, SlotTab, TileSeg, n_seg, n_tab), SEG_STEPS, SEG)`` kernel arguments for
-    ``tables`` (``[SegRow, SlotTab, TileSeg]`` or None: the row path, with dummy tensors)."""
-    if not tables:
+    ``tables`` (``[SegRow, SlotTab, TileSeg]`` or None: the row path, with dummy tensors);
+    ``per_program``: the kernel reads the bounds once per program (preloaded slots), else per
+    masked tile (then the segments only with :data:`PER_TILE`)."""
+    if not tables or not (per_program or PER_TILE):
         return (None, None, None, 1, 1), 0, False
     seg_row, slot_tab, tile_seg = tables
-    return (seg_row, slot_tab, tile_seg, seg_row.shape[0], slot_tab.shape[0]), seg_steps(
-        tile_seg
-    ), True
+    return (
+        (seg_row, slot_tab, tile_seg, seg_row.shape[0], slot_tab.shape[0]),
+        seg_steps(tile_seg),
+        True,
+    )
 
 
 def split_bwd(tail: list[torch.Tensor], ds_dq: int) -> tuple[torch.Tensor | None, list]:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bounds import seg_args
 from .common import (
     check_bits,
     clamp,
@@ -42,7 +43,6 @@ from .common import (
     slot_range,
     slots_mask,
 )
-from .bounds import seg_args
 from .configs import FwdConfig, check_head_dim, padded_head_dim
 from .score_mods import add_sink, apply_mods, natural_scale_args
 
@@ -532,7 +532,7 @@ def attention_forward(
     one_per_tile = (
         bool(cfg.one_slot) and slots > 1 and one_interval_per_tile(row_lo, row_hi, cfg.block_n)
     )
-    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segments)
+    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segments, slots > 0)
     _attn_fwd[launch_grid(order, B * Hq, Tq)](
         q, k, v, out, lse, *(descs or (k, v)),
         row_lo, row_hi, kind, schedule["jlo"], schedule["jhi"], schedule["bits_index"], bits,

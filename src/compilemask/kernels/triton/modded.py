@@ -88,7 +88,8 @@ class ModdedAttention(torch.autograd.Function):
                 q, k, v, out, lse.contiguous(), dout, args.plan.row_lo, args.plan.row_hi, dkdv,
                 dict(zip(FWD_SCHEDULE_FIELDS, sched[_N_DKDV:_N_BWD])), scale=args.scale,
                 mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
-                cfg=cfg, dlse=dlse, ds_slots=slots, segments=segments, mods=mods, mod_grad=mod_grad, delta=delta,
+                cfg=cfg, dlse=dlse, ds_slots=slots, segments=segments, mods=mods,
+                mod_grad=mod_grad, delta=delta,
             )  # fmt: skip
             dsink = None
             if sinks is not None and ctx.needs_input_grad[3]:
