@@ -39,7 +39,6 @@ from torch.autograd import forward_ad
 
 from ...errors import CompileMaskError, InputError
 from ..interface import AttentionCall
-from .bounds import bwd_segments, fwd_segments, split_bwd
 from .configs import (
     DENSE_TILE_EFFICIENCY,
     BwdConfig,
@@ -149,6 +148,8 @@ def _backward_config(plan, call: AttentionCall) -> BwdConfig:
 
 # ------------------------------------------------------------------------------ schedules
 def _bwd_schedule(plan, cfg: BwdConfig) -> list[torch.Tensor]:
+    from .bounds import bwd_segments  # (the module defines Triton functions)
+
     dkdv = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
     dq = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True)
     tensors = list(dkdv.values()) + list(dq.values())
@@ -272,6 +273,7 @@ def _attention_bwd_impl(
     mask_stride_h, bwd_config,
 ):  # fmt: skip
     from .backward import attention_backward
+    from .bounds import split_bwd
 
     cfg = BwdConfig(*bwd_config)
     slots, segments = split_bwd(bwd_schedule[_N_BWD:], cfg.ds_dq)
@@ -470,6 +472,8 @@ class TritonBackend:
         efficiency, bitmask = _tiling_class(plan, call)
         cfg = forward_config(_config_dim(call), call.dtype, call.device, efficiency, bitmask)
         bm, bn = cfg.block_m, cfg.block_n
+        from .bounds import fwd_segments
+
         schedule = plan.cached(
             ("triton.fwd", bm, bn),
             lambda: (
