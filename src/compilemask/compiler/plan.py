@@ -615,7 +615,8 @@ class MaskPlan:
         field types, int32 dtypes, one device, contiguity and shapes; sorted, disjoint,
         non-touching intervals inside ``[0, kv_len)`` with empty unused slots; tile kinds, pair
         counts, slot ranges, bitmasks and work lists consistent with the intervals; a true
-        permutation. Cost O(N*K + Tq*Tk) (O(Nq*Nk) for ``encoding="bits"`` plans).
+        permutation; the compact form's segments when ``compact()`` derived them. Cost
+        O(N*K + Tq*Tk) (O(Nq*Nk) for ``encoding="bits"`` plans).
 
         Raises:
             PlanError: the first violated invariant, naming the field; or the plan's tensors
@@ -625,6 +626,7 @@ class MaskPlan:
             self._raise_changed()
         plan_check.check_structure(self)
         plan_check.raise_failed(plan_check.value_checks(self))
+        plan_check.segment_checks(self)
         object.__setattr__(self, "_pending", None)
         if self._verified is None:
             self._record()

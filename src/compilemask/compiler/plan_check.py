@@ -293,6 +293,72 @@ def _runs(rows: torch.Tensor) -> torch.Tensor:
     return starts.sum(-1, dtype=torch.int32)
 
 
+def segment_checks(plan) -> None:
+    """Check the compact form's segments (``compiler/segments.py``) when the plan holds one that
+    chose them (``plan.compact()`` was called): pointers and first rows ordered, templates and
+    slots in range, every bound inside ``[0, kv_len]`` on the segment's first and last rows
+    (it is affine in between), and expanding them gives ``row_lo, row_hi, row_count``.
+    Two host reads (the expansion runs on checked indices only).
+
+    Raises:
+        PlanError: the first violated invariant, naming the part (``segments.r0`` ...).
+    """
+    compact = plan._cache.get("compact")
+    seg = getattr(compact, "segments", None)
+    if seg is None:
+        return
+    from .segments import ABSOLUTE, expand_rows
+
+    m, nq, nk = plan.num_masks, plan.q_len, plan.kv_len
+    s, u, t = seg.r0.shape[0], seg.slot_ptr.shape[0] - 1, seg.slope.shape[0]
+    if (seg.mask_ptr.shape != (m + 1,) or seg.template.shape != (s,) or u < 0
+            or seg.base.shape != (t, 2) or seg.slope.shape != (t, 2)):  # fmt: skip
+        fail("segments", "mask_ptr, r0, template, slot_ptr, slope, base shapes disagree")
+    mp, sp = seg.mask_ptr.to(torch.int64), seg.slot_ptr.to(torch.int64)
+    sizes = mp[1:] - mp[:-1]
+    checks = [
+        ("segments.mask_ptr: from 0 to S, ascending, every mask one segment or more",
+         (mp[0] == 0) & (mp[-1] == s) & _all(sizes >= 1)),
+        ("segments.slot_ptr: from 0 to T, ascending",
+         (sp[0] == 0) & (sp[-1] == t) & _all(sp[1:] >= sp[:-1])),
+        ("segments.template: in [0, U)", _all((seg.template >= 0) & (seg.template < u))),
+    ]  # fmt: skip
+    raise_failed(checks)
+    owner = torch.repeat_interleave(torch.arange(m, device=mp.device), sizes)
+    r0 = seg.r0.to(torch.int64)
+    start = torch.zeros(s, dtype=torch.bool, device=mp.device)
+    start[mp[:-1]] = True
+    same = owner[1:] == owner[:-1]
+    end = torch.cat((torch.where(same, r0[1:], nq), r0.new_full((1,), nq)))
+    checks = [
+        ("segments.r0: each mask's first segment starts at row 0, the others ascending below "
+         "q_len", _all(torch.where(start, r0 == 0, (r0 > 0) & (r0 < nq)))
+         & _all(torch.where(same, r0[1:] > r0[:-1], True))),
+    ]  # fmt: skip
+    raise_failed(checks)
+    # every bound on the first and last row of its segment
+    tmpl = seg.template.to(torch.int64)
+    first, count = sp[tmpl], sp[tmpl + 1] - sp[tmpl]
+    seg_of = torch.repeat_interleave(torch.arange(s, device=mp.device), count)
+    slot = torch.arange(int(count.sum()), device=mp.device) - torch.repeat_interleave(
+        torch.cumsum(count, 0) - count, count
+    )
+    entry = first[seg_of] + slot
+    slope, base = seg.slope[entry].to(torch.int64), seg.base[entry].to(torch.int64)
+    rows = torch.stack((r0[seg_of], end[seg_of] - 1), -1)[:, :, None]  # [E, 2, 1]
+    rel = rows - r0[seg_of][:, None, None]
+    value = torch.where(slope[:, None] == ABSOLUTE, base[:, None], slope[:, None] * rel
+                        + base[:, None] + r0[seg_of][:, None, None])  # fmt: skip
+    lo, hi, cnt = expand_rows(seg, k=plan.row_lo.shape[-1])
+    checks = [
+        ("segments.base/slope: every bound inside [0, kv_len]",
+         _all((value >= 0) & (value <= nk))),
+        ("segments: expanding them must give row_lo, row_hi and row_count",
+         _all(lo == plan.row_lo) & _all(hi == plan.row_hi) & _all(cnt == plan.row_count)),
+    ]  # fmt: skip
+    raise_failed(checks)
+
+
 def raise_failed(checks: list[tuple[str, object]]) -> None:
     """Read the flags back (one transfer) and raise :class:`PlanError` for the first failed."""
     if not checks:

@@ -149,12 +149,14 @@ def _backward_config(plan, call: AttentionCall) -> BwdConfig:
 
 # ------------------------------------------------------------------------------ schedules
 def _bwd_schedule(plan, cfg: BwdConfig) -> list[torch.Tensor]:
+    from .bounds import bwd_segments  # (the module defines Triton functions)
+
     dkdv = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
     dq = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True)
     tensors = list(dkdv.values()) + list(dq.values())
     if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling (backward_config)
         tensors.append(ds_slots(dkdv["kind"]))
-    return tensors
+    return tensors + bwd_segments(plan, cfg.dkdv_block_m, cfg.dq_block_m)
 
 
 def _ints(cfg) -> list[int]:
@@ -215,7 +217,7 @@ def _attention_fwd_impl(
     return _kernels()[0].attention_forward(
         q, k, v, row_lo, row_hi, dict(zip(FWD_SCHEDULE_FIELDS, schedule)), scale=scale,
         mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
-        cfg=_config(FwdConfig, config),
+        cfg=_config(FwdConfig, config), segments=schedule[len(FWD_SCHEDULE_FIELDS):],
     )  # fmt: skip
 
 
@@ -300,13 +302,16 @@ def _attention_bwd_impl(
     q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, scale, mask_stride_b,
     mask_stride_h, bwd_config,
 ):  # fmt: skip
+    from .bounds import split_bwd
+
+    cfg = _config(BwdConfig, bwd_config)
+    slots, segments = split_bwd(bwd_schedule[_N_BWD:], cfg.ds_dq)
     return _kernels()[1].attention_backward(
         q, k, v, out, lse, dout, row_lo, row_hi,
         dict(zip(DKDV_SCHEDULE_FIELDS, bwd_schedule[:_N_DKDV])),
         dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:_N_BWD])),
         scale=scale, mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
-        cfg=_config(BwdConfig, bwd_config), dlse=dlse,
-        ds_slots=bwd_schedule[_N_BWD] if len(bwd_schedule) > _N_BWD else None,
+        cfg=cfg, dlse=dlse, ds_slots=slots, segments=segments,
     )  # fmt: skip
 
 
@@ -503,8 +508,13 @@ class TritonBackend:
         efficiency, bitmask = _tiling_class(plan, call)
         cfg = forward_config(_config_dim(call), call.dtype, call.device, efficiency, bitmask)
         bm, bn = cfg.block_m, cfg.block_n
+        from .bounds import fwd_segments
+
         schedule = plan.cached(
-            ("triton.fwd", bm, bn), lambda: list(forward_schedule(plan, bm, bn, bits=True).values())
+            ("triton.fwd", bm, bn),
+            lambda: (
+                list(forward_schedule(plan, bm, bn, bits=True).values()) + fwd_segments(plan, bm)
+            ),
         )
         bwd_schedule, bwd_config = [], []
         if call.requires_grad:
