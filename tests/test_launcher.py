@@ -91,6 +91,19 @@ def test_launch_key_is_as_strict_as_tritons_specialization():
     assert len(set(keys.values())) > 20
 
 
+def test_tensors_passed_by_keyword_are_keyed_by_dtype_and_alignment():
+    jit, binder = _kernel(_probe)
+    tensors = _tensors()
+    calls = [
+        ((x,), {"Y": y, "n": 16, "m": 3, "s": 1, "scale": 0.5, "flag": True, "N_ALIGN": None,
+                "BLOCK": 16, "MODE": "a"})
+        for x in tensors[:3]
+        for y in tensors
+    ]  # fmt: skip
+    keys = _check_sound(jit, binder, calls)
+    assert len(set(keys.values())) >= 6
+
+
 def test_launch_key_follows_do_not_specialize():
     jit, binder = _kernel(_probe, do_not_specialize=["n"], do_not_specialize_on_alignment=["X"])
     tensors = _tensors()

@@ -67,17 +67,20 @@ def launch_key(kernel: JITFunction, args: tuple, kwargs: dict, device: int = 0) 
         layout = layouts[sig] = _layout(kernel, *sig)
     if layout is None:
         return None
-    values, tensors_of, others = layout
+    values, tensors_of, others, kw_tensors = layout
     tensors = tensors_of(args)
     specs = [_other(args[i], kernel, device) for i in others]
     if _MISSING in specs:
         return None
+    kw = tuple(kwargs.values())
+    if kw_tensors:  # tensors passed by keyword: keyed like positional ones, not by value
+        tensors = (*tensors, *(kw[j] for j in kw_tensors))
+        kw = tuple(None if j in kw_tensors else x for j, x in enumerate(kw))
     rt = knobs.runtime
     return (
         device, rt.debug, kernel.debug, knobs.compilation.instrumentation_mode, sig,
         values(args), tuple(map(_DTYPE, tensors)),
-        tuple(map(operator.and_, map(_DATA_PTR, tensors), _FIFTEEN)),
-        tuple(kwargs.values()), *specs,
+        tuple(map(operator.and_, map(_DATA_PTR, tensors), _FIFTEEN)), kw, *specs,
     )  # fmt: skip
 
 
@@ -98,15 +101,20 @@ def _getter(positions: list[int]):
 
 
 def _layout(kernel: JITFunction, types: tuple, names: tuple, kwtypes: tuple):
-    """``(values getter, tensors getter, positions of other objects)`` for launches with these
-    argument types, or None (no key: unknown keyword types, tensors passed by keyword).
+    """``(values getter, tensors getter, positions of other objects, positions of keyword
+    tensors)`` for launches with these argument types, or None (no key: keyword arguments of
+    other types than scalars and tensors).
 
     Keyed by value: ints (Triton specializes on their width, divisibility by 16 and == 1),
     bools, constexprs (ints, floats, bools, strings, None) and every keyword (constexprs and
     options). Keyed by type alone: floats and None that are not constexprs (Triton: ``fp32``
     and ``constexpr None``, no value). Tensors: dtype and data pointer mod 16. Other objects
     (host TMA descriptors): Triton's ``native_specialize_impl``."""
-    if any(t not in _SCALARS for t in kwtypes):
+    if any(t not in _SCALARS and t is not _Tensor for t in kwtypes):
+        return None
+    kw_tensors = frozenset(j for j, t in enumerate(kwtypes) if t is _Tensor)
+    constexpr_names = {kernel.params[i].name for i in kernel.constexprs}
+    if any(names[j] in constexpr_names for j in kw_tensors):
         return None
     constexprs = set(kernel.constexprs)
     values, tensors, others = [], [], []
@@ -121,7 +129,7 @@ def _layout(kernel: JITFunction, types: tuple, names: tuple, kwtypes: tuple):
             tensors.append(i)
         elif t is not float and t is not type(None):
             others.append(i)
-    return _getter(values), _getter(tensors), tuple(others)
+    return _getter(values), _getter(tensors), tuple(others), kw_tensors
 
 
 def _other(a, kernel: JITFunction, device: int):
