@@ -131,8 +131,10 @@ def test_host_tma_descriptors_take_tritons_own_specialization():
         k = torch.empty(1, 2, 128, 64, dtype=dtype)
         desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, 1, block, 64])
         calls.append(((k, desc, 16, 16, 1, 1.0, True, None), {"BLOCK": 16, "MODE": "a"}))
+        kw = {"Y": desc, "n": 16, "m": 16, "s": 1, "scale": 1.0, "flag": True, "N_ALIGN": None}
+        calls.append(((k,), {**kw, "BLOCK": 16, "MODE": "a"}))  # a descriptor by keyword
     keys = _check_sound(jit, binder, calls)
-    assert len(keys) == 4
+    assert len(keys) == 8 and len(set(keys.values())) == 4
 
 
 def _forward_launch(q, k, v, plan):

@@ -67,15 +67,16 @@ def launch_key(kernel: JITFunction, args: tuple, kwargs: dict, device: int = 0) 
         layout = layouts[sig] = _layout(kernel, *sig)
     if layout is None:
         return None
-    values, tensors_of, others, kw_tensors = layout
+    values, tensors_of, others, kw_tensors, kw_others = layout
     tensors = tensors_of(args)
+    kw = tuple(kwargs.values())
     specs = [_other(args[i], kernel, device) for i in others]
+    specs += [_other(kw[j], kernel, device) for j in kw_others]
     if _MISSING in specs:
         return None
-    kw = tuple(kwargs.values())
-    if kw_tensors:  # tensors passed by keyword: keyed like positional ones, not by value
+    if kw_tensors or kw_others:  # keyed like positional ones, not by value
         tensors = (*tensors, *(kw[j] for j in kw_tensors))
-        kw = tuple(None if j in kw_tensors else x for j, x in enumerate(kw))
+        kw = tuple(None if j in kw_tensors or j in kw_others else x for j, x in enumerate(kw))
     rt = knobs.runtime
     return (
         device, rt.debug, kernel.debug, knobs.compilation.instrumentation_mode, sig,
@@ -102,19 +103,18 @@ def _getter(positions: list[int]):
 
 def _layout(kernel: JITFunction, types: tuple, names: tuple, kwtypes: tuple):
     """``(values getter, tensors getter, positions of other objects, positions of keyword
-    tensors)`` for launches with these argument types, or None (no key: keyword arguments of
-    other types than scalars and tensors).
+    tensors, positions of other keyword objects)`` for launches with these argument types, or
+    None (no key: a constexpr given an object that is not a scalar).
 
     Keyed by value: ints (Triton specializes on their width, divisibility by 16 and == 1),
     bools, constexprs (ints, floats, bools, strings, None) and every keyword (constexprs and
     options). Keyed by type alone: floats and None that are not constexprs (Triton: ``fp32``
     and ``constexpr None``, no value). Tensors: dtype and data pointer mod 16. Other objects
     (host TMA descriptors): Triton's ``native_specialize_impl``."""
-    if any(t not in _SCALARS and t is not _Tensor for t in kwtypes):
-        return None
     kw_tensors = frozenset(j for j, t in enumerate(kwtypes) if t is _Tensor)
+    kw_others = tuple(j for j, t in enumerate(kwtypes) if t not in _SCALARS and t is not _Tensor)
     constexpr_names = {kernel.params[i].name for i in kernel.constexprs}
-    if any(names[j] in constexpr_names for j in kw_tensors):
+    if any(names[j] in constexpr_names for j in (*kw_tensors, *kw_others)):
         return None
     constexprs = set(kernel.constexprs)
     values, tensors, others = [], [], []
@@ -129,7 +129,7 @@ def _layout(kernel: JITFunction, types: tuple, names: tuple, kwtypes: tuple):
             tensors.append(i)
         elif t is not float and t is not type(None):
             others.append(i)
-    return _getter(values), _getter(tensors), tuple(others), kw_tensors
+    return _getter(values), _getter(tensors), tuple(others), kw_tensors, frozenset(kw_others)
 
 
 def _other(a, kernel: JITFunction, device: int):
