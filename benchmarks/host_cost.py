@@ -9,15 +9,13 @@ issued back to back, ``--rounds`` times. Per round: ``host_ms``, the wall time o
 calls (``time.perf_counter``, no synchronisation inside) per call; ``wall_ms``, the same with
 a final synchronisation; ``gpu_ms``, CUDA events around the calls per call. Rows hold the
 medians (and the minimum host time) with ``date, gpu, torch, triton, commit`` (commit from
-``COMPILEMASK_COMMIT``, else ``git rev-parse``). ``COMPILEMASK_TRITON_LAUNCHER=0`` in the
-environment launches through ``JITFunction.run`` (the comparison row for the launcher).
+``COMPILEMASK_COMMIT``, else ``git rev-parse``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -84,7 +82,6 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="append JSON lines here")
     a = ap.parse_args()
     env = environment()
-    env["launcher"] = os.environ.get("COMPILEMASK_TRITON_LAUNCHER", "1") != "0"
     for name in a.workloads:
         for backend in a.backends:
             w, forward, step = _calls(name, a.n0, backend)

@@ -7,11 +7,9 @@ Runs ``compilemask.attention`` forward (no grad) and forward+backward on small f
 tensors (B = 2, 16 heads, head_dim 128, the seed workload's length at ``--n0``) with
 ``attention_forward`` / ``attention_backward`` replaced by functions that only allocate their
 outputs, so what is timed is the Python around the kernels (validation, backend resolution,
-plan lookups, autograd). Triton's own launch path is not in it (it needs a GPU): ``--launch``
-times, for the forward kernel's real argument list, Triton's binder and cache key (what
-``JITFunction.run`` computes before every launch, built here for an sm_90 target) against the
-key of ``kernels/triton/launcher.py``. Prints the minimum and median ms per call over rounds
-of ``--calls`` calls. ``--profile N``: cProfile of the forward+backward loop, top N.
+plan lookups, autograd). Triton's own launch path is not in it (it needs a GPU). Prints the
+minimum and median ms per call over rounds of ``--calls`` calls. ``--profile N``: cProfile of
+the forward+backward loop, top N.
 """
 
 from __future__ import annotations
@@ -70,54 +68,6 @@ def _steps(name: str, n0: int, backend: str):
     return step, forward
 
 
-def _launch_proxy(rounds: int, calls: int) -> None:
-    """Per launch of the forward kernel (hstu 1K's real argument list): what
-    ``JITFunction.run`` computes before every launch (Triton's binder for sm_90, its cache key,
-    the launch metadata's dict) against the launcher's key and argument list."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
-
-    from compilemask.kernels.triton import launcher
-
-    seen = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: seen.append((a, kw))
-
-    real, fwd_mod._attn_fwd = fwd_mod._attn_fwd, Spy()
-    q = torch.randn(2, 16, 1024, 128, dtype=torch.float16)
-    with torch.no_grad():
-        cm.attention(q, q, q, cm.compile(workload("hstu", 1024).mask, 1024), backend="triton")
-    fwd_mod._attn_fwd = real
-    args, kwargs = seen[-1]
-    jit = launcher.CachedLaunchJIT(getattr(real, "fn", real))
-    backend = CUDABackend(GPUTarget("cuda", 90, 32))
-    binder = create_function_from_signature(jit.signature, jit.params, backend)
-    jit.device_caches[0] = ({}, {}, backend.target, backend, binder)
-    key_cache: dict = {}
-    tail = jit._tail(len(args))
-
-    def triton_run():
-        kw = dict(kwargs)
-        kw["debug"] = kw.get("debug", jit.debug) or False
-        kw["instrumentation_mode"] = ""
-        bound, spec, opts = binder(*args, **kw)
-        compute_cache_key(key_cache, spec, opts)
-        return tuple(bound.values())
-
-    def ours():
-        launcher.launch_key(jit, args, kwargs)
-        return (*args, *tail(kwargs))
-
-    assert triton_run() == ours() or all(a is b for a, b in zip(triton_run(), ours()))
-    assert isinstance(jit, JITFunction)
-    for what, fn in (("Triton binder + cache key", triton_run), ("launcher key", ours)):
-        fn()
-        print(_line(f"forward launch, {what}", _rounds(fn, rounds, calls)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", nargs="+", default=["hstu", "shared_prompt"])
@@ -126,14 +76,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", type=int, default=0)
-    ap.add_argument("--launch", action="store_true")
     a = ap.parse_args()
     for name in a.workloads:
         if name not in SEED_WORKLOADS:
             ap.error(f"unknown workload {name!r}")
-    if a.launch:
-        _launch_proxy(a.rounds, a.calls)
-        return
     fwd_mod.attention_forward = _fwd_stub  # imported at call time by the backend
     bwd_mod.attention_backward = _bwd_stub
     for name in a.workloads:

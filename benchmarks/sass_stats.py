@@ -1,7 +1,7 @@
 """Compile the attention kernels for sm_90 on any machine (no GPU) and count their instructions.
 
     PYTHONPATH=src python3 benchmarks/sass_stats.py --workload causal --n0 4096 \\
-        [--fwd 128,128,8,2] [--bwd 64,64,4,2,128,64,8,3] [--dump /tmp/sass] [--segments]
+        [--fwd 128,128,8,2] [--bwd 64,64,4,2,128,64,8,3] [--dump /tmp/sass]
 
 Launches of the forward and backward kernels are compiled for sm_90 and not run
 (``compilemask.kernels.triton.sass``: ``capture_sm90``, ``launch_all``; start it without
@@ -87,9 +87,6 @@ def main() -> None:
     ap.add_argument("--bwd", help="BwdConfig ints (default: the library's)")
     ap.add_argument("--dump", help="folder for <kernel>.sass and .ptx")
     ap.add_argument("--inductor-file", help="an Inductor-generated Triton kernel to compile")
-    ap.add_argument(
-        "--segments", action="store_true", help="masked tiles read the compact form's segments"
-    )
     a = ap.parse_args()
     dtype = torch.bfloat16
     fwd = cfgs.FwdConfig(*map(int, a.fwd.split(","))) if a.fwd else cfgs.forward_config(128, dtype)
@@ -100,9 +97,9 @@ def main() -> None:
         with capture_sm90() as kernels:
             if a.workload == "clear_tiled":
                 w = workload("clear", a.n0)
-                launch_all((cm.tile_grid(w.mask, (8, 16)), w.N), fwd, bwd, segments=a.segments)
+                launch_all((cm.tile_grid(w.mask, (8, 16)), w.N), fwd, bwd)
             else:
-                launch_all(workload(a.workload, a.n0), fwd, bwd, segments=a.segments)
+                launch_all(workload(a.workload, a.n0), fwd, bwd)
     for name, kernel in kernels:
         listing = sass(kernel)
         waits = dict(sorted(async_copy_waits(listing).items()))

@@ -527,10 +527,7 @@ def test_backward_without_grad_at_forward_time_builds_nothing():
     q, k, v, _ = _inputs(1, 2, 1, 40, 40, 32, torch.float16)
     assert backward_inputs(plan, q, k, v) == ([], [])
     tensors, ints = backward_inputs(plan, q.requires_grad_(True), k, v)
-    from compilemask.kernels.triton.bounds import SEG_BWD
-
-    # no dS slots here; the segment tables (causal: the compact form chose segments)
-    n_tensors = len(DKDV_SCHEDULE_FIELDS) + len(FWD_SCHEDULE_FIELDS) + SEG_BWD
+    n_tensors = len(DKDV_SCHEDULE_FIELDS) + len(FWD_SCHEDULE_FIELDS)  # no dS slots here
     assert len(ints) == len(BwdConfig(*ints).as_list()) == 13 and len(tensors) == n_tensors
     with torch.no_grad():
         assert backward_inputs(plan, q, k, v) == ([], [])

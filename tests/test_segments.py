@@ -159,3 +159,16 @@ def test_bad_row_shapes_are_refused():
     lo = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(CompileMaskError, match="lo, hi"):
         sg.segments_from_rows(lo, lo, lo, 3)
+
+
+def test_verify_checks_the_segments():
+    plan = cm.compile(cm.masks.document([5, 9, 6]))
+    seg = plan.compact().segments
+    plan.verify()
+    seg.base[0, 1] += 1  # a bound of the first template moves: rows no longer expand back
+    with pytest.raises(CompileMaskError, match="segments"):
+        plan.verify()
+    seg.base[0, 1] -= 1
+    seg.r0[1], seg.r0[2] = int(seg.r0[2]), int(seg.r0[1])  # out of order
+    with pytest.raises(CompileMaskError, match="segments.r0"):
+        plan.verify()

@@ -151,6 +151,12 @@ class CudnnBackend:
             return False, UNDER_COMPILE
         return _availability()
 
+    def dispatch_token(self):
+        """What ``supports`` and ``prepare`` read beyond the plan and the call
+        (``registry.dispatch_state``): nothing (availability is probed once per process), so
+        ``compilemask.attention`` keeps a call's checks and preparation per call signature."""
+        return ()
+
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether cuDNN runs this call; (False, reason) otherwise. Reads no tensor data."""
         why = plain_attention_reason(call, "cudnn")

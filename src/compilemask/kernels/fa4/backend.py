@@ -112,6 +112,12 @@ class Fa4Backend:
             return False, UNDER_COMPILE
         return _availability()
 
+    def dispatch_token(self):
+        """What ``supports`` and ``prepare`` read beyond the plan and the call
+        (``registry.dispatch_state``): nothing (availability is probed once per process), so
+        ``compilemask.attention`` keeps a call's checks and preparation per call signature."""
+        return ()
+
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether FlashAttention-4 runs this call; (False, reason) otherwise."""
         why = plain_attention_reason(call, "fa4", softcap_and_sinks=True)

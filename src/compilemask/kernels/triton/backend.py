@@ -149,14 +149,12 @@ def _backward_config(plan, call: AttentionCall) -> BwdConfig:
 
 # ------------------------------------------------------------------------------ schedules
 def _bwd_schedule(plan, cfg: BwdConfig) -> list[torch.Tensor]:
-    from .bounds import bwd_segments  # (the module defines Triton functions)
-
     dkdv = dkdv_schedule(plan, cfg.dkdv_block_m, cfg.dkdv_block_n, bits=True)
     dq = forward_schedule(plan, cfg.dq_block_m, cfg.dq_block_n, bits=True)
     tensors = list(dkdv.values()) + list(dq.values())
     if cfg.ds_dq:  # the dQ tiling is the dK/dV tiling (backward_config)
         tensors.append(ds_slots(dkdv["kind"]))
-    return tensors + bwd_segments(plan, cfg.dkdv_block_m, cfg.dq_block_m)
+    return tensors
 
 
 def _ints(cfg) -> list[int]:
@@ -217,28 +215,21 @@ def _attention_fwd_impl(
     return _kernels()[0].attention_forward(
         q, k, v, row_lo, row_hi, dict(zip(FWD_SCHEDULE_FIELDS, schedule)), scale=scale,
         mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
-        cfg=_config(FwdConfig, config), segments=schedule[len(FWD_SCHEDULE_FIELDS):],
+        cfg=_config(FwdConfig, config),
     )  # fmt: skip
 
 
 _KERNEL_MODULES: list = []
-_FWD_KERNELS = ("_attn_fwd",)
-_BWD_KERNELS = ("_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq_ds", "_attn_bwd_dq")
 _CONFIGS: dict[tuple, object] = {}
 
 
 def _kernels() -> list:
     """``[forward, backward]``, the kernel modules, imported on first use (importing
     compilemask never loads Triton; an ``import`` statement per call costs about a
-    microsecond), their kernels launched through ``launcher.py`` (compiled launchers for
-    seen launch keys). Their functions are looked up per call, so replacing one is
-    honoured."""
+    microsecond). Their functions are looked up per call, so replacing one is honoured."""
     if not _KERNEL_MODULES:
-        from . import backward, forward, launcher
+        from . import backward, forward
 
-        for module, names in ((forward, _FWD_KERNELS), (backward, _BWD_KERNELS)):
-            for name in names:
-                launcher.install(getattr(module, name))
         _KERNEL_MODULES[:] = (forward, backward)
     return _KERNEL_MODULES
 
@@ -302,16 +293,13 @@ def _attention_bwd_impl(
     q, k, v, out, lse, dout, dlse, row_lo, row_hi, bwd_schedule, scale, mask_stride_b,
     mask_stride_h, bwd_config,
 ):  # fmt: skip
-    from .bounds import split_bwd
-
-    cfg = _config(BwdConfig, bwd_config)
-    slots, segments = split_bwd(bwd_schedule[_N_BWD:], cfg.ds_dq)
     return _kernels()[1].attention_backward(
         q, k, v, out, lse, dout, row_lo, row_hi,
         dict(zip(DKDV_SCHEDULE_FIELDS, bwd_schedule[:_N_DKDV])),
         dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:_N_BWD])),
         scale=scale, mask_stride_b=mask_stride_b, mask_stride_h=mask_stride_h,
-        cfg=cfg, dlse=dlse, ds_slots=slots, segments=segments,
+        cfg=_config(BwdConfig, bwd_config), dlse=dlse,
+        ds_slots=bwd_schedule[_N_BWD] if len(bwd_schedule) > _N_BWD else None,
     )  # fmt: skip
 
 
@@ -508,13 +496,8 @@ class TritonBackend:
         efficiency, bitmask = _tiling_class(plan, call)
         cfg = forward_config(_config_dim(call), call.dtype, call.device, efficiency, bitmask)
         bm, bn = cfg.block_m, cfg.block_n
-        from .bounds import fwd_segments
-
         schedule = plan.cached(
-            ("triton.fwd", bm, bn),
-            lambda: (
-                list(forward_schedule(plan, bm, bn, bits=True).values()) + fwd_segments(plan, bm)
-            ),
+            ("triton.fwd", bm, bn), lambda: list(forward_schedule(plan, bm, bn, bits=True).values())
         )
         bwd_schedule, bwd_config = [], []
         if call.requires_grad:

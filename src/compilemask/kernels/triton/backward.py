@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from .backward_parts import _PRE_BLOCK, _attn_bwd_dq_ds, _attn_bwd_preprocess
-from .bounds import seg_args
 from .common import (
     check_bits,
     clamp,
@@ -52,7 +51,7 @@ from .common import (
     mask_constants,
     partial_tile_mask,
     partial_tile_mask_t,
-    preload_slots,
+    preload_row_slot,
     q_tile_program,
     slot_range,
     slots_mask,
@@ -74,15 +73,10 @@ def _mask_p_t(
     MAX_SPAN: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
-    qt=0,
-    seg=None,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     """``pT`` ([BLOCK_N, BLOCK_M]) with 0 where the PARTIAL tile at offset ``tile`` of the
     tile arrays hides a pair (transposed interval or bitmask masking; the bitmask index
-    clamped to [0, n_bits)); SEG: interval bounds from the segments ``seg = (SegRow,
-    SlotTab, TileSeg, the mask's first entry, n_seg, n_tab)``, q-tile ``qt`` (``bounds.py``)."""
+    clamped to [0, n_bits))."""
     kind = 0
     if HAS_BITS:
         kind = tl.load(Kind + tile)
@@ -93,8 +87,7 @@ def _mask_p_t(
     visible = partial_tile_mask_t(
         kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits,
         clamp(tl.load(BitsIndex + tile), n_bits - 1), stride_bits_p, stride_bits_r,
-        BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, seg[0], seg[1], seg[2], seg[3] + qt, seg[4],
-        seg[5], SEG, SEG_STEPS,
+        BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
     )  # fmt: skip
     return tl.where(visible, pT, 0.0)
 
@@ -139,9 +132,6 @@ def _attn_bwd_dkdv_inner(
     MOD3: tl.constexpr = 0,
     SCORE_FN: tl.constexpr = None,
     SCORE_DFN: tl.constexpr = None,
-    seg=None,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     """Accumulate dK, dV of one kv-tile over the q-tiles ``TileList[list_start:list_end]``.
 
@@ -154,8 +144,7 @@ def _attn_bwd_dkdv_inner(
     DS_TMA: through the 2-D descriptor ``DS_desc`` (rows ``(ds_row0 + slot) * BLOCK_N``), an
     asynchronous bulk store from shared memory (``BwdConfig.ds_tma``). MOD0..MOD3 != 0: the
     score modifier's chain (``score_mods``), its learnable gradients into ``ModG`` and the
-    relative-bias bucket sums into ``tbl`` (returned with dK, dV). SEG: bounds from the
-    segments ``seg`` (see ``_mask_p_t``).
+    relative-bias bucket sums into ``tbl`` (returned with dK, dV).
     """
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -210,7 +199,7 @@ def _attn_bwd_dkdv_inner(
             pT = _mask_p_t(
                 pT, qt * tile_stride, Kind, Jlo, Jhi, BitsIndex, Bits, stride_bits_p,
                 stride_bits_r, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, n_bits,
-                BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, qt, seg, SEG, SEG_STEPS,
+                BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS,
             )  # fmt: skip
         if USE_TMA:
             do = DO_desc.load([off_b, off_h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM_V_PAD)
@@ -321,16 +310,8 @@ def _attn_bwd_dkdv(
     MOD3: tl.constexpr = 0,
     SCORE_FN: tl.constexpr = None,
     SCORE_DFN: tl.constexpr = None,
-    SegRow=None,
-    SlotTab=None,
-    TileSeg=None,
-    n_seg=1,
-    n_tab=1,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
-    """dK, dV of one kv-tile (see the module docstring); SEG: masked tiles take their bounds
-    from the segments (``bounds.py``; ``TileSeg`` of this kernel's q-tiling)."""
+    """dK, dV of one kv-tile (see the module docstring)."""
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b = pid_bh // Hkv
     off_hkv = pid_bh % Hkv
@@ -385,7 +366,6 @@ def _attn_bwd_dkdv(
         tbl = 0.0
         if TABLE_STAGE >= 0:
             tbl = tl.zeros([NB_PAD], dtype=tl.float32)
-        seg = (SegRow, SlotTab, TileSeg, mask_id * Tq, n_seg, n_tab)
         # PARTIAL q-tiles: interval or bitmask masking, transposed.
         dk, dv, tbl = _attn_bwd_dkdv_inner(
             dk, dv, k, v, Q_desc, DO_desc, off_b, off_h, Q_head, DO_head,
@@ -401,7 +381,6 @@ def _attn_bwd_dkdv(
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
             SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
-            seg=seg, SEG=SEG, SEG_STEPS=SEG_STEPS,
         )  # fmt: skip
         # FULL q-tiles: no mask, no bounds checks.
         dk, dv, tbl = _attn_bwd_dkdv_inner(
@@ -417,7 +396,7 @@ def _attn_bwd_dkdv(
             STORE_DS, DS_desc, ds_row0, DS_TMA, ds_tiles, tbl, Hq, NB_PAD, scale,
             HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
-            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN, seg=seg,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
         )  # fmt: skip
 
         if TABLE_STAGE >= 0:
@@ -469,13 +448,9 @@ def _attn_bwd_dq_inner(
     MOD3: tl.constexpr = 0,
     SCORE_FN: tl.constexpr = None,
     SCORE_DFN: tl.constexpr = None,
-    seg=None,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     """Accumulate dQ of one q-tile over the kv-tiles ``TileList[list_start:list_end]``
-    (masks as in the forward: preloaded slots when SLOTS > 0, SEG: bounds from the segments
-    ``seg = (SegRow, SlotTab, TileSeg, tile, n_seg, n_tab)``; USE_TMA: K and V tiles through
+    (masks as in the forward: preloaded slots when SLOTS > 0; USE_TMA: K and V tiles through
     the descriptors ``K_desc, V_desc``, rows past Nk read as zeros; MOD0..MOD3: the score
     modifier's chain rule)."""
     offs_n_local = tl.arange(0, BLOCK_N)
@@ -538,8 +513,7 @@ def _attn_bwd_dq_inner(
                 visible = partial_tile_mask(
                     kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi,
                     Bits, clamp(tl.load(BitsIndex + kt), n_bits - 1),
-                    stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, seg[0],
-                    seg[1], seg[2], seg[3], seg[4], seg[5], SEG, SEG_STEPS,
+                    stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
                 )  # fmt: skip
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
@@ -602,13 +576,6 @@ def _attn_bwd_dq(
     MOD3: tl.constexpr = 0,
     SCORE_FN: tl.constexpr = None,
     SCORE_DFN: tl.constexpr = None,
-    SegRow=None,
-    SlotTab=None,
-    TileSeg=None,
-    n_seg=1,
-    n_tab=1,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     off_b, off_h, off_hkv, mask_id, qt, tile_row = q_tile_program(
@@ -650,11 +617,11 @@ def _attn_bwd_dq(
     V_head = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = preload_slots(
-        RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots, SegRow, SlotTab, TileSeg, tile_row,
-        n_seg, n_tab, SLOTS, SEG, SEG_STEPS,
-    )  # fmt: skip
-    seg = (SegRow, SlotTab, TileSeg, tile_row, n_seg, n_tab)
+    row_ptr = row_base + offs_m.to(tl.int64) * n_slots
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 3, SLOTS)
     # PARTIAL kv-tiles: interval or bitmask masking.
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, K_desc, V_desc, off_b, off_hkv, K_head, V_head,
@@ -668,7 +635,6 @@ def _attn_bwd_dq(
         HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
             SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
-        seg=seg, SEG=SEG, SEG_STEPS=SEG_STEPS,
     )  # fmt: skip
     # FULL kv-tiles: no mask, no bounds checks.
     dq = _attn_bwd_dq_inner(
@@ -682,7 +648,7 @@ def _attn_bwd_dq(
         HAS_BITS, SLOTS, USE_TMA, off_h, scale,
         HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, ModF=ModF, ModI=ModI,
             ModMeta=ModMeta, ModG=ModG, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
-            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN, seg=seg,
+            SCORE_FN=SCORE_FN, SCORE_DFN=SCORE_DFN,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -717,7 +683,6 @@ def attention_backward(
     mods=None,
     mod_grad: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
-    segments: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels (internal: inputs are assumed validated).
 
@@ -743,9 +708,6 @@ def attention_backward(
             gradients go to ``mod_grad`` (``Packed.grad_buffer`` at the dK/dV tiling's Tk).
         delta: optional float32 [B, Hq, Nq] buffer that receives ``rowsum(dO * O) - dlse``
             (the sinks' gradient is taken from it).
-        segments: ``bounds.bwd_segments`` (``[SegRow, SlotTab, TileSeg at the dK/dV q-tiling,
-            TileSeg at the dQ q-tiling]``): masked tiles take their bounds from the segments;
-            None or empty: from ``row_lo`` / ``row_hi``.
 
     Returns:
         (dq, dk, dv) in the dtypes of q, k, v (or of the given buffers). Rows that see no key
@@ -827,9 +789,6 @@ def attention_backward(
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     check_bits(bits, has_bits, cfg.dkdv_block_n, cfg.dkdv_block_m)  # transposed tiles
     order = launch_order(cfg.dkdv_order, B * Hkv)
-    segs = segments[:3] if segments else None
-    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segs, False)
-    seg_kw = dict(SegRow=seg_row, SlotTab=slot_tab, n_seg=n_seg, n_tab=n_tab, SEG=seg)
     _attn_bwd_dkdv[launch_grid(order, B * Hkv, Tk)](
         q, k, v, do, lse2, delta, dk, dv,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
@@ -847,7 +806,6 @@ def attention_backward(
         STORE_DS=use_ds, DS_desc=ds_desc if ds_tma else None, DS_TMA=ds_tma,
         TABLE_STAGE=mods.table_stage if mods is not None and mods.table_learnable else -1,
         NB_PAD=mods.nb_pad if mods is not None else 16, **mod_args,
-        TileSeg=tile_seg, SEG_STEPS=seg_steps, **seg_kw,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
 
@@ -871,8 +829,6 @@ def attention_backward(
     span, slots, has_bits = mask_constants(s["kind"], s["jlo"], s["jhi"], n_slots)
     check_bits(bits, has_bits, cfg.dq_block_m, cfg.dq_block_n)
     order = launch_order(cfg.dq_order, B * Hq)
-    segs = [*segments[:2], segments[3]] if segments else None
-    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segs, slots > 0)
     _attn_bwd_dq[launch_grid(order, B * Hq, Tq)](
         q, k, v, do, lse2, delta, dq,
         row_lo, row_hi, s["kind"], s["jlo"], s["jhi"], s["bits_index"], bits,
@@ -887,8 +843,6 @@ def attention_backward(
         GRID_ORDER=order,
         K_desc=kv_descs[0] if kv_descs else None, V_desc=kv_descs[1] if kv_descs else None,
         USE_TMA=kv_descs is not None, **mod_args,
-        SegRow=seg_row, SlotTab=slot_tab, TileSeg=tile_seg, n_seg=n_seg, n_tab=n_tab, SEG=seg,
-        SEG_STEPS=seg_steps,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
     return dq, dk, dv

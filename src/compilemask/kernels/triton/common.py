@@ -17,8 +17,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bounds import preload_seg_slot, seg_tile_mask, segment_of_rows, segment_rows
-
 # Tile kinds of ``TileSchedule.kind`` (keep in sync with the compiler).
 KIND_EMPTY = tl.constexpr(0)
 KIND_FULL = tl.constexpr(1)
@@ -108,31 +106,6 @@ def preload_row_slot(
 
 
 @triton.jit
-def preload_slots(
-    RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots, SegRow, SlotTab, TileSeg, seg_tile, n_seg,
-    n_tab, SLOTS: tl.constexpr, SEG: tl.constexpr, SEG_STEPS: tl.constexpr,
-):  # fmt: skip
-    """``(lo0, hi0, ..., lo3, hi3)``: the first SLOTS slots of the q-tile's rows ``offs_m``
-    (:func:`preload_row_slot`), or with ``SEG`` computed from the segments (the q-tile's
-    entry ``seg_tile`` of ``TileSeg``, ``bounds.py``); empty slots past SLOTS."""
-    if SEG and SLOTS > 0:
-        sid = segment_of_rows(SegRow, TileSeg, seg_tile, offs_m, n_seg, SEG_STEPS)
-        r0, t0, cnt = segment_rows(SegRow, sid)
-        lo0, hi0 = preload_seg_slot(SlotTab, r0, t0, cnt, offs_m, Nq, Nk, n_tab, 0, SLOTS)
-        lo1, hi1 = preload_seg_slot(SlotTab, r0, t0, cnt, offs_m, Nq, Nk, n_tab, 1, SLOTS)
-        lo2, hi2 = preload_seg_slot(SlotTab, r0, t0, cnt, offs_m, Nq, Nk, n_tab, 2, SLOTS)
-        lo3, hi3 = preload_seg_slot(SlotTab, r0, t0, cnt, offs_m, Nq, Nk, n_tab, 3, SLOTS)
-    else:
-        m_ok = offs_m < Nq
-        row_ptr = row_base + offs_m.to(tl.int64) * n_slots
-        lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
-        lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 1, SLOTS)
-        lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 2, SLOTS)
-        lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 3, SLOTS)
-    return lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3
-
-
-@triton.jit
 def slots_mask(offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, SLOTS: tl.constexpr):
     """visible[r, c] = OR over the first SLOTS (<= 4) slots of lo_j[r] <= c < hi_j[r].
 
@@ -199,22 +172,12 @@ def partial_tile_mask(
     BLOCK_N: tl.constexpr,
     MAX_SPAN: tl.constexpr,
     HAS_BITS: tl.constexpr,
-    SegRow=None,
-    SlotTab=None,
-    TileSeg=None,
-    seg_tile=0,
-    n_seg=1,
-    n_tab=1,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):
     """The visibility of a PARTIAL or PARTIAL_BITS tile (one branch per tile).
 
     Only kernels without preloaded slots call it (``SLOTS == 0``). ``HAS_BITS``: 0 no bitmask
     tile in the schedule (``kind`` is not read), 1 both encodings (a branch on ``kind``), 2
-    every masked tile is a bitmask (no branch). ``SEG``: interval tiles take their bounds from
-    the segments (``bounds.seg_tile_mask``, q-tile entry ``seg_tile`` of ``TileSeg``), not
-    from ``RowLo`` / ``RowHi``.
+    every masked tile is a bitmask (no branch).
     """
     if HAS_BITS == 2:
         visible = bits_tile_mask(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
@@ -224,44 +187,10 @@ def partial_tile_mask(
             visible = bits_tile_mask(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
             visible = visible & (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
         else:
-            visible = _interval_mask(
-                RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, SegRow,
-                SlotTab, TileSeg, seg_tile, n_seg, n_tab, BLOCK_M, BLOCK_N, MAX_SPAN, SEG,
-                SEG_STEPS, False,
+            visible = interval_tile_mask(
+                RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
+                BLOCK_M, BLOCK_N, MAX_SPAN,
             )  # fmt: skip
-    else:
-        visible = _interval_mask(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, SegRow,
-            SlotTab, TileSeg, seg_tile, n_seg, n_tab, BLOCK_M, BLOCK_N, MAX_SPAN, SEG,
-            SEG_STEPS, False,
-        )  # fmt: skip
-    return visible
-
-
-@triton.jit
-def _interval_mask(
-    RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, SegRow, SlotTab,
-    TileSeg, seg_tile, n_seg, n_tab,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MAX_SPAN: tl.constexpr,
-    SEG: tl.constexpr,
-    SEG_STEPS: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-):  # fmt: skip
-    """An interval tile's visibility from the rows (:func:`interval_tile_mask`,
-    :func:`interval_tile_mask_t`) or, with ``SEG``, from the segments
-    (``bounds.seg_tile_mask``)."""
-    if SEG:
-        visible = seg_tile_mask(
-            SegRow, SlotTab, TileSeg, seg_tile, offs_m, offs_n, Nq, Nk, n_seg, n_tab, jlo, jhi,
-            BLOCK_M, BLOCK_N, MAX_SPAN, SEG_STEPS, TRANSPOSED,
-        )  # fmt: skip
-    elif TRANSPOSED:
-        visible = interval_tile_mask_t(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
-            BLOCK_M, BLOCK_N, MAX_SPAN,
-        )  # fmt: skip
     else:
         visible = interval_tile_mask(
             RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
@@ -341,26 +270,17 @@ def partial_tile_mask_t(
     MAX_SPAN: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
-    SegRow=None,
-    SlotTab=None,
-    TileSeg=None,
-    seg_tile=0,
-    n_seg=1,
-    n_tab=1,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):
     """:func:`partial_tile_mask` transposed: ``[BLOCK_N, BLOCK_M]`` (keys x queries).
 
     ``SLOTS > 0``: every row has at most SLOTS (<= 4) slots and the schedule no bitmask tile;
-    the mask ORs all slots of each row (no per-tile slot range is read). ``HAS_BITS`` and the
-    segment arguments as in :func:`partial_tile_mask`.
+    the mask ORs all slots of each row (no per-tile slot range is read). ``HAS_BITS`` as in
+    :func:`partial_tile_mask`.
     """
     if SLOTS > 0:
-        visible = _interval_mask(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, 0, SLOTS, SegRow,
-            SlotTab, TileSeg, seg_tile, n_seg, n_tab, BLOCK_M, BLOCK_N, SLOTS, SEG,
-            SEG_STEPS, True,
+        visible = interval_tile_mask_t(
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, 0, SLOTS,
+            BLOCK_M, BLOCK_N, SLOTS,
         )  # fmt: skip
     elif HAS_BITS == 2:
         visible = bits_tile_mask_t(Bits, bits_idx, stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N)
@@ -372,16 +292,14 @@ def partial_tile_mask_t(
             )
             visible = visible & (offs_m[None, :] < Nq) & (offs_n[:, None] < Nk)
         else:
-            visible = _interval_mask(
-                RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, SegRow,
-                SlotTab, TileSeg, seg_tile, n_seg, n_tab, BLOCK_M, BLOCK_N, MAX_SPAN, SEG,
-                SEG_STEPS, True,
+            visible = interval_tile_mask_t(
+                RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
+                BLOCK_M, BLOCK_N, MAX_SPAN,
             )  # fmt: skip
     else:
-        visible = _interval_mask(
-            RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, SegRow,
-            SlotTab, TileSeg, seg_tile, n_seg, n_tab, BLOCK_M, BLOCK_N, MAX_SPAN, SEG,
-            SEG_STEPS, True,
+        visible = interval_tile_mask_t(
+            RowLo, RowHi, row_base, offs_m, offs_n, Nq, n_slots, jlo, jhi,
+            BLOCK_M, BLOCK_N, MAX_SPAN,
         )  # fmt: skip
     return visible
 

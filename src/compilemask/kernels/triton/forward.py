@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .bounds import seg_args
 from .common import (
     check_bits,
     clamp,
@@ -38,7 +37,7 @@ from .common import (
     one_interval_per_tile,
     one_slot_mask,
     partial_tile_mask,
-    preload_slots,
+    preload_row_slot,
     q_tile_work,
     slot_range,
     slots_mask,
@@ -59,19 +58,10 @@ def _mask_scores(
     HAS_BITS: tl.constexpr,
     SLOTS: tl.constexpr,
     ONE_PER_TILE: tl.constexpr = False,
-    SegRow=None,
-    SlotTab=None,
-    TileSeg=None,
-    seg_tile=0,
-    n_seg=1,
-    n_tab=1,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     """``qk`` with -inf where the PARTIAL tile ``kt`` hides a pair: from the preloaded slots
     ``lo*/hi*`` when SLOTS > 0 (the one slot that meets the tile when ``ONE_PER_TILE``:
-    ``common.one_slot_mask``), else from the tile's intervals (with ``SEG``: from the
-    segments, ``bounds.py``) or bitmask (``bidx``)."""
+    ``common.one_slot_mask``), else from the tile's intervals or bitmask (``bidx``)."""
     if SLOTS > 1 and ONE_PER_TILE:
         start_n = kt * BLOCK_N
         visible = one_slot_mask(
@@ -86,8 +76,7 @@ def _mask_scores(
         jlo, jhi = slot_range(Jlo, Jhi, kt, n_slots)
         visible = partial_tile_mask(
             kind, RowLo, RowHi, row_base, offs_m, offs_n, Nq, Nk, n_slots, jlo, jhi, Bits, bidx,
-            stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SegRow, SlotTab,
-            TileSeg, seg_tile, n_seg, n_tab, SEG, SEG_STEPS,
+            stride_bits_p, stride_bits_r, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS,
         )  # fmt: skip
     return tl.where(visible, qk, float("-inf"))
 
@@ -154,14 +143,6 @@ def _attn_fwd_inner(
     MOD2: tl.constexpr = 0,
     MOD3: tl.constexpr = 0,
     SCORE_FN: tl.constexpr = None,
-    SegRow=None,
-    SlotTab=None,
-    TileSeg=None,
-    seg_tile=0,
-    n_seg=1,
-    n_tab=1,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     """Online softmax over the kv-tiles ``TileList[list_start:list_end]``.
 
@@ -176,8 +157,7 @@ def _attn_fwd_inner(
     ``kt_max`` is the last complete kv-tile: its loads are not bounds-checked), bitmask
     indices to [0, n_bits). HEAD_DIM_V (_PAD): v's head_dim. MOD0..MOD3 != 0: the score
     modifier's stages (``score_mods.apply_mods``) on ``sm_scale * qk``; ``qk_scale`` is then
-    log2(e) alone. SEG: interval tiles take their bounds from the segments (``bounds.py``:
-    ``SegRow, SlotTab``, the q-tile's entry ``seg_tile`` of ``TileSeg``) when SLOTS == 0.
+    log2(e) alone.
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -246,8 +226,7 @@ def _attn_fwd_inner(
             qk = _mask_scores(
                 qk, kt, bidx, Kind, Jlo, Jhi, Bits, stride_bits_p, stride_bits_r, RowLo, RowHi,
                 row_base, offs_m, offs_n, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, Nq, Nk,
-                n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE, SegRow,
-                SlotTab, TileSeg, seg_tile, n_seg, n_tab, SEG, SEG_STEPS,
+                n_slots, BLOCK_M, BLOCK_N, MAX_SPAN, HAS_BITS, SLOTS, ONE_PER_TILE,
             )  # fmt: skip
         if MASKED:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -303,14 +282,6 @@ def _attn_fwd_two_loops(
     MOD2: tl.constexpr,
     MOD3: tl.constexpr,
     SCORE_FN: tl.constexpr,
-    SegRow,
-    SlotTab,
-    TileSeg,
-    seg_tile,
-    n_seg,
-    n_tab,
-    SEG: tl.constexpr,
-    SEG_STEPS: tl.constexpr,
 ):  # fmt: skip
     """The PARTIAL tiles ``TileList[full_count:count]`` in a masked loop, then the FULL tiles
     ``TileList[0:full_count]`` in an unmasked one.
@@ -327,8 +298,7 @@ def _attn_fwd_two_loops(
         SLOTS, USE_TMA, kt_partial, HAS_FIRST, ONE_PER_TILE,
         HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, off_h=off_h, sm_scale=sm_scale,
         ModF=ModF, ModI=ModI, ModMeta=ModMeta, MOD0=MOD0, MOD1=MOD1, MOD2=MOD2, MOD3=MOD3,
-        SCORE_FN=SCORE_FN, SegRow=SegRow, SlotTab=SlotTab, TileSeg=TileSeg, seg_tile=seg_tile,
-        n_seg=n_seg, n_tab=n_tab, SEG=SEG, SEG_STEPS=SEG_STEPS,
+        SCORE_FN=SCORE_FN,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
@@ -381,13 +351,6 @@ def _attn_fwd(
     SCORE_FN: tl.constexpr = None,
     Sinks=None,
     HAS_SINKS: tl.constexpr = False,
-    SegRow=None,
-    SlotTab=None,
-    TileSeg=None,
-    n_seg=1,
-    n_tab=1,
-    SEG: tl.constexpr = False,
-    SEG_STEPS: tl.constexpr = 0,
 ):  # fmt: skip
     pid_bh, rank = grid_position(GRID_ORDER)
     # PREFETCH (launch orders 0 and 3 only): the q-tile, its counts and the first tile of each
@@ -427,12 +390,12 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
-    # the rows' intervals, loaded (SEG: computed from the segments) once when there are few
-    # slots (SLOTS > 0)
-    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = preload_slots(
-        RowLo, RowHi, row_base, offs_m, Nq, Nk, n_slots, SegRow, SlotTab, TileSeg, tile_row,
-        n_seg, n_tab, SLOTS, SEG, SEG_STEPS,
-    )  # fmt: skip
+    # the rows' intervals, loaded once when there are few slots (SLOTS > 0)
+    row_ptr = row_base + offs_m.to(tl.int64) * n_slots
+    lo0, hi0 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 0, SLOTS)
+    lo1, hi1 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 1, SLOTS)
+    lo2, hi2 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 2, SLOTS)
+    lo3, hi3 = preload_row_slot(RowLo, RowHi, row_ptr, m_ok, Nk, 3, SLOTS)
 
     acc, l_i, m_i = _attn_fwd_two_loops(
         acc, l_i, m_i, q, K_tile, V_tile, K_desc, V_desc, off_b, off_hkv,
@@ -444,7 +407,6 @@ def _attn_fwd(
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, DOT_PRECISION, MAX_SPAN, HAS_BITS, SLOTS,
         USE_TMA, PREFETCH, ONE_PER_TILE, HEAD_DIM_V, HEAD_DIM_V_PAD, off_h, sm_scale,
         ModF, ModI, ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN,
-        SegRow, SlotTab, TileSeg, tile_row, n_seg, n_tab, SEG, SEG_STEPS,
     )  # fmt: skip
     if HAS_SINKS:
         m_i, l_i, acc = add_sink(m_i, l_i, acc, Sinks, off_h)
@@ -482,7 +444,6 @@ def attention_forward(
     lse: torch.Tensor | None = None,
     mods=None,
     sinks: torch.Tensor | None = None,
-    segments: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel (internal: inputs are assumed validated).
 
@@ -498,9 +459,6 @@ def attention_forward(
         lse: optional float32 [B, Hq, Nq] contiguous buffer (written in full).
         mods: a ``score_mods.Packed`` score modifier, or None.
         sinks: float32 [Hq] contiguous sink logits, or None.
-        segments: ``[SegRow, SlotTab, TileSeg]`` of ``cfg``'s q-tiling
-            (``bounds.fwd_segments``): masked tiles take their bounds from the segments; None
-            or empty: from ``row_lo`` / ``row_hi``.
 
     Returns:
         (out, lse): out [B, Hq, Nq, Dv] in q's dtype; lse float32 [B, Hq, Nq], natural log
@@ -532,7 +490,6 @@ def attention_forward(
     one_per_tile = (
         bool(cfg.one_slot) and slots > 1 and one_interval_per_tile(row_lo, row_hi, cfg.block_n)
     )
-    (seg_row, slot_tab, tile_seg, n_seg, n_tab), seg_steps, seg = seg_args(segments, slots > 0)
     _attn_fwd[launch_grid(order, B * Hq, Tq)](
         q, k, v, out, lse, *(descs or (k, v)),
         row_lo, row_hi, kind, schedule["jlo"], schedule["jhi"], schedule["bits_index"], bits,
@@ -565,8 +522,6 @@ def attention_forward(
         SCORE_FN=mods.score_fn if mods is not None else None,
         Sinks=sinks,
         HAS_SINKS=sinks is not None,
-        SegRow=seg_row, SlotTab=slot_tab, TileSeg=tile_seg, n_seg=n_seg, n_tab=n_tab, SEG=seg,
-        SEG_STEPS=seg_steps,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from .bounds import split_bwd
 from .configs import BwdConfig, FwdConfig
 from .schedule import DKDV_SCHEDULE_FIELDS, FWD_SCHEDULE_FIELDS
 from .score_mods import pack, sink_grad
@@ -48,7 +47,6 @@ class ModdedAttention(torch.autograd.Function):
             q, k, v, plan.row_lo, plan.row_hi, dict(zip(FWD_SCHEDULE_FIELDS, p.schedule)),
             scale=args.scale, mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
             cfg=FwdConfig(*p.config), mods=mods, sinks=sinks_f,
-            segments=p.schedule[len(FWD_SCHEDULE_FIELDS):],
         )  # fmt: skip
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -81,15 +79,14 @@ class ModdedAttention(torch.autograd.Function):
         Tk = dkdv["kind"].shape[2]
         mod_grad = mods.grad_buffer(B, Hq, Nq, Nk, Tk) if mods is not None else None
         delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-        cfg = BwdConfig(*p.bwd_config)
-        slots, segments = split_bwd(sched[_N_BWD:], cfg.ds_dq)
         with torch.no_grad():
             dq, dk, dv = attention_backward(
                 q, k, v, out, lse.contiguous(), dout, args.plan.row_lo, args.plan.row_hi, dkdv,
                 dict(zip(FWD_SCHEDULE_FIELDS, sched[_N_DKDV:_N_BWD])), scale=args.scale,
                 mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
-                cfg=cfg, dlse=dlse, ds_slots=slots, segments=segments, mods=mods,
-                mod_grad=mod_grad, delta=delta,
+                cfg=BwdConfig(*p.bwd_config), dlse=dlse,
+                ds_slots=sched[_N_BWD] if len(sched) > _N_BWD else None,
+                mods=mods, mod_grad=mod_grad, delta=delta,
             )  # fmt: skip
             dsink = None
             if sinks is not None and ctx.needs_input_grad[3]:

@@ -79,17 +79,15 @@ def capture_sm90() -> Iterator[list[tuple[str, object]]]:
             os.environ["TRITON_INTERPRET"] = interpret
 
 
-def launch_all(w, fwd, bwd, heads: int = 2, segments: bool = False) -> None:
+def launch_all(w, fwd, bwd, heads: int = 2) -> None:
     """One forward and one backward launch of every kernel on CPU tensors (inside
     :func:`capture_sm90` they compile and do not run): bf16, head_dim 128, the launch
     configurations ``fwd`` (``FwdConfig``) and ``bwd`` (``BwdConfig``). ``w`` is a workload
-    (``compilemask.workloads.workload``) or a ``(mask, N)`` pair. ``segments``: the masked
-    tiles read the compact form's segments (``bounds.py``) where it chose them."""
+    (``compilemask.workloads.workload``) or a ``(mask, N)`` pair."""
     import torch
 
     from ...compiler.pipeline import compile as compile_mask
     from .backward import attention_backward
-    from .bounds import bwd_segments, fwd_segments
     from .configs import replace
     from .forward import attention_forward
     from .schedule import dkdv_schedule, ds_slots, forward_schedule
@@ -99,19 +97,8 @@ def launch_all(w, fwd, bwd, heads: int = 2, segments: bool = False) -> None:
     q, k, v, do = (torch.randn(1, heads, n, 128, dtype=torch.bfloat16) for _ in range(4))
     strides = dict(mask_stride_b=0, mask_stride_h=0)
     fwd_sched = forward_schedule(plan, fwd.block_m, fwd.block_n)
-    fseg = fwd_segments(plan, fwd.block_m) if segments else None
-    bseg = bwd_segments(plan, bwd.dkdv_block_m, bwd.dq_block_m) if segments else None
     out, lse = attention_forward(
-        q,
-        k,
-        v,
-        plan.row_lo,
-        plan.row_hi,
-        fwd_sched,
-        scale=0.088,
-        cfg=fwd,
-        segments=fseg,
-        **strides,
+        q, k, v, plan.row_lo, plan.row_hi, fwd_sched, scale=0.088, cfg=fwd, **strides
     )
     s1 = dkdv_schedule(plan, bwd.dkdv_block_m, bwd.dkdv_block_n)
     s2 = forward_schedule(plan, bwd.dq_block_m, bwd.dq_block_n)
@@ -121,7 +108,7 @@ def launch_all(w, fwd, bwd, heads: int = 2, segments: bool = False) -> None:
         bwd = replace(bwd, ds_dq=int((s2["kind"] != 0).sum()))
     attention_backward(
         q, k, v, out, lse, do, plan.row_lo, plan.row_hi, s1, s2,
-        scale=0.088, cfg=bwd, ds_slots=slots, segments=bseg, **strides,
+        scale=0.088, cfg=bwd, ds_slots=slots, **strides,
     )  # fmt: skip
 
 
