@@ -4,6 +4,11 @@ skipped without ``nvidia-cutlass-dsl`` or an sm90 GPU)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -140,6 +145,71 @@ def test_available_says_why_not():
     ok, why = CuteBackend().available()
     if not ok:
         assert "cute" in why or "sm90" in why or "cutlass" in why
+
+
+# ------------------------------------------------------- disk cache (CPU, needs cutlass)
+_HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
+_SRC = Path(__file__).resolve().parents[1] / "src"
+_PRECOMPILE = (
+    "import torch\n"
+    "from compilemask.kernels.cute import backend as cb\n"
+    "cb.precompile(64, torch.float16, 'cpu')\n"
+    "print(cb.kernel_origins()[(64, 'float16', 128, 128, 'cpu')])\n"
+)
+
+
+def _precompile_in_a_new_process(cache: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COMPILEMASK_CACHE_DIR=str(cache), PYTHONPATH=str(_SRC))
+    env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    return subprocess.run(
+        [sys.executable, "-c", _PRECOMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.skipif(not _HAS_CUTLASS, reason="needs nvidia-cutlass-dsl (compiles on the CPU)")
+def test_a_second_process_loads_the_kernel_from_the_disk_cache(tmp_path):
+    first = _precompile_in_a_new_process(tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split()[-1] == "compiled"
+    files = list((tmp_path / "cute").glob("*.o"))
+    assert len(files) == 1 and "d64_float16" in files[0].name
+    assert not [p for p in (tmp_path / "cute").iterdir() if p.name.startswith(".tmp")]
+    second = _precompile_in_a_new_process(tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.split()[-1] == "disk"
+    # a damaged entry is a miss: compiled again (with a warning) and replaced
+    files[0].write_bytes(b"not an object file")
+    third = _precompile_in_a_new_process(tmp_path)
+    assert third.returncode == 0, third.stderr
+    assert third.stdout.split()[-1] == "compiled"
+    assert "does not load" in third.stderr
+    assert files[0].stat().st_size > 1000
+
+
+def test_disk_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    from compilemask.kernels.cute import disk_cache
+
+    monkeypatch.setenv("COMPILEMASK_CACHE_DIR", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path / "cute"
+    monkeypatch.setenv("COMPILEMASK_CACHE_DIR", "off")
+    assert disk_cache.cache_dir() is None
+    assert disk_cache.load("anything") is None
+    monkeypatch.delenv("COMPILEMASK_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path / "compilemask" / "cute"
+    a = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda")
+    b = disk_cache.entry_name(64, "bfloat16", 128, 128, "cuda")
+    c = disk_cache.entry_name(128, "bfloat16", 128, 128, "cpu")
+    assert len({a, b, c}) == 3 and a.isidentifier()
+
+
+def test_precompile_rejects_bad_arguments():
+    from compilemask.kernels.cute.backend import precompile
+
+    with pytest.raises(CompileMaskError, match="head_dim"):
+        precompile(96)
+    with pytest.raises(CompileMaskError, match="dtype"):
+        precompile(128, torch.float32)
 
 
 # ---------------------------------------------------------------------------- GPU

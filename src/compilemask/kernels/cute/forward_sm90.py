@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -80,7 +81,7 @@ class FlashFwdSm90:
         row_hi: cute.Tensor,
         scale_log2: Float32,
         num_ctas: Int32,
-        stream,
+        stream: cuda.CUstream,
     ):
         D, N = self.head_dim, self.block_n
         dt = self.dtype
@@ -422,6 +423,30 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
         *plan_views,
         Float32(scale * LOG2E), Int32(num_ctas),
     )  # fmt: skip
+
+
+def example_args(head_dim: int, dtype_name: str, device) -> tuple:
+    """Arguments of the kernel's signature from small zero tensors on ``device`` (every
+    shape and stride is dynamic, so their sizes do not matter): what :func:`compile_forward`
+    needs to compile without a call at hand."""
+    import torch
+
+    from .lower import CuteLowered
+
+    dt = getattr(torch, dtype_name)
+    q = torch.zeros(1, 2, BLOCK_M, head_dim, dtype=dt, device=device)
+    k = torch.zeros(1, 1, BLOCK_N, head_dim, dtype=dt, device=device)
+    lse = torch.zeros(1, 2, BLOCK_M, dtype=torch.float32, device=device)
+
+    def ints(*shape):
+        return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+    low = CuteLowered(
+        work=ints(2, 4), kv_list=ints(2, 2, 2), kv_count=ints(2, 2), full_count=ints(2, 2),
+        jlo=ints(2, 2, 2), jhi=ints(2, 2, 2), row_lo=ints(2, BLOCK_M, 2),
+        row_hi=ints(2, BLOCK_M, 2), block_m=BLOCK_M, block_n=BLOCK_N,
+    )  # fmt: skip
+    return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1)
 
 
 def compile_forward(head_dim: int, dtype_name: str, example_args: tuple, stream):
