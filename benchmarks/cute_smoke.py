@@ -96,6 +96,8 @@ def main():
     for name in GPU_CASES:
         step(f"case {name} (d=128)", lambda name=name: check_gpu_case(name, 128))
     step("case causal (d=64)", lambda: check_gpu_case("causal", 64))
+    step("case causal (d=64, fp16)", lambda: check_gpu_case("causal", 64, torch.float16))
+    step("case hstu (d=128, fp16)", lambda: check_gpu_case("hstu", 128, torch.float16))
     print(f"== done: {failures} failed", flush=True)
     return 1 if failures else 0
 

@@ -238,24 +238,24 @@ GPU_CASES = {
 }
 
 
-def check_gpu_case(name: str, head_dim: int = 128) -> str:
-    """Run one case of :data:`GPU_CASES` on the GPU and assert it matches the reference;
-    returns a one-line summary."""
+def check_gpu_case(name: str, head_dim: int = 128, dtype: torch.dtype = DT) -> str:
+    """Run one case of :data:`GPU_CASES` on the GPU in ``dtype`` and assert it matches the
+    reference; returns a one-line summary."""
     from compilemask.kernels.reference import reference_attention
     from compilemask.testing import check_close
 
     mask, nq, nk, heads, b, hq, hkv = GPU_CASES[name]
     plan = cm.compile(mask, nq, nk, heads=heads, device="cuda").in_permuted_order()
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, hq, plan.q_len, head_dim, device="cuda", dtype=DT, generator=g)
+    q = torch.randn(b, hq, plan.q_len, head_dim, device="cuda", dtype=dtype, generator=g)
     k, v = (
-        torch.randn(b, hkv, plan.kv_len, head_dim, device="cuda", dtype=DT, generator=g)
+        torch.randn(b, hkv, plan.kv_len, head_dim, device="cuda", dtype=dtype, generator=g)
         for _ in range(2)
     )
     scale = head_dim**-0.5
     call = _call(
         batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len,
-        head_dim=head_dim, device=q.device,
+        head_dim=head_dim, dtype=dtype, device=q.device,
     )  # fmt: skip
     be = CuteBackend()
     assert be.supports(plan, call) == (True, "")
@@ -265,9 +265,9 @@ def check_gpu_case(name: str, head_dim: int = 128) -> str:
     assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)
     ref64, lse64 = reference_attention(q, k, v, plan, scale, compute_dtype=torch.float64)
     refdt, _ = reference_attention(
-        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=DT
+        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=dtype
     )
-    ok, err, bound = check_close(out, ref64, refdt, DT)
+    ok, err, bound = check_close(out, ref64, refdt, dtype)
     assert ok, f"out: {err:.3g} > {bound:.3g}"
     seen = torch.isfinite(lse64)
     assert torch.equal(torch.isneginf(lse), ~seen), "lse -inf exactly on rows that see nothing"
@@ -275,7 +275,7 @@ def check_gpu_case(name: str, head_dim: int = 128) -> str:
     assert bool((out[~seen] == 0).all())
     if name == "empty_rows":
         assert bool((~seen).any())
-    return f"{name} d={head_dim}: err {err:.3g} <= {bound:.3g}"
+    return f"{name} d={head_dim} {dtype}: err {err:.3g} <= {bound:.3g}"
 
 
 @pytest.mark.gpu
@@ -289,6 +289,13 @@ def test_cute_forward_matches_the_reference(name):
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_cute_forward_head_dim_64():
     check_gpu_case("causal", 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+@pytest.mark.parametrize("name,head_dim", [("causal", 64), ("hstu", 128)])
+def test_cute_forward_float16(name, head_dim):
+    check_gpu_case(name, head_dim, torch.float16)
 
 
 @pytest.mark.gpu
