@@ -30,7 +30,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .lower import BLOCK_M, BLOCK_N
@@ -354,21 +354,23 @@ class FlashFwdSm90:
 
     @cute.jit
     def apply_mask(self, s_mn, kt, j0, j1, row_lo, row_hi, m, row0, q_len, lane):
-        """Hide (-inf) every key of kv-tile ``kt`` outside the intervals of each row."""
+        """Hide (-inf) every key of kv-tile ``kt`` outside the intervals of each row. The keys a
+        thread holds in a row (N/4 = 32) are one bit each of a 32-bit word while the row's
+        interval slots are read: one register, not a row of saved scores."""
         N = self.block_n
         col0 = kt * N + 2 * (lane % 4)
         for r in cutlass.range_constexpr(2):
             row = cutlass.min(row0 + 8 * r, q_len - 1)
-            keep = cute.make_rmem_tensor((N // 4,), Float32)
-            keep.fill(-Float32.inf)
+            seen = Uint32(0)
             for slot in cutlass.range(j0, j1, unroll=1):
                 lo, hi = row_bounds(row_lo, row_hi, m, row, slot)
                 for c in cutlass.range_constexpr(N // 4):
                     col = col0 + 8 * (c // 2) + c % 2
                     if col >= lo and col < hi:
-                        keep[c] = s_mn[r, c]
+                        seen = seen | Uint32(1 << c)
             for c in cutlass.range_constexpr(N // 4):
-                s_mn[r, c] = keep[c]
+                if seen & Uint32(1 << c) == Uint32(0):
+                    s_mn[r, c] = -Float32.inf
 
     @cute.jit
     def epilogue(self, acc_o, row_max, row_sum, scale_log2, mO, mLSE, b, hq, row0, q_len, lane):
