@@ -15,6 +15,14 @@ registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask
 PARTIAL ones hide every key outside the row's intervals, read through :func:`row_bounds`.
 A row that sees no key ends with a zero sum: out 0, lse -inf.
 
+Intra-warpgroup overlap (software pipelining one kv-tile deep, per consumer warpgroup): the
+S GEMM of entry ``i`` and the PV GEMM of entry ``i - 1`` are issued back to back as two
+wgmma groups; the warpgroup waits for the first group only, masks and runs the softmax of
+``S_i`` on the CUDA cores while the tensor cores finish ``P_{i-1} V_{i-1}``, then waits for
+the second, rescales O and writes ``P_i`` over ``P_{i-1}`` (see :meth:`FlashFwdSm90.kv_steps`).
+Registers per consumer thread: S 64, O 32 / 64 (head_dim 64 / 128), P 32 (16-bit), live
+together; the 240 of ``setmaxnreg`` hold it without spills (ptxas, sm_90a).
+
 Tensors (all with dynamic shapes and strides; one compiled kernel per (head_dim, dtype)):
 q ``(Nq, D, Hq, B)``, k ``(Nk, D, Hkv, B)``, v ``(D, Nk, Hkv, B)`` (views of our
 ``[B, H, N, D]`` tensors, D contiguous), out like q, lse ``(Nq, Hq, B)`` fp32.
@@ -23,6 +31,7 @@ q ``(Nq, D, Hq, B)``, k ``(Nk, D, Hkv, B)``, v ``(D, Nk, Hkv, B)`` (views of our
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -90,6 +99,11 @@ class FlashFwdSm90:
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, k_major, Float32, (1, 1, 1), (ROWS_PER_WG, N)
         )
+        # the same MMA twice: its first k-block overwrites S, the others accumulate (the flag
+        # is set once per object, outside any loop, so no loop has to carry it)
+        qk_mma_acc = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (ROWS_PER_WG, N)
+        )
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, mn_major, Float32, (1, 1, 1), (ROWS_PER_WG, D),
             warpgroup.OperandSource.RMEM,
@@ -122,7 +136,7 @@ class FlashFwdSm90:
 
         self.storage = Storage
         self.kernel(
-            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE,
+            qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE,
             work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi,
             scale_log2, sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -133,6 +147,7 @@ class FlashFwdSm90:
     def kernel(
         self,
         qk_mma: cute.TiledMma,
+        qk_mma_acc: cute.TiledMma,
         pv_mma: cute.TiledMma,
         tma_q: cute.CopyAtom,
         tQ: cute.Tensor,
@@ -233,6 +248,9 @@ class FlashFwdSm90:
         else:
             # ------------------------------------------------------------ consumers
             cute.arch.setmaxregister_increase(MMA_REGS)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+            qk_mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             cw = wg - 1
             wtid = tidx % WG_THREADS
             lane = tidx % 32
@@ -260,16 +278,26 @@ class FlashFwdSm90:
                 row_sum = cute.make_rmem_tensor((2,), Float32)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
-                kv_cons = self.kv_steps(
-                    False, Int32(0), nf, kv_cons, qh, qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV,
-                    s_shape, acc_o, row_max, row_sum, scale_log2, kv_list, jlo, jhi, row_lo,
-                    row_hi, m, qt, row0, q_len, lane,
+                corr = cute.make_rmem_tensor((2,), Float32)
+                # S of the current tile, and P of the previous one (the register A operand of
+                # its PV GEMM)
+                acc_s = qk_thr.make_fragment_C(s_shape)
+                rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+                # the item's tiles, software-pipelined one tile deep: S of tile 0 first, then
+                # per tile i >= 1 the GEMMs S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight
+                # together while the softmax of S_i runs, then the last PV alone
+                ts = SimpleNamespace(
+                    qh=qh, qk_mma=qk_mma, qk_mma_acc=qk_mma_acc, pv_mma=pv_mma, tSrQ=tSrQ,
+                    tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
+                    row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, kv_list=kv_list,
+                    jlo=jlo, jhi=jhi, row_lo=row_lo, row_hi=row_hi, m=m, qt=qt, row0=row0,
+                    q_len=q_len, lane=lane,
                 )  # fmt: skip
-                kv_cons = self.kv_steps(
-                    True, nf, n, kv_cons, qh, qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV,
-                    s_shape, acc_o, row_max, row_sum, scale_log2, kv_list, jlo, jhi, row_lo,
-                    row_hi, m, qt, row0, q_len, lane,
-                )  # fmt: skip
+                if n > 0:
+                    kv_cons = self.first_tile(kv_cons, nf, ts)
+                    kv_cons = self.kv_steps(False, Int32(1), nf, kv_cons, ts)
+                    kv_cons = self.kv_steps(True, cutlass.max(nf, Int32(1)), n, kv_cons, ts)
+                    kv_cons = self.last_pv(kv_cons, ts)
                 qh.release()
                 if cw == 0:
                     q_cons.advance()
@@ -279,66 +307,118 @@ class FlashFwdSm90:
                 item += grid
 
     @cute.jit
-    def kv_steps(
-        self, masked: cutlass.Constexpr, start: Int32, stop: Int32, kv_cons, qh,
-        qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV, s_shape, acc_o, row_max, row_sum,
-        scale_log2: Float32, kv_list, jlo, jhi, row_lo, row_hi, m, qt, row0, q_len, lane,
-    ):  # fmt: skip
-        """Entries ``[start, stop)`` of the q-tile's kv list: S = Q K^T, (mask,) online
-        softmax, O += P V. ``masked`` (a compile-time flag): the PARTIAL entries."""
-        N, D = self.block_n, self.head_dim
+    def qk_gemm(self, ts, acc_s, k_stage):
+        """Issue S = Q K^T (64 x N per warpgroup) for the K tile in ring stage ``k_stage``."""
+        for kb in cutlass.range_constexpr(cute.size(ts.tSrQ, mode=[2])):
+            mma = ts.qk_mma if kb == 0 else ts.qk_mma_acc
+            cute.gemm(
+                mma, acc_s, ts.tSrQ[None, None, kb, ts.qh.index], ts.tSrK[None, None, kb, k_stage],
+                acc_s,
+            )  # fmt: skip
+
+    @cute.jit
+    def pv_gemm(self, ts, v_stage):
+        """Issue O += P V with P from registers (``ts.rP``) and the V tile of ``v_stage``."""
+        tOrP = cute.make_tensor(ts.rP.iterator, self.a_layout(self.block_n))
+        for kb in cutlass.range_constexpr(self.block_n // 16):
+            cute.gemm(
+                ts.pv_mma, ts.acc_o, tOrP[None, None, kb], ts.tOrV[None, None, kb, v_stage],
+                ts.acc_o,
+            )  # fmt: skip
+
+    @cute.jit
+    def softmax(self, masked: cutlass.Constexpr, acc_s, i: Int32, ts):
+        """Tile ``i`` of the kv list: (mask,) online softmax of S in place (S becomes P),
+        row max / sum updated, ``ts.corr[r]`` the factor that rescales the O of the old max."""
+        N = self.block_n
+        # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
+        s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
+        if cutlass.const_expr(masked):
+            kt = ts.kv_list[ts.m, ts.qt, i]
+            self.apply_mask(
+                s_mn, kt, ts.jlo[ts.m, ts.qt, kt], ts.jhi[ts.m, ts.qt, kt], ts.row_lo,
+                ts.row_hi, ts.m, ts.row0, ts.q_len, ts.lane,
+            )  # fmt: skip
+        for r in cutlass.range_constexpr(2):
+            mx = ts.row_max[r]
+            for c in cutlass.range_constexpr(N // 4):
+                mx = cute.arch.fmax(mx, s_mn[r, c])
+            mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
+            base = mx
+            if mx == -Float32.inf:
+                base = Float32(0.0)
+            corr = cute.math.exp2((ts.row_max[r] - base) * ts.scale_log2, fastmath=True)
+            ts.row_max[r] = mx
+            shift = base * ts.scale_log2
+            total = Float32(0.0)
+            for c in cutlass.range_constexpr(N // 4):
+                p = cute.math.exp2(s_mn[r, c] * ts.scale_log2 - shift, fastmath=True)
+                s_mn[r, c] = p
+                total += p
+            ts.row_sum[r] = ts.row_sum[r] * corr + total
+            ts.corr[r] = corr
+
+    @cute.jit
+    def first_tile(self, kv_cons, nf: Int32, ts):
+        """Entry 0 of the kv list: S = Q K^T, (mask when it is PARTIAL,) softmax, P into
+        ``ts.rP``. O is still zero: no rescale."""
+        kh = kv_cons.wait_and_advance()
+        acc_s = ts.acc_s
+        warpgroup.fence()
+        self.qk_gemm(ts, acc_s, kh.index)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        kh.release()
+        if nf > 0:
+            self.softmax(False, acc_s, Int32(0), ts)
+        else:
+            self.softmax(True, acc_s, Int32(0), ts)
+        # P as the A operand of the PV wgmma (16-bit: same element order as the accumulator)
+        ts.rP.store(acc_s.load().to(self.dtype))
+        return kv_cons
+
+    @cute.jit
+    def kv_steps(self, masked: cutlass.Constexpr, start: Int32, stop: Int32, kv_cons, ts):
+        """Entries ``[start, stop)`` (``start >= 1``) of the q-tile's kv list, each overlapped
+        with the PV GEMM of the entry before it. ``masked`` (a compile-time flag): the PARTIAL
+        entries.
+
+        Per entry ``i``: wait for V_{i-1} then K_i (the ring holds them in that order); issue
+        S_i = Q K_i^T and O += P_{i-1} V_{i-1} (two wgmma groups); wait for the first group
+        only and release K_i; mask and softmax S_i while the PV GEMM runs; wait for it and
+        release V_{i-1}; only then rescale O (its registers are the PV accumulator) and
+        overwrite ``ts.rP`` with P_i (they were the PV operand)."""
+        D = self.head_dim
+        o_mn = cute.make_tensor(ts.acc_o.iterator, self.mn_layout(D))
         for i in cutlass.range(start, stop, unroll=1):
-            kh = kv_cons.wait_and_advance()
-            acc_s = qk_thr.make_fragment_C(s_shape)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(
-                    qk_mma, acc_s, tSrQ[None, None, kb, qh.index], tSrK[None, None, kb, kh.index],
-                    acc_s,
-                )  # fmt: skip
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
-            s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
-            o_mn = cute.make_tensor(acc_o.iterator, self.mn_layout(D))
-            if cutlass.const_expr(masked):
-                kt = kv_list[m, qt, i]
-                self.apply_mask(s_mn, kt, jlo[m, qt, kt], jhi[m, qt, kt], row_lo, row_hi, m,
-                                row0, q_len, lane)  # fmt: skip
-            for r in cutlass.range_constexpr(2):
-                mx = row_max[r]
-                for c in cutlass.range_constexpr(N // 4):
-                    mx = cute.arch.fmax(mx, s_mn[r, c])
-                mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
-                base = mx
-                if mx == -Float32.inf:
-                    base = Float32(0.0)
-                corr = cute.math.exp2((row_max[r] - base) * scale_log2, fastmath=True)
-                row_max[r] = mx
-                shift = base * scale_log2
-                total = Float32(0.0)
-                for c in cutlass.range_constexpr(N // 4):
-                    p = cute.math.exp2(s_mn[r, c] * scale_log2 - shift, fastmath=True)
-                    s_mn[r, c] = p
-                    total += p
-                row_sum[r] = row_sum[r] * corr + total
-                for c in cutlass.range_constexpr(D // 4):
-                    o_mn[r, c] = o_mn[r, c] * corr
-            # P in registers as the A operand of the PV wgmma (16-bit: same element order)
-            rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)
-            rP.store(acc_s.load().to(self.dtype))
-            tOrP = cute.make_tensor(rP.iterator, self.a_layout(N))
             vh = kv_cons.wait_and_advance()
+            kh = kv_cons.wait_and_advance()
+            acc_s = ts.acc_s
             warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(N // 16):
-                cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, vh.index],
-                          acc_o)  # fmt: skip
+            self.qk_gemm(ts, acc_s, kh.index)
             warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            self.pv_gemm(ts, vh.index)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
             kh.release()
+            self.softmax(masked, acc_s, i, ts)
+            warpgroup.wait_group(0)
             vh.release()
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(D // 4):
+                    o_mn[r, c] = o_mn[r, c] * ts.corr[r]
+            ts.rP.store(acc_s.load().to(self.dtype))
+        return kv_cons
+
+    @cute.jit
+    def last_pv(self, kv_cons, ts):
+        """O += P V of the last entry of the kv list."""
+        vh = kv_cons.wait_and_advance()
+        warpgroup.fence()
+        self.pv_gemm(ts, vh.index)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        vh.release()
         return kv_cons
 
     @staticmethod
