@@ -20,6 +20,8 @@ S GEMM of entry ``i`` and the PV GEMM of entry ``i - 1`` are issued back to back
 wgmma groups; the warpgroup waits for the first group only, masks and runs the softmax of
 ``S_i`` on the CUDA cores while the tensor cores finish ``P_{i-1} V_{i-1}``, then waits for
 the second, rescales O and writes ``P_i`` over ``P_{i-1}`` (see :meth:`FlashFwdSm90.kv_steps`).
+The two consumer warpgroups take turns issuing those GEMMs (ping-pong through the named
+barriers ``SCHED_BARRIER + cw``), so the softmax of one runs while the GEMMs of the other do.
 Registers per consumer thread: S 64, O 32 / 64 (head_dim 64 / 128), P 32 (16-bit), live
 together; the 240 of ``setmaxnreg`` hold it without spills (ptxas, sm_90a).
 
@@ -48,6 +50,9 @@ WG_THREADS = 128
 ROWS_PER_WG = 64
 KV_STAGES = 4  # K and V tiles alternate in the ring: two kv-tiles in flight
 LOAD_REGS = 24
+#: named barriers 1 and 2 order the GEMM issue of consumer warpgroups 0 and 1 (0 is
+#: ``sync_threads``)
+SCHED_BARRIER = 1
 MMA_REGS = 240
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -252,6 +257,8 @@ class FlashFwdSm90:
             qk_mma_acc.set(warpgroup.Field.ACCUMULATE, True)
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             cw = wg - 1
+            if cw == 0:  # consumer 0 issues first
+                cute.arch.barrier_arrive(barrier_id=SCHED_BARRIER, number_of_threads=2 * WG_THREADS)
             wtid = tidx % WG_THREADS
             lane = tidx % 32
             warp_in_wg = wtid // 32
@@ -291,7 +298,7 @@ class FlashFwdSm90:
                     tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
                     row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, kv_list=kv_list,
                     jlo=jlo, jhi=jhi, row_lo=row_lo, row_hi=row_hi, m=m, qt=qt, row0=row0,
-                    q_len=q_len, lane=lane,
+                    q_len=q_len, lane=lane, cw=cw,
                 )  # fmt: skip
                 if n > 0:
                     kv_cons = self.first_tile(kv_cons, nf, ts)
@@ -394,11 +401,17 @@ class FlashFwdSm90:
             vh = kv_cons.wait_and_advance()
             kh = kv_cons.wait_and_advance()
             acc_s = ts.acc_s
+            # ping-pong: wait for the other warpgroup to have issued its GEMMs, issue ours,
+            # let it go (its softmax then runs while our GEMMs do, and the other way round)
+            cute.arch.barrier(barrier_id=SCHED_BARRIER + ts.cw, number_of_threads=2 * WG_THREADS)
             warpgroup.fence()
             self.qk_gemm(ts, acc_s, kh.index)
             warpgroup.commit_group()
             self.pv_gemm(ts, vh.index)
             warpgroup.commit_group()
+            cute.arch.barrier_arrive(
+                barrier_id=SCHED_BARRIER + 1 - ts.cw, number_of_threads=2 * WG_THREADS
+            )
             warpgroup.wait_group(1)
             kh.release()
             self.softmax(masked, acc_s, i, ts)
