@@ -13,7 +13,8 @@ bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
 registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask arithmetic;
 PARTIAL ones hide every key outside the row's intervals, read through :func:`row_bounds`.
-A row that sees no key ends with a zero sum: out 0, lse -inf.
+A row that sees no key ends with a zero sum: out 0, lse -inf. O leaves through shared
+memory: ``stmatrix`` into the warpgroup's 64 x D tile, then one TMA store (lse: per element).
 
 Intra-warpgroup overlap (software pipelining one kv-tile deep, per consumer warpgroup): the
 S GEMM of entry ``i`` and the PV GEMM of entry ``i - 1`` are issued back to back as two
@@ -53,6 +54,8 @@ LOAD_REGS = 24
 #: named barriers 1 and 2 order the GEMM issue of consumer warpgroups 0 and 1 (0 is
 #: ``sync_threads``)
 SCHED_BARRIER = 1
+#: named barriers 3 and 4: the threads of consumer warpgroup 0 / 1 around its O tile in smem
+EPI_BARRIER = 3
 MMA_REGS = 240
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -129,6 +132,12 @@ class FlashFwdSm90:
         tma_v, tV = cpasync.make_tiled_tma_atom(
             g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, N)
         )
+        # O leaves through shared memory: one 64 x D tile per consumer warpgroup (Q's layout)
+        sO_layout = sQ_layout
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.slice_(sO_layout, (None, None, 0)),
+            (ROWS_PER_WG, D),
+        )  # fmt: skip
         self.q_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
         self.kv_bytes = cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0)))
 
@@ -138,10 +147,11 @@ class FlashFwdSm90:
             kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
 
         self.storage = Storage
         self.kernel(
-            qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE,
+            qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
             work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi,
             scale_log2, sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -160,7 +170,8 @@ class FlashFwdSm90:
         tK: cute.Tensor,
         tma_v: cute.CopyAtom,
         tV: cute.Tensor,
-        mO: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
         mLSE: cute.Tensor,
         work: cute.Tensor,
         kv_list: cute.Tensor,
@@ -201,6 +212,7 @@ class FlashFwdSm90:
             defer_sync=True,
         ).make_participants()
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = st.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V tiles live in the same ring as K tiles (same size), with V's swizzle
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
@@ -309,9 +321,13 @@ class FlashFwdSm90:
                 if cw == 0:
                     q_cons.advance()
                 q_cons.advance()
-                self.epilogue(acc_o, row_max, row_sum, scale_log2, mO, mLSE, b, hq, row0,
-                              q_len, lane)  # fmt: skip
+                self.epilogue(
+                    acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
+                    cw, row0, q_len, wtid, lane,
+                )  # fmt: skip
                 item += grid
+            if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def qk_gemm(self, ts, acc_s, k_stage):
@@ -466,11 +482,18 @@ class FlashFwdSm90:
                     s_mn[r, c] = -Float32.inf
 
     @cute.jit
-    def epilogue(self, acc_o, row_max, row_sum, scale_log2, mO, mLSE, b, hq, row0, q_len, lane):
-        """out = O / sum (0 where the sum is 0), lse = ln(sum) + max * scale (-inf there)."""
+    def epilogue(
+        self, acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt, cw,
+        row0, q_len, wtid, lane,
+    ):  # fmt: skip
+        """out = O / sum (0 where the sum is 0), lse = ln(sum) + max * scale (-inf there).
+
+        O goes registers -> shared memory (``stmatrix``, this warpgroup's tile ``sO[.., cw]``)
+        -> global memory (one TMA store issued by the warpgroup's first warp; rows past
+        ``q_len`` are clipped by the TMA unit). The first warp waits for its previous store to
+        have read the tile before the warpgroup barrier that opens the next write of it."""
         D = self.head_dim
         o_mn = cute.make_tensor(acc_o.iterator, self.mn_layout(D))
-        col0 = 2 * (lane % 4)
         for r in cutlass.range_constexpr(2):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             inv = Float32(0.0)
@@ -478,13 +501,32 @@ class FlashFwdSm90:
             if total > 0.0:
                 inv = 1.0 / total
                 lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            for c in cutlass.range_constexpr(D // 4):
+                o_mn[r, c] = o_mn[r, c] * inv
             row = row0 + 8 * r
-            if row < q_len:
-                for c in cutlass.range_constexpr(D // 4):
-                    col = col0 + 8 * (c // 2) + c % 2
-                    mO[row, col, hq, b] = (o_mn[r, c] * inv).to(self.dtype)
-                if lane % 4 == 0:
-                    mLSE[row, hq, b] = lse
+            if row < q_len and lane % 4 == 0:
+                mLSE[row, hq, b] = lse
+        rO = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        rO.store(acc_o.load().to(self.dtype))
+        warp_in_wg = wtid // 32
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=EPI_BARRIER + cw, number_of_threads=WG_THREADS)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        st_thr = cute.make_tiled_copy_C(st_atom, pv_mma).get_slice(wtid)
+        cute.copy(st_atom, st_thr.retile(rO), st_thr.partition_D(sO[None, None, cw]))
+        cute.arch.fence_view_async_shared()  # the smem writes, visible to the TMA unit
+        cute.arch.barrier(barrier_id=EPI_BARRIER + cw, number_of_threads=WG_THREADS)
+        if warp_in_wg == 0:
+            gO = cute.local_tile(tO[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
+            tOs, tOg = cpasync.tma_partition(
+                tma_o, 0, cute.make_layout(1),
+                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
+            )  # fmt: skip
+            cute.copy(tma_o, tOs[None, cw], tOg[None, qt * 2 + cw])
+            cute.arch.cp_async_bulk_commit_group()
 
 
 _TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
