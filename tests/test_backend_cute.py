@@ -298,6 +298,33 @@ def test_cute_forward_float16(name, head_dim):
     check_gpu_case(name, head_dim, torch.float16)
 
 
+_CHECK_IN_A_NEW_PROCESS = (
+    "import sys\n"
+    "sys.path.insert(0, {tests!r})\n"
+    "from test_backend_cute import check_gpu_case\n"
+    "from compilemask.kernels.cute import backend as cb\n"
+    "print(check_gpu_case('hstu', 128))\n"
+    "print(cb.kernel_origins()[(128, 'bfloat16', 128, 128, 'cuda')])\n"
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+def test_cute_kernel_loaded_from_the_disk_cache_runs(tmp_path):
+    """A first process compiles and stores the kernel, a second loads it from disk; both
+    match the reference."""
+    code = _CHECK_IN_A_NEW_PROCESS.format(tests=str(Path(__file__).resolve().parent))
+    env = dict(os.environ, COMPILEMASK_CACHE_DIR=str(tmp_path), PYTHONPATH=str(_SRC))
+    origins = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr
+        origins.append(done.stdout.split()[-1])
+    assert origins == ["compiled", "disk"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_cute_calls_after_the_first_make_no_host_synchronisation():
