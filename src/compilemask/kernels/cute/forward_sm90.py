@@ -478,7 +478,7 @@ class FlashFwdSm90:
                     if col >= lo and col < hi:
                         seen = seen | Uint32(1 << c)
             for c in cutlass.range_constexpr(N // 4):
-                if seen & Uint32(1 << c) == Uint32(0):
+                if (seen & Uint32(1 << c)) == Uint32(0):
                     s_mn[r, c] = -Float32.inf
 
     @cute.jit
