@@ -4,6 +4,11 @@ skipped without ``nvidia-cutlass-dsl`` or an sm90 GPU)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -142,6 +147,71 @@ def test_available_says_why_not():
         assert "cute" in why or "sm90" in why or "cutlass" in why
 
 
+# ------------------------------------------------------- disk cache (CPU, needs cutlass)
+_HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
+_SRC = Path(__file__).resolve().parents[1] / "src"
+_PRECOMPILE = (
+    "import torch\n"
+    "from compilemask.kernels.cute import backend as cb\n"
+    "cb.precompile(64, torch.float16, 'cpu')\n"
+    "print(cb.kernel_origins()[(64, 'float16', 128, 128, 'cpu')])\n"
+)
+
+
+def _precompile_in_a_new_process(cache: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COMPILEMASK_CACHE_DIR=str(cache), PYTHONPATH=str(_SRC))
+    env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    return subprocess.run(
+        [sys.executable, "-c", _PRECOMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.skipif(not _HAS_CUTLASS, reason="needs nvidia-cutlass-dsl (compiles on the CPU)")
+def test_a_second_process_loads_the_kernel_from_the_disk_cache(tmp_path):
+    first = _precompile_in_a_new_process(tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split()[-1] == "compiled"
+    files = list((tmp_path / "cute").glob("*.o"))
+    assert len(files) == 1 and "d64_float16" in files[0].name
+    assert not [p for p in (tmp_path / "cute").iterdir() if p.name.startswith(".tmp")]
+    second = _precompile_in_a_new_process(tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.split()[-1] == "disk"
+    # a damaged entry is a miss: compiled again (with a warning) and replaced
+    files[0].write_bytes(b"not an object file")
+    third = _precompile_in_a_new_process(tmp_path)
+    assert third.returncode == 0, third.stderr
+    assert third.stdout.split()[-1] == "compiled"
+    assert "does not load" in third.stderr
+    assert files[0].stat().st_size > 1000
+
+
+def test_disk_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    from compilemask.kernels.cute import disk_cache
+
+    monkeypatch.setenv("COMPILEMASK_CACHE_DIR", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path / "cute"
+    monkeypatch.setenv("COMPILEMASK_CACHE_DIR", "off")
+    assert disk_cache.cache_dir() is None
+    assert disk_cache.load("anything") is None
+    monkeypatch.delenv("COMPILEMASK_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert disk_cache.cache_dir() == tmp_path / "compilemask" / "cute"
+    a = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda")
+    b = disk_cache.entry_name(64, "bfloat16", 128, 128, "cuda")
+    c = disk_cache.entry_name(128, "bfloat16", 128, 128, "cpu")
+    assert len({a, b, c}) == 3 and a.isidentifier()
+
+
+def test_precompile_rejects_bad_arguments():
+    from compilemask.kernels.cute.backend import precompile
+
+    with pytest.raises(CompileMaskError, match="head_dim"):
+        precompile(96)
+    with pytest.raises(CompileMaskError, match="dtype"):
+        precompile(128, torch.float32)
+
+
 # ---------------------------------------------------------------------------- GPU
 _READY, _WHY = CuteBackend().available()
 DT = torch.bfloat16
@@ -168,24 +238,24 @@ GPU_CASES = {
 }
 
 
-def check_gpu_case(name: str, head_dim: int = 128) -> str:
-    """Run one case of :data:`GPU_CASES` on the GPU and assert it matches the reference;
-    returns a one-line summary."""
+def check_gpu_case(name: str, head_dim: int = 128, dtype: torch.dtype = DT) -> str:
+    """Run one case of :data:`GPU_CASES` on the GPU in ``dtype`` and assert it matches the
+    reference; returns a one-line summary."""
     from compilemask.kernels.reference import reference_attention
     from compilemask.testing import check_close
 
     mask, nq, nk, heads, b, hq, hkv = GPU_CASES[name]
     plan = cm.compile(mask, nq, nk, heads=heads, device="cuda").in_permuted_order()
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, hq, plan.q_len, head_dim, device="cuda", dtype=DT, generator=g)
+    q = torch.randn(b, hq, plan.q_len, head_dim, device="cuda", dtype=dtype, generator=g)
     k, v = (
-        torch.randn(b, hkv, plan.kv_len, head_dim, device="cuda", dtype=DT, generator=g)
+        torch.randn(b, hkv, plan.kv_len, head_dim, device="cuda", dtype=dtype, generator=g)
         for _ in range(2)
     )
     scale = head_dim**-0.5
     call = _call(
         batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len,
-        head_dim=head_dim, device=q.device,
+        head_dim=head_dim, dtype=dtype, device=q.device,
     )  # fmt: skip
     be = CuteBackend()
     assert be.supports(plan, call) == (True, "")
@@ -195,9 +265,9 @@ def check_gpu_case(name: str, head_dim: int = 128) -> str:
     assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)
     ref64, lse64 = reference_attention(q, k, v, plan, scale, compute_dtype=torch.float64)
     refdt, _ = reference_attention(
-        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=DT
+        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=dtype
     )
-    ok, err, bound = check_close(out, ref64, refdt, DT)
+    ok, err, bound = check_close(out, ref64, refdt, dtype)
     assert ok, f"out: {err:.3g} > {bound:.3g}"
     seen = torch.isfinite(lse64)
     assert torch.equal(torch.isneginf(lse), ~seen), "lse -inf exactly on rows that see nothing"
@@ -205,7 +275,7 @@ def check_gpu_case(name: str, head_dim: int = 128) -> str:
     assert bool((out[~seen] == 0).all())
     if name == "empty_rows":
         assert bool((~seen).any())
-    return f"{name} d={head_dim}: err {err:.3g} <= {bound:.3g}"
+    return f"{name} d={head_dim} {dtype}: err {err:.3g} <= {bound:.3g}"
 
 
 @pytest.mark.gpu
@@ -219,6 +289,40 @@ def test_cute_forward_matches_the_reference(name):
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_cute_forward_head_dim_64():
     check_gpu_case("causal", 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+@pytest.mark.parametrize("name,head_dim", [("causal", 64), ("hstu", 128)])
+def test_cute_forward_float16(name, head_dim):
+    check_gpu_case(name, head_dim, torch.float16)
+
+
+_CHECK_IN_A_NEW_PROCESS = (
+    "import sys\n"
+    "sys.path.insert(0, {tests!r})\n"
+    "from test_backend_cute import check_gpu_case\n"
+    "from compilemask.kernels.cute import backend as cb\n"
+    "print(check_gpu_case('hstu', 128))\n"
+    "print(cb.kernel_origins()[(128, 'bfloat16', 128, 128, 'cuda')])\n"
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+def test_cute_kernel_loaded_from_the_disk_cache_runs(tmp_path):
+    """A first process compiles and stores the kernel, a second loads it from disk; both
+    match the reference."""
+    code = _CHECK_IN_A_NEW_PROCESS.format(tests=str(Path(__file__).resolve().parent))
+    env = dict(os.environ, COMPILEMASK_CACHE_DIR=str(tmp_path), PYTHONPATH=str(_SRC))
+    origins = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr
+        origins.append(done.stdout.split()[-1])
+    assert origins == ["compiled", "disk"]
 
 
 @pytest.mark.gpu

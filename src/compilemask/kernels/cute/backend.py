@@ -7,9 +7,13 @@ bitmasks is refused). ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
 ``compilemask[cute]``) is imported on first use only.
 
 Costs paid once: per (plan, call shape) the lowering (:func:`.lower.lower`, cached on the
-plan, no host synchronisation); per ``(head_dim, dtype)`` in the process the ``cute.compile``
-of the kernel (seconds; :func:`compile_seconds` reports it). Shapes and strides are dynamic
-arguments of the compiled kernel, so one compilation serves every shape.
+plan, no host synchronisation); per ``(head_dim, dtype)`` the ``cute.compile`` of the kernel
+(seconds), once per machine: the compiled kernel is written to a disk cache
+(:mod:`.disk_cache`, ``$COMPILEMASK_CACHE_DIR/cute`` or ``~/.cache/compilemask/cute``) and a
+later process loads it from there (milliseconds). :func:`compile_seconds` and
+:func:`kernel_origins` report the time and where each kernel came from; :func:`precompile`
+fills the cache ahead of the first call (it needs ``cutlass``, not a GPU). Shapes and strides
+are dynamic arguments of the compiled kernel, so one kernel serves every shape.
 """
 
 from __future__ import annotations
@@ -30,16 +34,76 @@ HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 UNDER_COMPILE = under_compile_reason("cute")
 
-#: compiled kernels by (head_dim, dtype name, tile config)
+#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type)
 _KERNELS: dict[tuple, object] = {}
-#: seconds the first call of each key spent in ``cute.compile``
+#: seconds the first call of each key spent getting its kernel (compiling or loading it)
 _COMPILE_SECONDS: dict[tuple, float] = {}
+#: "compiled" or "disk" per key
+_ORIGINS: dict[tuple, str] = {}
 
 
 def compile_seconds() -> dict[tuple, float]:
-    """``{(head_dim, dtype, block_m, block_n): seconds}`` spent in ``cute.compile`` by this
-    process (the first call of each key; later calls reuse the kernel)."""
+    """``{(head_dim, dtype, block_m, block_n, device_type): seconds}`` this process spent
+    getting each kernel: ``cute.compile`` (and writing the disk cache), or loading it from the
+    disk cache (see :func:`kernel_origins`). Later calls reuse the kernel."""
     return dict(_COMPILE_SECONDS)
+
+
+def kernel_origins() -> dict[tuple, str]:
+    """``{key: "compiled" | "disk"}`` with the keys of :func:`compile_seconds`."""
+    return dict(_ORIGINS)
+
+
+def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, stream):
+    """The kernel of ``(head_dim, dtype)`` for arguments on ``device_type``: from this
+    process, else from the disk cache, else compiled on ``args`` (and stored)."""
+    from . import disk_cache
+    from . import forward_sm90 as fwd
+
+    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        start = time.perf_counter()
+        name = disk_cache.entry_name(*key)
+        kernel = disk_cache.load(name)
+        origin = "disk"
+        if kernel is None:
+            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream)
+            disk_cache.store(kernel, name)
+            origin = "compiled"
+        _COMPILE_SECONDS[key] = time.perf_counter() - start
+        _ORIGINS[key] = origin
+        _KERNELS[key] = kernel
+    return kernel
+
+
+def precompile(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None) -> float:
+    """Get the kernel of ``(head_dim, dtype)`` into this process and the disk cache without a
+    call: compiled (or loaded) for arguments on ``device`` (default: CUDA when there is a GPU,
+    else the CPU, which compiles a kernel for generic pointers, stored under its own name).
+    Needs ``cutlass`` and ``CUTE_DSL_ARCH=sm_90a`` on a machine without a GPU. Returns the
+    seconds it took (0 when the process had it already).
+
+    Raises:
+        CompileMaskError: ``head_dim`` not 64 / 128 or ``dtype`` not bfloat16 / float16.
+    """
+    if head_dim not in HEAD_DIMS:
+        raise CompileMaskError(f"head_dim must be one of {HEAD_DIMS}, not {head_dim!r}")
+    if dtype not in _DTYPES:
+        raise CompileMaskError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
+    import cuda.bindings.driver as cuda
+
+    from . import forward_sm90 as fwd
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type)
+    if key in _KERNELS:
+        return 0.0
+    args = fwd.example_args(head_dim, _DTYPES[dtype], device)
+    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0))
+    return _COMPILE_SECONDS[key]
 
 
 @functools.cache
@@ -134,7 +198,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def run_forward(q, k, v, low: CuteLowered, scale: float):
-    """Launch the kernel (compiling it on the first call of its ``(head_dim, dtype)``)."""
+    """Launch the kernel (compiled or loaded from disk on the first call of its
+    ``(head_dim, dtype)``)."""
     import cuda.bindings.driver as cuda
 
     from . import forward_sm90 as fwd
@@ -146,12 +211,6 @@ def run_forward(q, k, v, low: CuteLowered, scale: float):
     num_ctas = max(1, min(low.work.shape[0], _num_sms(q.device)))
     args = fwd.kernel_args(q, k, v, out, lse, low, scale, num_ctas)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    key = (D, _DTYPES[q.dtype], low.block_m, low.block_n)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        start = time.perf_counter()
-        kernel = fwd.compile_forward(D, _DTYPES[q.dtype], args, stream)
-        _COMPILE_SECONDS[key] = time.perf_counter() - start
-        _KERNELS[key] = kernel
+    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream)
     kernel(*args, stream)
     return out, lse

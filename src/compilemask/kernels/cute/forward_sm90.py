@@ -13,7 +13,18 @@ bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
 registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask arithmetic;
 PARTIAL ones hide every key outside the row's intervals, read through :func:`row_bounds`.
-A row that sees no key ends with a zero sum: out 0, lse -inf.
+A row that sees no key ends with a zero sum: out 0, lse -inf. O leaves through shared
+memory: ``stmatrix`` into the warpgroup's 64 x D tile, then one TMA store (lse: per element).
+
+Intra-warpgroup overlap (software pipelining one kv-tile deep, per consumer warpgroup): the
+S GEMM of entry ``i`` and the PV GEMM of entry ``i - 1`` are issued back to back as two
+wgmma groups; the warpgroup waits for the first group only, masks and runs the softmax of
+``S_i`` on the CUDA cores while the tensor cores finish ``P_{i-1} V_{i-1}``, then waits for
+the second, rescales O and writes ``P_i`` over ``P_{i-1}`` (see :meth:`FlashFwdSm90.kv_steps`).
+The two consumer warpgroups take turns issuing those GEMMs (ping-pong through the named
+barriers ``SCHED_BARRIER + cw``), so the softmax of one runs while the GEMMs of the other do.
+Registers per consumer thread: S 64, O 32 / 64 (head_dim 64 / 128), P 32 (16-bit), live
+together; the 240 of ``setmaxnreg`` hold it without spills (ptxas, sm_90a).
 
 Tensors (all with dynamic shapes and strides; one compiled kernel per (head_dim, dtype)):
 q ``(Nq, D, Hq, B)``, k ``(Nk, D, Hkv, B)``, v ``(D, Nk, Hkv, B)`` (views of our
@@ -23,13 +34,15 @@ q ``(Nq, D, Hq, B)``, k ``(Nk, D, Hkv, B)``, v ``(D, Nk, Hkv, B)`` (views of our
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .lower import BLOCK_M, BLOCK_N
@@ -38,6 +51,11 @@ WG_THREADS = 128
 ROWS_PER_WG = 64
 KV_STAGES = 4  # K and V tiles alternate in the ring: two kv-tiles in flight
 LOAD_REGS = 24
+#: named barriers 1 and 2 order the GEMM issue of consumer warpgroups 0 and 1 (0 is
+#: ``sync_threads``)
+SCHED_BARRIER = 1
+#: named barriers 3 and 4: the threads of consumer warpgroup 0 / 1 around its O tile in smem
+EPI_BARRIER = 3
 MMA_REGS = 240
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -80,13 +98,18 @@ class FlashFwdSm90:
         row_hi: cute.Tensor,
         scale_log2: Float32,
         num_ctas: Int32,
-        stream,
+        stream: cuda.CUstream,
     ):
         D, N = self.head_dim, self.block_n
         dt = self.dtype
         k_major = warpgroup.OperandMajorMode.K
         mn_major = warpgroup.OperandMajorMode.MN
         qk_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (ROWS_PER_WG, N)
+        )
+        # the same MMA twice: its first k-block overwrites S, the others accumulate (the flag
+        # is set once per object, outside any loop, so no loop has to carry it)
+        qk_mma_acc = sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, k_major, Float32, (1, 1, 1), (ROWS_PER_WG, N)
         )
         pv_mma = sm90_utils.make_trivial_tiled_mma(
@@ -109,6 +132,12 @@ class FlashFwdSm90:
         tma_v, tV = cpasync.make_tiled_tma_atom(
             g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, N)
         )
+        # O leaves through shared memory: one 64 x D tile per consumer warpgroup (Q's layout)
+        sO_layout = sQ_layout
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.slice_(sO_layout, (None, None, 0)),
+            (ROWS_PER_WG, D),
+        )  # fmt: skip
         self.q_bytes = cute.size_in_bytes(dt, cute.slice_(sQ_layout, (None, None, 0)))
         self.kv_bytes = cute.size_in_bytes(dt, cute.slice_(sK_layout, (None, None, 0)))
 
@@ -118,10 +147,11 @@ class FlashFwdSm90:
             kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
 
         self.storage = Storage
         self.kernel(
-            qk_mma, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE,
+            qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
             work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi,
             scale_log2, sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -132,6 +162,7 @@ class FlashFwdSm90:
     def kernel(
         self,
         qk_mma: cute.TiledMma,
+        qk_mma_acc: cute.TiledMma,
         pv_mma: cute.TiledMma,
         tma_q: cute.CopyAtom,
         tQ: cute.Tensor,
@@ -139,7 +170,8 @@ class FlashFwdSm90:
         tK: cute.Tensor,
         tma_v: cute.CopyAtom,
         tV: cute.Tensor,
-        mO: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
         mLSE: cute.Tensor,
         work: cute.Tensor,
         kv_list: cute.Tensor,
@@ -180,6 +212,7 @@ class FlashFwdSm90:
             defer_sync=True,
         ).make_participants()
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = st.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V tiles live in the same ring as K tiles (same size), with V's swizzle
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
@@ -232,7 +265,12 @@ class FlashFwdSm90:
         else:
             # ------------------------------------------------------------ consumers
             cute.arch.setmaxregister_increase(MMA_REGS)
+            qk_mma.set(warpgroup.Field.ACCUMULATE, False)
+            qk_mma_acc.set(warpgroup.Field.ACCUMULATE, True)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             cw = wg - 1
+            if cw == 0:  # consumer 0 issues first
+                cute.arch.barrier_arrive(barrier_id=SCHED_BARRIER, number_of_threads=2 * WG_THREADS)
             wtid = tidx % WG_THREADS
             lane = tidx % 32
             warp_in_wg = wtid // 32
@@ -259,85 +297,157 @@ class FlashFwdSm90:
                 row_sum = cute.make_rmem_tensor((2,), Float32)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
-                kv_cons = self.kv_steps(
-                    False, Int32(0), nf, kv_cons, qh, qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV,
-                    s_shape, acc_o, row_max, row_sum, scale_log2, kv_list, jlo, jhi, row_lo,
-                    row_hi, m, qt, row0, q_len, lane,
+                corr = cute.make_rmem_tensor((2,), Float32)
+                # S of the current tile, and P of the previous one (the register A operand of
+                # its PV GEMM)
+                acc_s = qk_thr.make_fragment_C(s_shape)
+                rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+                # the item's tiles, software-pipelined one tile deep: S of tile 0 first, then
+                # per tile i >= 1 the GEMMs S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight
+                # together while the softmax of S_i runs, then the last PV alone
+                ts = SimpleNamespace(
+                    qh=qh, qk_mma=qk_mma, qk_mma_acc=qk_mma_acc, pv_mma=pv_mma, tSrQ=tSrQ,
+                    tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
+                    row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, kv_list=kv_list,
+                    jlo=jlo, jhi=jhi, row_lo=row_lo, row_hi=row_hi, m=m, qt=qt, row0=row0,
+                    q_len=q_len, lane=lane, cw=cw,
                 )  # fmt: skip
-                kv_cons = self.kv_steps(
-                    True, nf, n, kv_cons, qh, qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV,
-                    s_shape, acc_o, row_max, row_sum, scale_log2, kv_list, jlo, jhi, row_lo,
-                    row_hi, m, qt, row0, q_len, lane,
-                )  # fmt: skip
+                if n > 0:
+                    kv_cons = self.first_tile(kv_cons, nf, ts)
+                    kv_cons = self.kv_steps(False, Int32(1), nf, kv_cons, ts)
+                    kv_cons = self.kv_steps(True, cutlass.max(nf, Int32(1)), n, kv_cons, ts)
+                    kv_cons = self.last_pv(kv_cons, ts)
                 qh.release()
                 if cw == 0:
                     q_cons.advance()
                 q_cons.advance()
-                self.epilogue(acc_o, row_max, row_sum, scale_log2, mO, mLSE, b, hq, row0,
-                              q_len, lane)  # fmt: skip
+                self.epilogue(
+                    acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
+                    cw, row0, q_len, wtid, lane,
+                )  # fmt: skip
                 item += grid
+            if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def kv_steps(
-        self, masked: cutlass.Constexpr, start: Int32, stop: Int32, kv_cons, qh,
-        qk_mma, pv_mma, qk_thr, tSrQ, tSrK, tOrV, s_shape, acc_o, row_max, row_sum,
-        scale_log2: Float32, kv_list, jlo, jhi, row_lo, row_hi, m, qt, row0, q_len, lane,
-    ):  # fmt: skip
-        """Entries ``[start, stop)`` of the q-tile's kv list: S = Q K^T, (mask,) online
-        softmax, O += P V. ``masked`` (a compile-time flag): the PARTIAL entries."""
-        N, D = self.block_n, self.head_dim
+    def qk_gemm(self, ts, acc_s, k_stage):
+        """Issue S = Q K^T (64 x N per warpgroup) for the K tile in ring stage ``k_stage``."""
+        for kb in cutlass.range_constexpr(cute.size(ts.tSrQ, mode=[2])):
+            mma = ts.qk_mma if kb == 0 else ts.qk_mma_acc
+            cute.gemm(
+                mma, acc_s, ts.tSrQ[None, None, kb, ts.qh.index], ts.tSrK[None, None, kb, k_stage],
+                acc_s,
+            )  # fmt: skip
+
+    @cute.jit
+    def pv_gemm(self, ts, v_stage):
+        """Issue O += P V with P from registers (``ts.rP``) and the V tile of ``v_stage``."""
+        tOrP = cute.make_tensor(ts.rP.iterator, self.a_layout(self.block_n))
+        for kb in cutlass.range_constexpr(self.block_n // 16):
+            cute.gemm(
+                ts.pv_mma, ts.acc_o, tOrP[None, None, kb], ts.tOrV[None, None, kb, v_stage],
+                ts.acc_o,
+            )  # fmt: skip
+
+    @cute.jit
+    def softmax(self, masked: cutlass.Constexpr, acc_s, i: Int32, ts):
+        """Tile ``i`` of the kv list: (mask,) online softmax of S in place (S becomes P),
+        row max / sum updated, ``ts.corr[r]`` the factor that rescales the O of the old max."""
+        N = self.block_n
+        # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
+        s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
+        if cutlass.const_expr(masked):
+            kt = ts.kv_list[ts.m, ts.qt, i]
+            self.apply_mask(
+                s_mn, kt, ts.jlo[ts.m, ts.qt, kt], ts.jhi[ts.m, ts.qt, kt], ts.row_lo,
+                ts.row_hi, ts.m, ts.row0, ts.q_len, ts.lane,
+            )  # fmt: skip
+        for r in cutlass.range_constexpr(2):
+            mx = ts.row_max[r]
+            for c in cutlass.range_constexpr(N // 4):
+                mx = cute.arch.fmax(mx, s_mn[r, c])
+            mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
+            base = mx
+            if mx == -Float32.inf:
+                base = Float32(0.0)
+            corr = cute.math.exp2((ts.row_max[r] - base) * ts.scale_log2, fastmath=True)
+            ts.row_max[r] = mx
+            shift = base * ts.scale_log2
+            total = Float32(0.0)
+            for c in cutlass.range_constexpr(N // 4):
+                p = cute.math.exp2(s_mn[r, c] * ts.scale_log2 - shift, fastmath=True)
+                s_mn[r, c] = p
+                total += p
+            ts.row_sum[r] = ts.row_sum[r] * corr + total
+            ts.corr[r] = corr
+
+    @cute.jit
+    def first_tile(self, kv_cons, nf: Int32, ts):
+        """Entry 0 of the kv list: S = Q K^T, (mask when it is PARTIAL,) softmax, P into
+        ``ts.rP``. O is still zero: no rescale."""
+        kh = kv_cons.wait_and_advance()
+        acc_s = ts.acc_s
+        warpgroup.fence()
+        self.qk_gemm(ts, acc_s, kh.index)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        kh.release()
+        if nf > 0:
+            self.softmax(False, acc_s, Int32(0), ts)
+        else:
+            self.softmax(True, acc_s, Int32(0), ts)
+        # P as the A operand of the PV wgmma (16-bit: same element order as the accumulator)
+        ts.rP.store(acc_s.load().to(self.dtype))
+        return kv_cons
+
+    @cute.jit
+    def kv_steps(self, masked: cutlass.Constexpr, start: Int32, stop: Int32, kv_cons, ts):
+        """Entries ``[start, stop)`` (``start >= 1``) of the q-tile's kv list, each overlapped
+        with the PV GEMM of the entry before it. ``masked`` (a compile-time flag): the PARTIAL
+        entries.
+
+        Per entry ``i``: wait for V_{i-1} then K_i (the ring holds them in that order); issue
+        S_i = Q K_i^T and O += P_{i-1} V_{i-1} (two wgmma groups); wait for the first group
+        only and release K_i; mask and softmax S_i while the PV GEMM runs; wait for it and
+        release V_{i-1}; only then rescale O (its registers are the PV accumulator) and
+        overwrite ``ts.rP`` with P_i (they were the PV operand)."""
+        D = self.head_dim
+        o_mn = cute.make_tensor(ts.acc_o.iterator, self.mn_layout(D))
         for i in cutlass.range(start, stop, unroll=1):
-            kh = kv_cons.wait_and_advance()
-            acc_s = qk_thr.make_fragment_C(s_shape)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(
-                    qk_mma, acc_s, tSrQ[None, None, kb, qh.index], tSrK[None, None, kb, kh.index],
-                    acc_s,
-                )  # fmt: skip
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
-            s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
-            o_mn = cute.make_tensor(acc_o.iterator, self.mn_layout(D))
-            if cutlass.const_expr(masked):
-                kt = kv_list[m, qt, i]
-                self.apply_mask(s_mn, kt, jlo[m, qt, kt], jhi[m, qt, kt], row_lo, row_hi, m,
-                                row0, q_len, lane)  # fmt: skip
-            for r in cutlass.range_constexpr(2):
-                mx = row_max[r]
-                for c in cutlass.range_constexpr(N // 4):
-                    mx = cute.arch.fmax(mx, s_mn[r, c])
-                mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
-                base = mx
-                if mx == -Float32.inf:
-                    base = Float32(0.0)
-                corr = cute.math.exp2((row_max[r] - base) * scale_log2, fastmath=True)
-                row_max[r] = mx
-                shift = base * scale_log2
-                total = Float32(0.0)
-                for c in cutlass.range_constexpr(N // 4):
-                    p = cute.math.exp2(s_mn[r, c] * scale_log2 - shift, fastmath=True)
-                    s_mn[r, c] = p
-                    total += p
-                row_sum[r] = row_sum[r] * corr + total
-                for c in cutlass.range_constexpr(D // 4):
-                    o_mn[r, c] = o_mn[r, c] * corr
-            # P in registers as the A operand of the PV wgmma (16-bit: same element order)
-            rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)
-            rP.store(acc_s.load().to(self.dtype))
-            tOrP = cute.make_tensor(rP.iterator, self.a_layout(N))
             vh = kv_cons.wait_and_advance()
+            kh = kv_cons.wait_and_advance()
+            acc_s = ts.acc_s
+            # ping-pong: wait for the other warpgroup to have issued its GEMMs, issue ours,
+            # let it go (its softmax then runs while our GEMMs do, and the other way round)
+            cute.arch.barrier(barrier_id=SCHED_BARRIER + ts.cw, number_of_threads=2 * WG_THREADS)
             warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(N // 16):
-                cute.gemm(pv_mma, acc_o, tOrP[None, None, kb], tOrV[None, None, kb, vh.index],
-                          acc_o)  # fmt: skip
+            self.qk_gemm(ts, acc_s, kh.index)
             warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            self.pv_gemm(ts, vh.index)
+            warpgroup.commit_group()
+            cute.arch.barrier_arrive(
+                barrier_id=SCHED_BARRIER + 1 - ts.cw, number_of_threads=2 * WG_THREADS
+            )
+            warpgroup.wait_group(1)
             kh.release()
+            self.softmax(masked, acc_s, i, ts)
+            warpgroup.wait_group(0)
             vh.release()
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(D // 4):
+                    o_mn[r, c] = o_mn[r, c] * ts.corr[r]
+            ts.rP.store(acc_s.load().to(self.dtype))
+        return kv_cons
+
+    @cute.jit
+    def last_pv(self, kv_cons, ts):
+        """O += P V of the last entry of the kv list."""
+        vh = kv_cons.wait_and_advance()
+        warpgroup.fence()
+        self.pv_gemm(ts, vh.index)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        vh.release()
         return kv_cons
 
     @staticmethod
@@ -353,28 +463,37 @@ class FlashFwdSm90:
 
     @cute.jit
     def apply_mask(self, s_mn, kt, j0, j1, row_lo, row_hi, m, row0, q_len, lane):
-        """Hide (-inf) every key of kv-tile ``kt`` outside the intervals of each row."""
+        """Hide (-inf) every key of kv-tile ``kt`` outside the intervals of each row. The keys a
+        thread holds in a row (N/4 = 32) are one bit each of a 32-bit word while the row's
+        interval slots are read: one register, not a row of saved scores."""
         N = self.block_n
         col0 = kt * N + 2 * (lane % 4)
         for r in cutlass.range_constexpr(2):
             row = cutlass.min(row0 + 8 * r, q_len - 1)
-            keep = cute.make_rmem_tensor((N // 4,), Float32)
-            keep.fill(-Float32.inf)
+            seen = Uint32(0)
             for slot in cutlass.range(j0, j1, unroll=1):
                 lo, hi = row_bounds(row_lo, row_hi, m, row, slot)
                 for c in cutlass.range_constexpr(N // 4):
                     col = col0 + 8 * (c // 2) + c % 2
                     if col >= lo and col < hi:
-                        keep[c] = s_mn[r, c]
+                        seen = seen | Uint32(1 << c)
             for c in cutlass.range_constexpr(N // 4):
-                s_mn[r, c] = keep[c]
+                if (seen & Uint32(1 << c)) == Uint32(0):
+                    s_mn[r, c] = -Float32.inf
 
     @cute.jit
-    def epilogue(self, acc_o, row_max, row_sum, scale_log2, mO, mLSE, b, hq, row0, q_len, lane):
-        """out = O / sum (0 where the sum is 0), lse = ln(sum) + max * scale (-inf there)."""
+    def epilogue(
+        self, acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt, cw,
+        row0, q_len, wtid, lane,
+    ):  # fmt: skip
+        """out = O / sum (0 where the sum is 0), lse = ln(sum) + max * scale (-inf there).
+
+        O goes registers -> shared memory (``stmatrix``, this warpgroup's tile ``sO[.., cw]``)
+        -> global memory (one TMA store issued by the warpgroup's first warp; rows past
+        ``q_len`` are clipped by the TMA unit). The first warp waits for its previous store to
+        have read the tile before the warpgroup barrier that opens the next write of it."""
         D = self.head_dim
         o_mn = cute.make_tensor(acc_o.iterator, self.mn_layout(D))
-        col0 = 2 * (lane % 4)
         for r in cutlass.range_constexpr(2):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             inv = Float32(0.0)
@@ -382,13 +501,32 @@ class FlashFwdSm90:
             if total > 0.0:
                 inv = 1.0 / total
                 lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            for c in cutlass.range_constexpr(D // 4):
+                o_mn[r, c] = o_mn[r, c] * inv
             row = row0 + 8 * r
-            if row < q_len:
-                for c in cutlass.range_constexpr(D // 4):
-                    col = col0 + 8 * (c // 2) + c % 2
-                    mO[row, col, hq, b] = (o_mn[r, c] * inv).to(self.dtype)
-                if lane % 4 == 0:
-                    mLSE[row, hq, b] = lse
+            if row < q_len and lane % 4 == 0:
+                mLSE[row, hq, b] = lse
+        rO = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        rO.store(acc_o.load().to(self.dtype))
+        warp_in_wg = wtid // 32
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=EPI_BARRIER + cw, number_of_threads=WG_THREADS)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        st_thr = cute.make_tiled_copy_C(st_atom, pv_mma).get_slice(wtid)
+        cute.copy(st_atom, st_thr.retile(rO), st_thr.partition_D(sO[None, None, cw]))
+        cute.arch.fence_view_async_shared()  # the smem writes, visible to the TMA unit
+        cute.arch.barrier(barrier_id=EPI_BARRIER + cw, number_of_threads=WG_THREADS)
+        if warp_in_wg == 0:
+            gO = cute.local_tile(tO[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
+            tOs, tOg = cpasync.tma_partition(
+                tma_o, 0, cute.make_layout(1),
+                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
+            )  # fmt: skip
+            cute.copy(tma_o, tOs[None, cw], tOg[None, qt * 2 + cw])
+            cute.arch.cp_async_bulk_commit_group()
 
 
 _TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -422,6 +560,30 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
         *plan_views,
         Float32(scale * LOG2E), Int32(num_ctas),
     )  # fmt: skip
+
+
+def example_args(head_dim: int, dtype_name: str, device) -> tuple:
+    """Arguments of the kernel's signature from small zero tensors on ``device`` (every
+    shape and stride is dynamic, so their sizes do not matter): what :func:`compile_forward`
+    needs to compile without a call at hand."""
+    import torch
+
+    from .lower import CuteLowered
+
+    dt = getattr(torch, dtype_name)
+    q = torch.zeros(1, 2, BLOCK_M, head_dim, dtype=dt, device=device)
+    k = torch.zeros(1, 1, BLOCK_N, head_dim, dtype=dt, device=device)
+    lse = torch.zeros(1, 2, BLOCK_M, dtype=torch.float32, device=device)
+
+    def ints(*shape):
+        return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+    low = CuteLowered(
+        work=ints(2, 4), kv_list=ints(2, 2, 2), kv_count=ints(2, 2), full_count=ints(2, 2),
+        jlo=ints(2, 2, 2), jhi=ints(2, 2, 2), row_lo=ints(2, BLOCK_M, 2),
+        row_hi=ints(2, BLOCK_M, 2), block_m=BLOCK_M, block_n=BLOCK_N,
+    )  # fmt: skip
+    return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1)
 
 
 def compile_forward(head_dim: int, dtype_name: str, example_args: tuple, stream):
