@@ -314,7 +314,8 @@ def test_cute_kernel_loaded_from_the_disk_cache_runs(tmp_path):
     """A first process compiles and stores the kernel, a second loads it from disk; both
     match the reference."""
     code = _CHECK_IN_A_NEW_PROCESS.format(tests=str(Path(__file__).resolve().parent))
-    env = dict(os.environ, COMPILEMASK_CACHE_DIR=str(tmp_path), PYTHONPATH=str(_SRC))
+    path = os.pathsep.join(p for p in (str(_SRC), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, COMPILEMASK_CACHE_DIR=str(tmp_path), PYTHONPATH=path)
     origins = []
     for _ in range(2):
         done = subprocess.run(
