@@ -31,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import intervals as iv
-from ..plan import MaskPlan
+from ..plan import MaskPlan, built_plans
 from ..tiles import build_tiles
 from . import modeval
 
@@ -544,6 +544,7 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
     hi = torch.stack([iv.pad_k(p[0], p[1], k, kv_len)[1] for p in parts]).contiguous()
     count = torch.stack([p[2] for p in parts]).contiguous()
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
-    return MaskPlan(
-        q_len, kv_len, batch, heads, lo, hi, count, schedule, source="from_mask_mod:lifted"
-    )
+    with built_plans():  # canonical intervals and their tiles by construction, as in compile
+        return MaskPlan(
+            q_len, kv_len, batch, heads, lo, hi, count, schedule, source="from_mask_mod:lifted"
+        )
