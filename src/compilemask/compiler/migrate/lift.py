@@ -48,17 +48,20 @@ class Unsupported(Exception):
 @dataclass
 class QV:
     t: torch.Tensor
+    aff: tuple | None = None  # (a, c): ``t == a * q_idx + c`` exactly (int64)
 
 
 @dataclass
 class KV:
     t: torch.Tensor
+    aff: tuple | None = None  # (a, c): ``t == a * kv_idx + c`` exactly (int64)
 
 
 @dataclass
 class Sep:
     f: torch.Tensor  # int64 [Nq] or 0-d
-    g: torch.Tensor  # int64 [Nk] or 0-d
+    g: torch.Tensor | None  # int64 [Nk] or 0-d; None when ``ga`` gives it
+    ga: tuple | None = None  # (a, c): ``g == a * kv_idx + c`` exactly
 
 
 @dataclass
@@ -138,10 +141,37 @@ class Lifter:
         raise Unsupported(f"a {type(v).__name__} value used as a boolean mask")
 
     def land(self, a: Iv, b: Iv) -> Iv:
+        if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:  # one interval each: one interval
+            return self.kept(torch.maximum(a.lo, b.lo), torch.minimum(a.hi, b.hi))
         return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk)[:2])
 
     def lor(self, a: Iv, b: Iv) -> Iv:
+        if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:
+            # [x0, x1) the one starting first (an empty one starts at nk): the two merge when
+            # [y0, y1) starts by x1 (an empty y then merges into x, as y0 == nk only if x1 == nk)
+            first = a.lo <= b.lo
+            x0, x1 = torch.where(first, a.lo, b.lo), torch.where(first, a.hi, b.hi)
+            y0, y1 = torch.where(first, b.lo, a.lo), torch.where(first, b.hi, a.hi)
+            merge = y0 <= x1
+            pad = torch.full((), self.nk, dtype=x0.dtype, device=x0.device)
+            lo = torch.cat([x0, torch.where(merge, pad, y0)], -1)
+            hi = torch.cat(
+                [torch.where(merge, torch.maximum(x1, y1), x1), torch.where(merge, pad, y1)], -1
+            )
+            return Iv(lo, hi)
         return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk)[:2])
+
+    def kept(self, x, y) -> Iv:
+        """``[x, y)`` per slot (int32 tensors), the empty ones set to ``[nk, nk)``, compacted
+        when there are several slots (``x``, ``y`` sorted and disjoint per row)."""
+        keep = x < y
+        x, y = (
+            torch.where(keep, x, self.nk).to(torch.int32),
+            torch.where(keep, y, self.nk).to(torch.int32),
+        )
+        if x.shape[-1] == 1:
+            return Iv(x, y)
+        return Iv(*iv.compact_sorted(x, y, self.nk)[:2])
 
     def lnot(self, a: Iv) -> Iv:
         f = self.full()
@@ -159,13 +189,40 @@ class Lifter:
                     "int64, int32 and bool values, whose arithmetic does not wrap here, lift)"
                 )
             t = v.t.to(torch.int64)
-            return Sep(t, zero) if isinstance(v, QV) else Sep(zero, t)
+            if isinstance(v, QV):
+                return Sep(t, zero, (0, 0))
+            return Sep(zero, t, v.aff if v.t.dtype == torch.int64 else None)
         if isinstance(v, (int, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
             c = torch.as_tensor(v, device=self.device)
             if c.dtype not in _SEP_DTYPES:
                 raise Unsupported(f"a {c.dtype} constant in a q/kv comparison")
-            return Sep(c.to(torch.int64), zero)
+            return Sep(c.to(torch.int64), zero, (0, 0))
         raise Unsupported(f"a {type(v).__name__} value in integer arithmetic")
+
+    def g_of(self, s: Sep) -> torch.Tensor:
+        """The key term of ``s`` as a tensor (built from ``s.ga`` when it was not kept)."""
+        if s.g is not None:
+            return s.g
+        a, c = s.ga
+        if a == 0:
+            return torch.tensor(c, device=self.device)
+        return torch.arange(c, c + a * self.nk, a, device=self.device)[: self.nk]
+
+    def lin(self, x: Sep, y: Sep | None, cy: int, cx: int = 1) -> Sep:
+        """``cx * x + cy * y`` (``y`` None: ``cx * x``), keeping an affine key term symbolic."""
+
+        def comb(u, v):
+            u = u if cx == 1 else u * cx
+            if y is None:
+                return u
+            return u + v if cy == 1 else u - v if cy == -1 else u + v * cy
+
+        f = comb(x.f, None if y is None else y.f)
+        ys = (0, 0) if y is None else y.ga
+        if x.ga is not None and ys is not None:
+            ga = (cx * x.ga[0] + cy * ys[0], cx * x.ga[1] + cy * ys[1])
+            return Sep(f, None, ga)
+        return Sep(f, comb(self.g_of(x), None if y is None else self.g_of(y)))
 
     def compare(self, op: str, a, b):
         if isinstance(b, (AbsSep, SumSq)) and not isinstance(a, (AbsSep, SumSq)):
@@ -174,7 +231,7 @@ class Lifter:
             return self.disc(op, a, b)
         if isinstance(a, AbsSep):
             s, r = a.s, self.to_sep(b)
-            neg_r = Sep(-r.f, -r.g)
+            neg_r = self.lin(r, None, 0, -1)
             if op in ("le", "lt"):
                 lower = "ge" if op == "le" else "gt"
                 return self.conj(self.compare(lower, s, neg_r), self.compare(op, s, r))
@@ -182,13 +239,23 @@ class Lifter:
                 return self.lnot(self.to_iv(self.compare("lt" if op == "ge" else "le", a, b)))
             raise Unsupported(f"abs(...) {op} ...")
         sa, sb = self.to_sep(a), self.to_sep(b)
-        g = sa.g - sb.g  # g(kv) op t(q)
-        t = sb.f - sa.f
-        if g.dim() == 0:
-            return QV(getattr(torch, op)(g, t).expand(self.nq))
+        d = self.lin(sa, sb, -1)  # g(kv) op t(q)
+        t = -d.f
+        if d.ga is not None and d.ga[0] == 0:
+            return QV(
+                getattr(torch, op)(torch.tensor(d.ga[1], device=self.device), t).expand(self.nq)
+            )
+        if d.ga is not None and abs(d.ga[0]) == 1:
+            g, cmp = None, (d.ga, op, t)
+        else:
+            g = self.g_of(d)
+            if g.dim() == 0:
+                return QV(getattr(torch, op)(g, t).expand(self.nq))
         if op == "ne":
-            return self.lnot(self.to_iv(Pending(None, [(g, "eq", t)])))
-        return Pending(None, [(g, op, t)])
+            return self.lnot(
+                self.to_iv(Pending(None, [(g, "eq", t) if g is not None else (d.ga, "eq", t)]))
+            )
+        return Pending(None, [(g, op, t) if g is not None else cmp])
 
     def disc(self, op: str, a: SumSq, b) -> Iv:
         """``s1 * s1 + s2 * s2 op c`` (``c`` an int): per level ``d`` of the term whose key
@@ -200,7 +267,7 @@ class Lifter:
         c = int(b) if op == "le" else int(b) - 1  # s1^2 + s2^2 <= c
         if c < 0:
             return self.to_iv(False)
-        outer, inner = a.terms
+        outer, inner = (Sep(s.f, self.g_of(s)) for s in a.terms)
         if outer.g.dim() == 0 or self.runs_of(outer.g)[2] > 1:
             outer, inner = inner, outer
         r = _isqrt(c)
@@ -233,11 +300,37 @@ class Lifter:
         return Pending(base, pa.cmps + pb.cmps)
 
     def resolve(self, p: Pending) -> Iv:
-        cur = p.base if p.base is not None else self.full()
-        cmps = [(self.runs_of(g), op, t) for g, op, t in p.cmps]
+        cur = p.base
+        for ga, op, t in (c for c in p.cmps if isinstance(c[0], tuple)):  # kv +- c: no search
+            cur = self.within_affine(cur, ga, op, t)
+        cmps = [(self.runs_of(g), op, t) for g, op, t in p.cmps if not isinstance(g, tuple)]
         for runs, op, t in sorted(cmps, key=lambda c: c[0][2]):  # fewest key runs first
-            cur = self.within(cur, runs, op, t)
-        return cur
+            cur = self.within(cur if cur is not None else self.full(), runs, op, t)
+        return cur if cur is not None else self.full()
+
+    def within_affine(self, cur: Iv | None, ga, op: str, t) -> Iv:
+        """The keys of ``cur`` (None: all) with ``a * kv + c op t(q)``, ``a`` = +-1: one
+        interval per interval of ``cur``, by clamping (no key search)."""
+        a, c = ga
+        if a < 0:  # -kv + c op t  <=>  kv flip(op) c - t
+            op, t = _FLIP[op], c - t
+        elif c:
+            t = t - c
+        t = t.reshape(-1, 1)
+        one = t + 1 if op in ("gt", "le", "eq") else None
+        x = {"ge": t, "gt": one, "le": 0, "lt": 0, "eq": t}[op]
+        y = {"ge": self.nk, "gt": self.nk, "le": one, "lt": t, "eq": one}[op]
+        if cur is None:
+            x = x if isinstance(x, int) else x.clamp(min=0)
+            y = y if isinstance(y, int) else y.clamp(max=self.nk)
+        else:
+            x = cur.lo if isinstance(x, int) else torch.maximum(cur.lo, x)
+            y = cur.hi if isinstance(y, int) else torch.minimum(cur.hi, y)
+        if isinstance(x, int):
+            x = torch.zeros_like(y)
+        if isinstance(y, int):
+            y = torch.full_like(x, self.nk)
+        return self.kept(x, y)
 
     def within(self, cur: Iv, runs, op: str, t) -> Iv:
         """The keys of ``cur`` with ``g(kv) op t(q)``: per interval of a row, per run of
@@ -288,8 +381,8 @@ class Lifter:
             [
                 torch.tensor(b, device=self.device),
                 torch.tensor(h, device=self.device),
-                QV(torch.arange(self.nq, device=self.device)),
-                KV(torch.arange(self.nk, device=self.device)),
+                QV(torch.arange(self.nq, device=self.device), (1, 0)),
+                KV(torch.arange(self.nk, device=self.device), (1, 0)),
             ]
         )
         for node in gm.graph.nodes:
@@ -313,6 +406,10 @@ class Lifter:
         if kinds & set(_MIXED) or (QV in kinds and KV in kinds):
             return self.mixed(name, args, kwargs)
         fn = _callable(node)
+        if name in ("add", "sub", "mul", "neg") and not kwargs:
+            step = _affine_step(name, args)
+            if step is not None:
+                return step
         if name == "getitem" and not kwargs:
             direct = _gather(*args)
             if direct is not None:
@@ -339,23 +436,46 @@ class Lifter:
             return SumSq(args[0].terms + args[1].terms)
         if name in ("add", "sub") and len(args) == 2:
             a, b = self.to_sep(args[0]), self.to_sep(args[1])
-            if name == "add":
-                return Sep(a.f + b.f, a.g + b.g)
-            return Sep(a.f - b.f, a.g - b.g)
+            return self.lin(a, b, 1 if name == "add" else -1)
         if name == "neg" and len(args) == 1:
-            a = self.to_sep(args[0])
-            return Sep(-a.f, -a.g)
+            return self.lin(self.to_sep(args[0]), None, 0, -1)
         if name == "mul" and len(args) == 2 and args[0] is args[1] and isinstance(args[0], Sep):
             return SumSq([args[0]])
         if name == "mul" and len(args) == 2:
             a, c = (args[0], args[1]) if _is_int_scalar(args[1]) else (args[1], args[0])
             if not _is_int_scalar(c):
                 raise Unsupported("a product of two index-dependent values")
-            a = self.to_sep(a)
-            return Sep(a.f * int(c), a.g * int(c))
+            return self.lin(self.to_sep(a), None, 0, int(c))
         if name == "abs" and len(args) == 1:
             return AbsSep(self.to_sep(args[0]))
         raise Unsupported(f"{name} on values that depend on both q_idx and kv_idx")
+
+
+def _affine_step(name: str, args):
+    """``v + c``, ``c + v``, ``v - c``, ``c - v``, ``v * c``, ``c * v``, ``-v`` of an affine int64
+    index value ``v`` (QV or KV with ``aff``) and a Python int ``c``: the value computed as
+    the int64 tensor operation it is, and its affine form kept. None for any other form."""
+    if name == "neg":
+        (v,) = args
+        if isinstance(v, (QV, KV)) and v.aff is not None and v.t.dtype == torch.int64:
+            return type(v)(-v.t, (-v.aff[0], -v.aff[1]))
+        return None
+    if len(args) != 2:
+        return None
+    left = isinstance(args[0], (QV, KV))
+    v, c = args if left else args[::-1]
+    if not isinstance(v, (QV, KV)) or v.aff is None or v.t.dtype != torch.int64:
+        return None
+    if type(c) is not int:
+        return None
+    a, b = v.aff
+    if name == "add":
+        return type(v)(v.t + c, (a, b + c))
+    if name == "mul":
+        return type(v)(v.t * c, (a * c, b * c))
+    if left:  # v - c
+        return type(v)(v.t - c, (a, b - c))
+    return type(v)(c - v.t, (-a, c - b))
 
 
 def _runs(g: torch.Tensor):
