@@ -107,11 +107,24 @@ class Lifter:
     def __init__(self, q_len: int, kv_len: int, device):
         self.nq, self.nk, self.device = q_len, kv_len, device
         self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
+        self._sorted = {}  # id(g) -> (g, (sign * g, sign) or None)
 
     def runs_of(self, g: torch.Tensor):
         hit = self._runs.get(id(g))
         if hit is None or hit[0] is not g:
             hit = self._runs[id(g)] = (g, _runs(g))
+        return hit[1]
+
+    def sorted_of(self, g: torch.Tensor):
+        """``(sign * g, sign)`` when ``g`` [Nk] is non-decreasing (sign 1) or non-increasing
+        (sign -1), else None."""
+        hit = self._sorted.get(id(g))
+        if hit is None or hit[0] is not g:
+            mono = None
+            if g.dim() == 1:
+                down, up = torch.stack([(g[1:] < g[:-1]).any(), (g[1:] > g[:-1]).any()]).tolist()
+                mono = (g, 1) if not down else (-g, -1) if not up else None
+            hit = self._sorted[id(g)] = (g, mono)
         return hit[1]
 
     # ------------------------------------------------------------------ interval sets
@@ -303,7 +316,13 @@ class Lifter:
         cur = p.base
         for ga, op, t in (c for c in p.cmps if isinstance(c[0], tuple)):  # kv +- c: no search
             cur = self.within_affine(cur, ga, op, t)
-        cmps = [(self.runs_of(g), op, t) for g, op, t in p.cmps if not isinstance(g, tuple)]
+        rest = [c for c in p.cmps if not isinstance(c[0], tuple)]
+        for g, op, t in rest:  # monotone key terms: one binary search
+            mono = self.sorted_of(g)
+            if mono is not None:
+                cur = self.within_sorted(cur, *mono, op, t)
+        rest = [c for c in rest if self.sorted_of(c[0]) is None]
+        cmps = [(self.runs_of(g), op, t) for g, op, t in rest]
         for runs, op, t in sorted(cmps, key=lambda c: c[0][2]):  # fewest key runs first
             cur = self.within(cur if cur is not None else self.full(), runs, op, t)
         return cur if cur is not None else self.full()
@@ -320,6 +339,24 @@ class Lifter:
         one = t + 1 if op in ("gt", "le", "eq") else None
         x = {"ge": t, "gt": one, "le": 0, "lt": 0, "eq": t}[op]
         y = {"ge": self.nk, "gt": self.nk, "le": one, "lt": t, "eq": one}[op]
+        return self.clip_to(cur, x, y)
+
+    def within_sorted(self, cur: Iv | None, x: torch.Tensor, sign: int, op: str, t) -> Iv:
+        """The keys of ``cur`` (None: all) with ``g(kv) op t(q)`` for a monotone ``g``
+        (``x = sign * g`` non-decreasing): one interval per interval of ``cur``, from a
+        binary search of ``t`` in ``x``."""
+        if sign < 0:
+            op, t = _FLIP[op], -t
+        t = t.reshape(*t.shape, 1) if t.dim() else t.reshape(1, 1)
+        left = torch.searchsorted(x, t) if op in ("ge", "lt", "eq") else None
+        right = torch.searchsorted(x, t, right=True) if op in ("gt", "le", "eq") else None
+        lo = {"ge": left, "gt": right, "le": 0, "lt": 0, "eq": left}[op]
+        hi = {"ge": self.nk, "gt": self.nk, "le": right, "lt": left, "eq": right}[op]
+        return self.clip_to(cur, lo, hi)
+
+    def clip_to(self, cur: Iv | None, x, y) -> Iv:
+        """``[x, y)`` (int64 tensors ``[..., rows, 1]``, or ints: 0 for x, nk for y) within
+        each interval of ``cur`` (None: ``[0, nk)``), canonical."""
         if cur is None:
             x = x if isinstance(x, int) else x.clamp(min=0)
             y = y if isinstance(y, int) else y.clamp(max=self.nk)
