@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from .. import intervals as iv
 from ..plan import MaskPlan, built_plans
 from ..tiles import build_tiles
-from . import modeval
+from . import modeval, trace
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -131,6 +131,11 @@ class Lifter:
     def full(self) -> Iv:
         z = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         return Iv(z, z + self.nk)
+
+    def row_full(self, k: int):
+        """``([0, nk, ...], [nk, nk, ...])``: int32 ``[k]``, the whole row in ``k`` slots."""
+        hi = torch.full((k,), self.nk, dtype=torch.int32, device=self.device)
+        return torch.cat([torch.zeros_like(hi[:1]), hi[1:]]), hi
 
     def canon(self, lo, hi) -> Iv:
         lo, hi = iv.clip(lo, hi, self.nk)
@@ -281,7 +286,7 @@ class Lifter:
         if c < 0:
             return self.to_iv(False)
         outer, inner = (Sep(s.f, self.g_of(s)) for s in a.terms)
-        if outer.g.dim() == 0 or self.runs_of(outer.g)[2] > 1:
+        if outer.g.dim() == 0 or self.sorted_of(outer.g) is None:
             outer, inner = inner, outer
         r = _isqrt(c)
         if r > 1024:
@@ -466,6 +471,12 @@ class Lifter:
         if name in ("and", "logical_and", "bitwise_and") and len(args) == 2:
             return self.conj(*args)
         if name in ("or", "logical_or", "bitwise_or") and len(args) == 2:
+            rows = [a for a in args if isinstance(a, QV) and a.t.dtype == torch.bool]
+            if rows and rows[0].t.dim() == 1:  # whole rows, or the other operand
+                x = self.to_iv(args[1] if args[0] is rows[0] else args[0])
+                lo = torch.where(rows[0].t[:, None], self.row_full(x.lo.shape[-1])[0], x.lo)
+                hi = torch.where(rows[0].t[:, None], self.row_full(x.lo.shape[-1])[1], x.hi)
+                return Iv(lo, hi)
             return self.lor(self.to_iv(args[0]), self.to_iv(args[1]))
         if name in ("invert", "logical_not", "bitwise_not") and len(args) == 1:
             return self.lnot(self.to_iv(args[0]))
@@ -647,10 +658,8 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
     Raises:
         Unsupported: with the reason, when the mask_mod has no analytic form here.
     """
-    import torch.fx
-
     try:
-        gm = torch.fx.symbolic_trace(mask_mod)
+        gm = trace.symbolic_trace(mask_mod)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means: evaluate
         raise Unsupported(f"torch.fx cannot trace it ({type(exc).__name__}: {exc})") from None
     lifter = Lifter(q_len, kv_len, device)
