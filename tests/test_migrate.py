@@ -437,3 +437,16 @@ def test_trace_not_reused_after_rebinding_or_when_it_reads_values():
         return torch.ge(q, k)
 
     assert trace.symbolic_trace(uses_torch) is not trace.symbolic_trace(uses_torch)
+
+
+def test_probe_rejects_wrong_lifted_intervals(monkeypatch):
+    """A lifted answer that differs from the mask_mod on the probe is not used."""
+    real = lift.lift_intervals
+
+    def off_by_one(*args):
+        return [(lo, hi + (hi < lo.new_tensor(40)).int(), c) for lo, hi, c in real(*args)]
+
+    monkeypatch.setattr(lift, "lift_intervals", off_by_one)
+    plan = cm.from_mask_mod(lambda b, h, q, k: k <= q, 40)
+    assert plan.source == "from_mask_mod:broadcast"
+    assert torch.equal(plan.to_dense(), torch.ones(40, 40, dtype=torch.bool).tril())

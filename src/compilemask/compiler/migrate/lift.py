@@ -674,18 +674,31 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
 
 
 def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
-    """The lifted intervals against FlexAttention's scalar semantics on a small probe."""
+    """The lifted intervals against FlexAttention's scalar semantics on a small probe.
+
+    The mask_mod is called on broadcast indices first (plain tensor operations, a fraction of
+    a vmapped call's host time) and under ``torch.vmap`` only when that does not match: every
+    operation the lifter takes on values of both q and kv is elementwise, and gathers are
+    plain indexing of 1-D indices, where broadcast and scalar semantics give the same
+    booleans; the operations where they can differ (on values of q alone or kv alone) are
+    lifted under vmap, so a broadcast answer that differs from vmap there does not match the
+    lifted one either and the vmapped call decides."""
     q = modeval._probe_points(q_len, modeval._PROBE_Q, device)
     kv = modeval._probe_points(kv_len, modeval._PROBE_KV, device)
+    k = kv[None, None, :]
     for i in sorted({0, len(bh) - 1}):
         b, h = bh[i]
+        lo, hi, _ = parts[i]
+        got = ((lo[q][..., None] <= k) & (k < hi[q][..., None])).any(1)
+        try:
+            if torch.equal(got, modeval.call_broadcast(mask_mod, b, h, q, kv)):
+                continue
+        except Exception:  # noqa: BLE001 - broadcast refuses it: vmap decides
+            pass
         try:
             want = modeval.call_vmap(mask_mod, b, h, q, kv)
         except Exception:  # noqa: BLE001 - vmap refuses it: compare with broadcast
             want = modeval.call_broadcast(mask_mod, b, h, q, kv)
-        lo, hi, _ = parts[i]
-        k = kv[None, None, :]
-        got = ((lo[q][..., None] <= k) & (k < hi[q][..., None])).any(1)
         if not torch.equal(got, want):
             return False
     return True
