@@ -452,6 +452,10 @@ class Lifter:
             step = _affine_step(name, args)
             if step is not None:
                 return step
+        if node.op == "call_function" and name in _ELEMENTWISE and not kwargs:
+            direct = _elementwise(fn, args)
+            if direct is not None:
+                return direct
         if name == "getitem" and not kwargs:
             direct = _gather(*args)
             if direct is not None:
@@ -497,6 +501,32 @@ class Lifter:
         if name == "abs" and len(args) == 1:
             return AbsSep(self.to_sep(args[0]))
         raise Unsupported(f"{name} on values that depend on both q_idx and kv_idx")
+
+
+#: ``operator`` functions that act element by element on integer and bool tensors
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "floordiv", "mod", "lt", "le", "gt", "ge", "eq",
+                          "ne", "and", "or", "xor", "neg", "invert"})  # fmt: skip
+
+
+def _elementwise(fn, args):
+    """``fn(*args)`` applied to the values directly when every operand is a Python int or bool
+    or a 1-D integer or bool value of one kind (QV or KV): element by element it is what
+    vmap computes, without vmap's host cost. None for any other form."""
+    kinds = {type(a) for a in args if isinstance(a, (QV, KV))}
+    if len(kinds) != 1:
+        return None
+    vals = []
+    for a in args:
+        if isinstance(a, (QV, KV)):
+            if a.t.dim() != 1 or a.t.dtype.is_floating_point or a.t.is_complex():
+                return None
+            vals.append(a.t)
+        elif type(a) in (int, bool):
+            vals.append(a)
+        else:
+            return None
+    out = fn(*vals)
+    return kinds.pop()(out) if isinstance(out, torch.Tensor) else None
 
 
 def _affine_step(name: str, args):
