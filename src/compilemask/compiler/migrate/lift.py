@@ -20,12 +20,18 @@ run the keys that satisfy it form one interval, found by a binary search on a so
 as long as those intervals cross few runs. ``&``, ``|``, ``~`` are interval-set algebra.
 Anything else -- a Python branch on an index, ``%`` or ``//`` of a mixed term, a 2-D table
 indexed by both q and kv -- raises :class:`Unsupported` and the mask_mod is evaluated instead.
+
+Cheap forms, taken before the general ones: a key term ``+-kv_idx + c`` (``Sep.ga``, tracked
+through ``+ - *`` by Python ints, ``QV``/``KV.aff``) is never built as a tensor and is compared
+by clamping each interval of a row; a key term monotone over all keys is compared by one
+``searchsorted`` per row; ``&`` and ``|`` of one-interval rows, and ``|`` with whole rows, need
+no sort. Element-by-element operators on values of q alone or kv alone run directly (what
+vmap gives, without its host cost). The values and those operations are in ``values.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
@@ -34,58 +40,31 @@ from .. import intervals as iv
 from ..plan import MaskPlan, built_plans
 from ..tiles import build_tiles
 from . import modeval, trace
+from .values import (
+    _ELEMENTWISE,
+    KV,
+    QV,
+    AbsSep,
+    Iv,
+    Pending,
+    Sep,
+    SumSq,
+    Unsupported,
+    _affine_step,
+    _callable,
+    _check_bool,
+    _elementwise,
+    _gather,
+    _is_bool,
+    _is_bool_scalar,
+    _is_int_scalar,
+    _vmapped,
+)
 
 log = logging.getLogger("compilemask.migrate")
 
 #: the most key runs one row's intervals may cross when a comparison is lowered inside them
 MAX_RUNS_PER_ROW = 64
-
-
-class Unsupported(Exception):
-    """The mask_mod (or one of its operations) has no analytic form here."""
-
-
-@dataclass
-class QV:
-    t: torch.Tensor
-    aff: tuple | None = None  # (a, c): ``t == a * q_idx + c`` exactly (int64)
-
-
-@dataclass
-class KV:
-    t: torch.Tensor
-    aff: tuple | None = None  # (a, c): ``t == a * kv_idx + c`` exactly (int64)
-
-
-@dataclass
-class Sep:
-    f: torch.Tensor  # int64 [Nq] or 0-d
-    g: torch.Tensor | None  # int64 [Nk] or 0-d; None when ``ga`` gives it
-    ga: tuple | None = None  # (a, c): ``g == a * kv_idx + c`` exactly
-
-
-@dataclass
-class AbsSep:
-    s: Sep
-
-
-@dataclass
-class SumSq:
-    """``sum(s * s for s in terms)`` of separable terms (a disc: ``dy * dy + dx * dx``)."""
-
-    terms: list
-
-
-@dataclass
-class Iv:
-    lo: torch.Tensor
-    hi: torch.Tensor
-
-
-@dataclass
-class Pending:
-    base: Iv | None
-    cmps: list  # (g [Nk] int64, op, t [Nq] or 0-d int64)
 
 
 _SEP_DTYPES = (torch.int64, torch.int32, torch.bool)
@@ -503,59 +482,6 @@ class Lifter:
         raise Unsupported(f"{name} on values that depend on both q_idx and kv_idx")
 
 
-#: ``operator`` functions that act element by element on integer and bool tensors
-_ELEMENTWISE = frozenset({"add", "sub", "mul", "floordiv", "mod", "lt", "le", "gt", "ge", "eq",
-                          "ne", "and", "or", "xor", "neg", "invert"})  # fmt: skip
-
-
-def _elementwise(fn, args):
-    """``fn(*args)`` applied to the values directly when every operand is a Python int or bool
-    or a 1-D integer or bool value of one kind (QV or KV): element by element it is what
-    vmap computes, without vmap's host cost. None for any other form."""
-    kinds = {type(a) for a in args if isinstance(a, (QV, KV))}
-    if len(kinds) != 1:
-        return None
-    vals = []
-    for a in args:
-        if isinstance(a, (QV, KV)):
-            if a.t.dim() != 1 or a.t.dtype.is_floating_point or a.t.is_complex():
-                return None
-            vals.append(a.t)
-        elif type(a) in (int, bool):
-            vals.append(a)
-        else:
-            return None
-    out = fn(*vals)
-    return kinds.pop()(out) if isinstance(out, torch.Tensor) else None
-
-
-def _affine_step(name: str, args):
-    """``v + c``, ``c + v``, ``v - c``, ``c - v``, ``v * c``, ``c * v``, ``-v`` of an affine int64
-    index value ``v`` (QV or KV with ``aff``) and a Python int ``c``: the value computed as
-    the int64 tensor operation it is, and its affine form kept. None for any other form."""
-    if name == "neg":
-        (v,) = args
-        if isinstance(v, (QV, KV)) and v.aff is not None and v.t.dtype == torch.int64:
-            return type(v)(-v.t, (-v.aff[0], -v.aff[1]))
-        return None
-    if len(args) != 2:
-        return None
-    left = isinstance(args[0], (QV, KV))
-    v, c = args if left else args[::-1]
-    if not isinstance(v, (QV, KV)) or v.aff is None or v.t.dtype != torch.int64:
-        return None
-    if type(c) is not int:
-        return None
-    a, b = v.aff
-    if name == "add":
-        return type(v)(v.t + c, (a, b + c))
-    if name == "mul":
-        return type(v)(v.t * c, (a * c, b * c))
-    if left:  # v - c
-        return type(v)(v.t - c, (a, b - c))
-    return type(v)(c - v.t, (-a, c - b))
-
-
 def _runs(g: torch.Tensor):
     """The sorted key of ``g`` [Nk] over its monotone runs, choosing the direction
     (non-decreasing, or non-increasing negated) with fewer runs."""
@@ -598,88 +524,6 @@ def _search(key: torch.Tensor, target: torch.Tensor):
     flat = target.reshape(-1)
     left = torch.searchsorted(key, flat).view(target.shape)
     return left, torch.searchsorted(key, flat, right=True).view(target.shape)
-
-
-def _gather(table, index):
-    """``table[index]`` for a constant tensor indexed by ints, 0-d integer tensors and one kind
-    of per-index integer values (QV or KV, 1-D): plain advanced indexing gives what vmap with
-    ``aten.index`` gives, without its cost. None for any other form."""
-    items = index if isinstance(index, tuple) else (index,)
-    if not isinstance(table, torch.Tensor) or len(items) > table.dim():
-        return None
-    kinds = {type(i) for i in items if isinstance(i, (QV, KV))}
-    if len(kinds) != 1:
-        return None
-    cls = kinds.pop()
-    idx = []
-    for i in items:
-        t = i.t if isinstance(i, (QV, KV)) else i
-        if isinstance(t, bool) or not isinstance(t, (int, torch.Tensor)):
-            return None
-        t = torch.as_tensor(t, device=table.device)
-        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
-            return None
-        if t.dim() == 1 and not isinstance(i, (QV, KV)):
-            return None
-        idx.append(t)
-    return cls(table[tuple(idx)])
-
-
-def _callable(node):
-    if node.op == "call_method":
-        return lambda self, *a, **k: getattr(self, node.target)(*a, **k)
-    return node.target
-
-
-def _vmapped(fn, args, kwargs, cls):
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    pos = [i for i, x in enumerate(flat) if isinstance(x, cls)]
-    others = [i for i, x in enumerate(flat) if isinstance(x, (QV, KV)) and i not in pos]
-    if others:
-        raise Unsupported("q and kv values in one operation")
-
-    def inner(*vals):
-        leaves = list(flat)
-        for i, v in zip(pos, vals):
-            leaves[i] = v
-        a, k = pytree.tree_unflatten(leaves, spec)
-        return fn(*a, **k)
-
-    with TransformGetItemToIndex():
-        out = torch.vmap(inner)(*[flat[i].t for i in pos])
-    if not isinstance(out, torch.Tensor):
-        raise Unsupported(f"an operation returned {type(out).__name__}")
-    return out
-
-
-def _is_bool(v) -> bool:
-    if isinstance(v, (QV, KV)):
-        return v.t.dtype == torch.bool
-    return isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
-
-
-def _is_bool_scalar(v) -> bool:
-    if isinstance(v, bool):
-        return True
-    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype == torch.bool
-
-
-def _is_int_scalar(v) -> bool:
-    if isinstance(v, bool):
-        return False
-    if isinstance(v, int):
-        return True
-    return isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point
-
-
-def _check_bool(out):
-    if isinstance(out, (QV, KV)) and out.t.dtype != torch.bool:
-        raise Unsupported("the mask_mod does not return a bool")
-    if isinstance(out, (Sep, AbsSep)):
-        raise Unsupported("the mask_mod does not return a bool")
-    return out
 
 
 def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
