@@ -243,16 +243,14 @@ class Lifter:
                 getattr(torch, op)(torch.tensor(d.ga[1], device=self.device), t).expand(self.nq)
             )
         if d.ga is not None and abs(d.ga[0]) == 1:
-            g, cmp = None, (d.ga, op, t)
+            key = d.ga  # +-kv + c: compared by clamping (``within_affine``)
         else:
-            g = self.g_of(d)
-            if g.dim() == 0:
-                return QV(getattr(torch, op)(g, t).expand(self.nq))
+            key = self.g_of(d)
+            if key.dim() == 0:
+                return QV(getattr(torch, op)(key, t).expand(self.nq))
         if op == "ne":
-            return self.lnot(
-                self.to_iv(Pending(None, [(g, "eq", t) if g is not None else (d.ga, "eq", t)]))
-            )
-        return Pending(None, [(g, op, t) if g is not None else cmp])
+            return self.lnot(self.to_iv(Pending(None, [(key, "eq", t)])))
+        return Pending(None, [(key, op, t)])
 
     def disc(self, op: str, a: SumSq, b) -> Iv:
         """``s1 * s1 + s2 * s2 op c`` (``c`` an int): per level ``d`` of the term whose key

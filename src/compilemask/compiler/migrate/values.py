@@ -54,7 +54,7 @@ class Iv:
 @dataclass
 class Pending:
     base: Iv | None
-    cmps: list  # (g [Nk] int64, op, t [Nq] or 0-d int64)
+    cmps: list  # (g [Nk] int64 or an affine (a, c) with |a| == 1, op, t [Nq] or 0-d int64)
 
 
 #: ``operator`` functions that act element by element on integer and bool tensors
