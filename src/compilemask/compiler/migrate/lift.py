@@ -10,7 +10,10 @@ The mask_mod is traced with ``torch.fx`` and its graph is run once per (b, h) on
 * ``Sep``: an integer ``f(q) + g(kv)`` (sums and differences of QV and KV, times constants);
   ``AbsSep``: ``|f(q) + g(kv)|``;
 * ``Iv``: a boolean of (q, kv) as canonical row intervals ``[Nq or 1, K]``;
-* ``Pending``: an intersection of an ``Iv`` and comparisons ``g(kv) op t(q)`` not yet lowered.
+* ``Pending``: an intersection of an ``Iv`` and comparisons ``g(kv) op t(q)`` not yet lowered;
+  ``Disj``: a union of such values, kept apart until it is used so that an ``&`` that follows
+  is taken into each part (``same_group & ((k < p[q]) | (r[k] == r[q]))`` lowers ``r[k] ==
+  r[q]`` inside the group's keys, not over whole rows).
 
 A comparison ``f(q) + g(kv) op 0`` becomes ``g(kv) op -f(q)``. Split the keys into the maximal
 runs on which ``g`` is non-decreasing (or, if fewer, non-increasing: then negate): inside one
@@ -45,6 +48,7 @@ from .values import (
     KV,
     QV,
     AbsSep,
+    Disj,
     Iv,
     Pending,
     Sep,
@@ -65,10 +69,12 @@ log = logging.getLogger("compilemask.migrate")
 
 #: the most key runs one row's intervals may cross when a comparison is lowered inside them
 MAX_RUNS_PER_ROW = 64
+#: the most parts of a union kept apart (``Disj``)
+_MAX_DISJ = 4
 
 
 _SEP_DTYPES = (torch.int64, torch.int32, torch.bool)
-_MIXED = (Sep, AbsSep, SumSq, Iv, Pending)
+_MIXED = (Sep, AbsSep, SumSq, Iv, Pending, Disj)
 _CMP = {"ge": "ge", "gt": "gt", "le": "le", "lt": "lt", "eq": "eq", "ne": "ne"}
 _FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
 
@@ -126,6 +132,11 @@ class Lifter:
             return v
         if isinstance(v, Pending):
             return self.resolve(v)
+        if isinstance(v, Disj):
+            out = self.to_iv(v.parts[0])
+            for part in v.parts[1:]:
+                out = self.lor(out, self.to_iv(part))
+            return out
         if isinstance(v, QV) and v.t.dtype == torch.bool and v.t.dim() == 1:
             lo = torch.where(v.t, 0, self.nk).to(torch.int32)[:, None]
             return Iv(lo, torch.full_like(lo, self.nk))
@@ -286,6 +297,11 @@ class Lifter:
         return self.canon(lo, torch.gather(hi, -1, order))
 
     def conj(self, a, b):
+        if isinstance(a, Disj) and isinstance(b, Disj):
+            a = self.to_iv(a)
+        if isinstance(a, Disj) or isinstance(b, Disj):  # (x | y) & z = (x & z) | (y & z)
+            d, other = (a, b) if isinstance(a, Disj) else (b, a)
+            return Disj([self.conj(part, other) for part in d.parts])
         pa = a if isinstance(a, Pending) else Pending(self.to_iv(a), [])
         pb = b if isinstance(b, Pending) else Pending(self.to_iv(b), [])
         if pa.base is None or pb.base is None:
@@ -458,6 +474,10 @@ class Lifter:
                 lo = torch.where(rows[0].t[:, None], self.row_full(x.lo.shape[-1])[0], x.lo)
                 hi = torch.where(rows[0].t[:, None], self.row_full(x.lo.shape[-1])[1], x.hi)
                 return Iv(lo, hi)
+            if any(isinstance(a, (Pending, Disj)) for a in args):  # lowered when used
+                parts = [p for a in args for p in (a.parts if isinstance(a, Disj) else [a])]
+                if len(parts) <= _MAX_DISJ:
+                    return Disj(parts)
             return self.lor(self.to_iv(args[0]), self.to_iv(args[1]))
         if name in ("invert", "logical_not", "bitwise_not") and len(args) == 1:
             return self.lnot(self.to_iv(args[0]))

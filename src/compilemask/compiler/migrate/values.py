@@ -57,6 +57,11 @@ class Pending:
     cmps: list  # (g [Nk] int64 or an affine (a, c) with |a| == 1, op, t [Nq] or 0-d int64)
 
 
+@dataclass
+class Disj:
+    parts: list  # Iv, Pending or other boolean values of (q, kv): their union
+
+
 #: ``operator`` functions that act element by element on integer and bool tensors
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "floordiv", "mod", "lt", "le", "gt", "ge", "eq",
                           "ne", "and", "or", "xor", "neg", "invert"})  # fmt: skip
