@@ -175,7 +175,7 @@ def atoms(draw):
     fq = _index_terms(draw)
     fk = _index_terms(draw)
     op = draw(st.sampled_from(["ge", "gt", "le", "lt", "eq", "ne"]))
-    shape = draw(st.sampled_from(["plain", "abs", "sum", "const", "disc"]))
+    shape = draw(st.sampled_from(["plain", "abs", "sum", "const", "rows", "disc"]))
     w = draw(st.integers(0, 40))
     if shape == "disc":
         gq, gk = _index_terms(draw), _index_terms(draw)
@@ -192,6 +192,8 @@ def atoms(draw):
         return lambda q, k: getattr(torch, op)(fq(q) + 2 * fk(k), w)
     if shape == "const":
         return lambda q, k: getattr(torch, op)(fk(k), w)
+    if shape == "rows":  # whole rows: a value of q_idx alone
+        return lambda q, k: getattr(torch, op)(fq(q), w)
     return lambda q, k: getattr(torch, op)(fq(q), fk(k))
 
 
@@ -385,3 +387,66 @@ def test_gpu_evaluation_memory_is_bounded_at_128k():
     plan = cm.from_mask_mod(lambda b, h, q, k: k <= q, n, lifting=False, device="cuda")
     assert plan.source == "from_mask_mod:broadcast"
     assert torch.cuda.max_memory_allocated() < 3 * 2**30  # the N x N mask would be 16 GiB
+
+
+# ------------------------------------------------------------------ trace reuse
+def _doc_mod(doc):
+    return lambda b, h, q, k: (doc[q] == doc[k]) & (k <= q)
+
+
+def test_trace_reused_and_captured_tensors_read_fresh():
+    from compilemask.compiler.migrate import trace
+
+    doc = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
+    mm = _doc_mod(doc)
+    first = cm.from_mask_mod(mm, 16)
+    assert first.source == "from_mask_mod:lifted"
+    assert trace.symbolic_trace(mm) is trace.symbolic_trace(mm)
+    doc.copy_(torch.tensor([0] * 9 + [1] * 7))  # in place: the same trace, the new values
+    again = cm.from_mask_mod(mm, 16)
+    assert torch.equal(again.to_dense(), flex_dense(mm, 16, 16, None, None)[0, 0])
+    assert not torch.equal(again.to_dense(), first.to_dense())
+
+
+def test_trace_not_reused_after_rebinding_or_when_it_reads_values():
+    from compilemask.compiler.migrate import trace
+
+    doc = torch.tensor([0] * 8 + [1] * 8)
+
+    def rebound(b, h, q, k):
+        return doc[q] == doc[k]
+
+    g1 = trace.symbolic_trace(rebound)
+    doc = torch.tensor([0] * 3 + [1] * 13)  # the closure cell now holds another tensor
+    assert trace.symbolic_trace(rebound) is not g1
+    want = flex_dense(rebound, 16, 16, None, None)[0, 0]
+    assert torch.equal(cm.from_mask_mod(rebound, 16).to_dense(), want)
+
+    ends = torch.tensor([6])
+
+    def reads(b, h, q, k):  # int(...) runs on real data while tracing: never reused
+        return (k <= q) & (q < int(ends[0]))
+
+    assert trace.symbolic_trace(reads) is not trace.symbolic_trace(reads)
+    ends[0] = 11
+    assert torch.equal(
+        cm.from_mask_mod(reads, 16).to_dense(), flex_dense(reads, 16, 16, None, None)[0, 0]
+    )
+
+    def uses_torch(b, h, q, k):  # reads a global name: never reused
+        return torch.ge(q, k)
+
+    assert trace.symbolic_trace(uses_torch) is not trace.symbolic_trace(uses_torch)
+
+
+def test_probe_rejects_wrong_lifted_intervals(monkeypatch):
+    """A lifted answer that differs from the mask_mod on the probe is not used."""
+    real = lift.lift_intervals
+
+    def off_by_one(*args):
+        return [(lo, hi + (hi < lo.new_tensor(40)).int(), c) for lo, hi, c in real(*args)]
+
+    monkeypatch.setattr(lift, "lift_intervals", off_by_one)
+    plan = cm.from_mask_mod(lambda b, h, q, k: k <= q, 40)
+    assert plan.source == "from_mask_mod:broadcast"
+    assert torch.equal(plan.to_dense(), torch.ones(40, 40, dtype=torch.bool).tril())

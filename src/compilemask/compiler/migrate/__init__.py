@@ -6,7 +6,9 @@ does not recognise is evaluated in blocks (``evaluate.py``), on broadcast indice
 gives FlexAttention's answer, else under ``torch.vmap`` with FlexAttention's scalar semantics
 (``modeval.py``). ``plan.source`` (and ``plan.stats()["source"]``) names the path taken:
 ``from_mask_mod:lifted``, ``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. These plans
-are never cached: a closure's captured tensors can change between calls.
+are never cached: a closure's captured tensors can change between calls (only the ``torch.fx``
+trace is reused, ``trace.py``, and it reads them fresh). They are admitted as compiler output
+(host-side checks only, as ``compile``'s plans; ``plan.verify()`` runs every check).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ The mask_mod is traced with ``torch.fx`` and its graph is run once per (b, h) on
 * ``Sep``: an integer ``f(q) + g(kv)`` (sums and differences of QV and KV, times constants);
   ``AbsSep``: ``|f(q) + g(kv)|``;
 * ``Iv``: a boolean of (q, kv) as canonical row intervals ``[Nq or 1, K]``;
-* ``Pending``: an intersection of an ``Iv`` and comparisons ``g(kv) op t(q)`` not yet lowered.
+* ``Pending``: an intersection of an ``Iv`` and comparisons ``g(kv) op t(q)`` not yet lowered;
+  ``Disj``: a union of such values, kept apart until it is used so that an ``&`` that follows
+  is taken into each part (``same_group & ((k < p[q]) | (r[k] == r[q]))`` lowers ``r[k] ==
+  r[q]`` inside the group's keys, not over whole rows).
 
 A comparison ``f(q) + g(kv) op 0`` becomes ``g(kv) op -f(q)``. Split the keys into the maximal
 runs on which ``g`` is non-decreasing (or, if fewer, non-increasing: then negate): inside one
@@ -20,73 +23,58 @@ run the keys that satisfy it form one interval, found by a binary search on a so
 as long as those intervals cross few runs. ``&``, ``|``, ``~`` are interval-set algebra.
 Anything else -- a Python branch on an index, ``%`` or ``//`` of a mixed term, a 2-D table
 indexed by both q and kv -- raises :class:`Unsupported` and the mask_mod is evaluated instead.
+
+Cheap forms, taken before the general ones: a key term ``+-kv_idx + c`` (``Sep.ga``, tracked
+through ``+ - *`` by Python ints, ``QV``/``KV.aff``) is never built as a tensor and is compared
+by clamping each interval of a row; a key term monotone over all keys is compared by one
+``searchsorted`` per row; ``&`` and ``|`` of one-interval rows, and ``|`` with whole rows, need
+no sort. Element-by-element operators on values of q alone or kv alone run directly (what
+vmap gives, without its host cost). The values and those operations are in ``values.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .. import intervals as iv
-from ..plan import MaskPlan
+from ..plan import MaskPlan, built_plans
 from ..tiles import build_tiles
-from . import modeval
+from . import modeval, trace
+from .values import (
+    _ELEMENTWISE,
+    KV,
+    QV,
+    AbsSep,
+    Disj,
+    Iv,
+    Pending,
+    Sep,
+    SumSq,
+    Unsupported,
+    _affine_step,
+    _callable,
+    _check_bool,
+    _elementwise,
+    _gather,
+    _is_bool,
+    _is_bool_scalar,
+    _is_int_scalar,
+    _vmapped,
+)
 
 log = logging.getLogger("compilemask.migrate")
 
 #: the most key runs one row's intervals may cross when a comparison is lowered inside them
 MAX_RUNS_PER_ROW = 64
-
-
-class Unsupported(Exception):
-    """The mask_mod (or one of its operations) has no analytic form here."""
-
-
-@dataclass
-class QV:
-    t: torch.Tensor
-
-
-@dataclass
-class KV:
-    t: torch.Tensor
-
-
-@dataclass
-class Sep:
-    f: torch.Tensor  # int64 [Nq] or 0-d
-    g: torch.Tensor  # int64 [Nk] or 0-d
-
-
-@dataclass
-class AbsSep:
-    s: Sep
-
-
-@dataclass
-class SumSq:
-    """``sum(s * s for s in terms)`` of separable terms (a disc: ``dy * dy + dx * dx``)."""
-
-    terms: list
-
-
-@dataclass
-class Iv:
-    lo: torch.Tensor
-    hi: torch.Tensor
-
-
-@dataclass
-class Pending:
-    base: Iv | None
-    cmps: list  # (g [Nk] int64, op, t [Nq] or 0-d int64)
+#: the most parts of a union kept apart (``Disj``)
+_MAX_DISJ = 4
 
 
 _SEP_DTYPES = (torch.int64, torch.int32, torch.bool)
-_MIXED = (Sep, AbsSep, SumSq, Iv, Pending)
+_MIXED = (Sep, AbsSep, SumSq, Iv, Pending, Disj)
 _CMP = {"ge": "ge", "gt": "gt", "le": "le", "lt": "lt", "eq": "eq", "ne": "ne"}
 _FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
 
@@ -104,6 +92,7 @@ class Lifter:
     def __init__(self, q_len: int, kv_len: int, device):
         self.nq, self.nk, self.device = q_len, kv_len, device
         self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
+        self._sorted = {}  # id(g) -> (g, (sign * g, sign) or None)
 
     def runs_of(self, g: torch.Tensor):
         hit = self._runs.get(id(g))
@@ -111,10 +100,27 @@ class Lifter:
             hit = self._runs[id(g)] = (g, _runs(g))
         return hit[1]
 
+    def sorted_of(self, g: torch.Tensor):
+        """``(sign * g, sign)`` when ``g`` [Nk] is non-decreasing (sign 1) or non-increasing
+        (sign -1), else None."""
+        hit = self._sorted.get(id(g))
+        if hit is None or hit[0] is not g:
+            mono = None
+            if g.dim() == 1:
+                down, up = torch.stack([(g[1:] < g[:-1]).any(), (g[1:] > g[:-1]).any()]).tolist()
+                mono = (g, 1) if not down else (-g, -1) if not up else None
+            hit = self._sorted[id(g)] = (g, mono)
+        return hit[1]
+
     # ------------------------------------------------------------------ interval sets
     def full(self) -> Iv:
         z = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         return Iv(z, z + self.nk)
+
+    def row_full(self, k: int):
+        """``([0, nk, ...], [nk, nk, ...])``: int32 ``[k]``, the whole row in ``k`` slots."""
+        hi = torch.full((k,), self.nk, dtype=torch.int32, device=self.device)
+        return torch.cat([torch.zeros_like(hi[:1]), hi[1:]]), hi
 
     def canon(self, lo, hi) -> Iv:
         lo, hi = iv.clip(lo, hi, self.nk)
@@ -126,6 +132,11 @@ class Lifter:
             return v
         if isinstance(v, Pending):
             return self.resolve(v)
+        if isinstance(v, Disj):
+            out = self.to_iv(v.parts[0])
+            for part in v.parts[1:]:
+                out = self.lor(out, self.to_iv(part))
+            return out
         if isinstance(v, QV) and v.t.dtype == torch.bool and v.t.dim() == 1:
             lo = torch.where(v.t, 0, self.nk).to(torch.int32)[:, None]
             return Iv(lo, torch.full_like(lo, self.nk))
@@ -138,10 +149,37 @@ class Lifter:
         raise Unsupported(f"a {type(v).__name__} value used as a boolean mask")
 
     def land(self, a: Iv, b: Iv) -> Iv:
+        if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:  # one interval each: one interval
+            return self.kept(torch.maximum(a.lo, b.lo), torch.minimum(a.hi, b.hi))
         return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk)[:2])
 
     def lor(self, a: Iv, b: Iv) -> Iv:
+        if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:
+            # [x0, x1) the one starting first (an empty one starts at nk): the two merge when
+            # [y0, y1) starts by x1 (an empty y then merges into x, as y0 == nk only if x1 == nk)
+            first = a.lo <= b.lo
+            x0, x1 = torch.where(first, a.lo, b.lo), torch.where(first, a.hi, b.hi)
+            y0, y1 = torch.where(first, b.lo, a.lo), torch.where(first, b.hi, a.hi)
+            merge = y0 <= x1
+            pad = torch.full((), self.nk, dtype=x0.dtype, device=x0.device)
+            lo = torch.cat([x0, torch.where(merge, pad, y0)], -1)
+            hi = torch.cat(
+                [torch.where(merge, torch.maximum(x1, y1), x1), torch.where(merge, pad, y1)], -1
+            )
+            return Iv(lo, hi)
         return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk)[:2])
+
+    def kept(self, x, y) -> Iv:
+        """``[x, y)`` per slot (int32 tensors), the empty ones set to ``[nk, nk)``, compacted
+        when there are several slots (``x``, ``y`` sorted and disjoint per row)."""
+        keep = x < y
+        x, y = (
+            torch.where(keep, x, self.nk).to(torch.int32),
+            torch.where(keep, y, self.nk).to(torch.int32),
+        )
+        if x.shape[-1] == 1:
+            return Iv(x, y)
+        return Iv(*iv.compact_sorted(x, y, self.nk)[:2])
 
     def lnot(self, a: Iv) -> Iv:
         f = self.full()
@@ -159,13 +197,40 @@ class Lifter:
                     "int64, int32 and bool values, whose arithmetic does not wrap here, lift)"
                 )
             t = v.t.to(torch.int64)
-            return Sep(t, zero) if isinstance(v, QV) else Sep(zero, t)
+            if isinstance(v, QV):
+                return Sep(t, zero, (0, 0))
+            return Sep(zero, t, v.aff if v.t.dtype == torch.int64 else None)
         if isinstance(v, (int, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
             c = torch.as_tensor(v, device=self.device)
             if c.dtype not in _SEP_DTYPES:
                 raise Unsupported(f"a {c.dtype} constant in a q/kv comparison")
-            return Sep(c.to(torch.int64), zero)
+            return Sep(c.to(torch.int64), zero, (0, 0))
         raise Unsupported(f"a {type(v).__name__} value in integer arithmetic")
+
+    def g_of(self, s: Sep) -> torch.Tensor:
+        """The key term of ``s`` as a tensor (built from ``s.ga`` when it was not kept)."""
+        if s.g is not None:
+            return s.g
+        a, c = s.ga
+        if a == 0:
+            return torch.tensor(c, device=self.device)
+        return torch.arange(c, c + a * self.nk, a, device=self.device)[: self.nk]
+
+    def lin(self, x: Sep, y: Sep | None, cy: int, cx: int = 1) -> Sep:
+        """``cx * x + cy * y`` (``y`` None: ``cx * x``), keeping an affine key term symbolic."""
+
+        def comb(u, v):
+            u = u if cx == 1 else u * cx
+            if y is None:
+                return u
+            return u + v if cy == 1 else u - v if cy == -1 else u + v * cy
+
+        f = comb(x.f, None if y is None else y.f)
+        ys = (0, 0) if y is None else y.ga
+        if x.ga is not None and ys is not None:
+            ga = (cx * x.ga[0] + cy * ys[0], cx * x.ga[1] + cy * ys[1])
+            return Sep(f, None, ga)
+        return Sep(f, comb(self.g_of(x), None if y is None else self.g_of(y)))
 
     def compare(self, op: str, a, b):
         if isinstance(b, (AbsSep, SumSq)) and not isinstance(a, (AbsSep, SumSq)):
@@ -174,7 +239,7 @@ class Lifter:
             return self.disc(op, a, b)
         if isinstance(a, AbsSep):
             s, r = a.s, self.to_sep(b)
-            neg_r = Sep(-r.f, -r.g)
+            neg_r = self.lin(r, None, 0, -1)
             if op in ("le", "lt"):
                 lower = "ge" if op == "le" else "gt"
                 return self.conj(self.compare(lower, s, neg_r), self.compare(op, s, r))
@@ -182,13 +247,21 @@ class Lifter:
                 return self.lnot(self.to_iv(self.compare("lt" if op == "ge" else "le", a, b)))
             raise Unsupported(f"abs(...) {op} ...")
         sa, sb = self.to_sep(a), self.to_sep(b)
-        g = sa.g - sb.g  # g(kv) op t(q)
-        t = sb.f - sa.f
-        if g.dim() == 0:
-            return QV(getattr(torch, op)(g, t).expand(self.nq))
+        d = self.lin(sa, sb, -1)  # g(kv) op t(q)
+        t = -d.f
+        if d.ga is not None and d.ga[0] == 0:
+            return QV(
+                getattr(torch, op)(torch.tensor(d.ga[1], device=self.device), t).expand(self.nq)
+            )
+        if d.ga is not None and abs(d.ga[0]) == 1:
+            key = d.ga  # +-kv + c: compared by clamping (``within_affine``)
+        else:
+            key = self.g_of(d)
+            if key.dim() == 0:
+                return QV(getattr(torch, op)(key, t).expand(self.nq))
         if op == "ne":
-            return self.lnot(self.to_iv(Pending(None, [(g, "eq", t)])))
-        return Pending(None, [(g, op, t)])
+            return self.lnot(self.to_iv(Pending(None, [(key, "eq", t)])))
+        return Pending(None, [(key, op, t)])
 
     def disc(self, op: str, a: SumSq, b) -> Iv:
         """``s1 * s1 + s2 * s2 op c`` (``c`` an int): per level ``d`` of the term whose key
@@ -200,8 +273,8 @@ class Lifter:
         c = int(b) if op == "le" else int(b) - 1  # s1^2 + s2^2 <= c
         if c < 0:
             return self.to_iv(False)
-        outer, inner = a.terms
-        if outer.g.dim() == 0 or self.runs_of(outer.g)[2] > 1:
+        outer, inner = (Sep(s.f, self.g_of(s)) for s in a.terms)
+        if outer.g.dim() == 0 or self.sorted_of(outer.g) is None:
             outer, inner = inner, outer
         r = _isqrt(c)
         if r > 1024:
@@ -224,6 +297,11 @@ class Lifter:
         return self.canon(lo, torch.gather(hi, -1, order))
 
     def conj(self, a, b):
+        if isinstance(a, Disj) and isinstance(b, Disj):
+            a = self.to_iv(a)
+        if isinstance(a, Disj) or isinstance(b, Disj):  # (x | y) & z = (x & z) | (y & z)
+            d, other = (a, b) if isinstance(a, Disj) else (b, a)
+            return Disj([self.conj(part, other) for part in d.parts])
         pa = a if isinstance(a, Pending) else Pending(self.to_iv(a), [])
         pb = b if isinstance(b, Pending) else Pending(self.to_iv(b), [])
         if pa.base is None or pb.base is None:
@@ -233,11 +311,61 @@ class Lifter:
         return Pending(base, pa.cmps + pb.cmps)
 
     def resolve(self, p: Pending) -> Iv:
-        cur = p.base if p.base is not None else self.full()
-        cmps = [(self.runs_of(g), op, t) for g, op, t in p.cmps]
+        cur = p.base
+        for ga, op, t in (c for c in p.cmps if isinstance(c[0], tuple)):  # kv +- c: no search
+            cur = self.within_affine(cur, ga, op, t)
+        rest = [c for c in p.cmps if not isinstance(c[0], tuple)]
+        for g, op, t in rest:  # monotone key terms: one binary search
+            mono = self.sorted_of(g)
+            if mono is not None:
+                cur = self.within_sorted(cur, *mono, op, t)
+        rest = [c for c in rest if self.sorted_of(c[0]) is None]
+        cmps = [(self.runs_of(g), op, t) for g, op, t in rest]
         for runs, op, t in sorted(cmps, key=lambda c: c[0][2]):  # fewest key runs first
-            cur = self.within(cur, runs, op, t)
-        return cur
+            cur = self.within(cur if cur is not None else self.full(), runs, op, t)
+        return cur if cur is not None else self.full()
+
+    def within_affine(self, cur: Iv | None, ga, op: str, t) -> Iv:
+        """The keys of ``cur`` (None: all) with ``a * kv + c op t(q)``, ``a`` = +-1: one
+        interval per interval of ``cur``, by clamping (no key search)."""
+        a, c = ga
+        if a < 0:  # -kv + c op t  <=>  kv flip(op) c - t
+            op, t = _FLIP[op], c - t
+        elif c:
+            t = t - c
+        t = t.reshape(-1, 1)
+        one = t + 1 if op in ("gt", "le", "eq") else None
+        x = {"ge": t, "gt": one, "le": 0, "lt": 0, "eq": t}[op]
+        y = {"ge": self.nk, "gt": self.nk, "le": one, "lt": t, "eq": one}[op]
+        return self.clip_to(cur, x, y)
+
+    def within_sorted(self, cur: Iv | None, x: torch.Tensor, sign: int, op: str, t) -> Iv:
+        """The keys of ``cur`` (None: all) with ``g(kv) op t(q)`` for a monotone ``g``
+        (``x = sign * g`` non-decreasing): one interval per interval of ``cur``, from a
+        binary search of ``t`` in ``x``."""
+        if sign < 0:
+            op, t = _FLIP[op], -t
+        t = t.reshape(*t.shape, 1) if t.dim() else t.reshape(1, 1)
+        left = torch.searchsorted(x, t) if op in ("ge", "lt", "eq") else None
+        right = torch.searchsorted(x, t, right=True) if op in ("gt", "le", "eq") else None
+        lo = {"ge": left, "gt": right, "le": 0, "lt": 0, "eq": left}[op]
+        hi = {"ge": self.nk, "gt": self.nk, "le": right, "lt": left, "eq": right}[op]
+        return self.clip_to(cur, lo, hi)
+
+    def clip_to(self, cur: Iv | None, x, y) -> Iv:
+        """``[x, y)`` (int64 tensors ``[..., rows, 1]``, or ints: 0 for x, nk for y) within
+        each interval of ``cur`` (None: ``[0, nk)``), canonical."""
+        if cur is None:
+            x = x if isinstance(x, int) else x.clamp(min=0)
+            y = y if isinstance(y, int) else y.clamp(max=self.nk)
+        else:
+            x = cur.lo if isinstance(x, int) else torch.maximum(cur.lo, x)
+            y = cur.hi if isinstance(y, int) else torch.minimum(cur.hi, y)
+        if isinstance(x, int):
+            x = torch.zeros_like(y)
+        if isinstance(y, int):
+            y = torch.full_like(x, self.nk)
+        return self.kept(x, y)
 
     def within(self, cur: Iv, runs, op: str, t) -> Iv:
         """The keys of ``cur`` with ``g(kv) op t(q)``: per interval of a row, per run of
@@ -288,8 +416,8 @@ class Lifter:
             [
                 torch.tensor(b, device=self.device),
                 torch.tensor(h, device=self.device),
-                QV(torch.arange(self.nq, device=self.device)),
-                KV(torch.arange(self.nk, device=self.device)),
+                QV(torch.arange(self.nq, device=self.device), (1, 0)),
+                KV(torch.arange(self.nk, device=self.device), (1, 0)),
             ]
         )
         for node in gm.graph.nodes:
@@ -313,6 +441,14 @@ class Lifter:
         if kinds & set(_MIXED) or (QV in kinds and KV in kinds):
             return self.mixed(name, args, kwargs)
         fn = _callable(node)
+        if name in ("add", "sub", "mul", "neg") and not kwargs:
+            step = _affine_step(name, args)
+            if step is not None:
+                return step
+        if node.op == "call_function" and name in _ELEMENTWISE and not kwargs:
+            direct = _elementwise(fn, args)
+            if direct is not None:
+                return direct
         if name == "getitem" and not kwargs:
             direct = _gather(*args)
             if direct is not None:
@@ -332,6 +468,16 @@ class Lifter:
         if name in ("and", "logical_and", "bitwise_and") and len(args) == 2:
             return self.conj(*args)
         if name in ("or", "logical_or", "bitwise_or") and len(args) == 2:
+            rows = [a for a in args if isinstance(a, QV) and a.t.dtype == torch.bool]
+            if rows and rows[0].t.dim() == 1:  # whole rows, or the other operand
+                x = self.to_iv(args[1] if args[0] is rows[0] else args[0])
+                lo = torch.where(rows[0].t[:, None], self.row_full(x.lo.shape[-1])[0], x.lo)
+                hi = torch.where(rows[0].t[:, None], self.row_full(x.lo.shape[-1])[1], x.hi)
+                return Iv(lo, hi)
+            if any(isinstance(a, (Pending, Disj)) for a in args):  # lowered when used
+                parts = [p for a in args for p in (a.parts if isinstance(a, Disj) else [a])]
+                if len(parts) <= _MAX_DISJ:
+                    return Disj(parts)
             return self.lor(self.to_iv(args[0]), self.to_iv(args[1]))
         if name in ("invert", "logical_not", "bitwise_not") and len(args) == 1:
             return self.lnot(self.to_iv(args[0]))
@@ -339,20 +485,16 @@ class Lifter:
             return SumSq(args[0].terms + args[1].terms)
         if name in ("add", "sub") and len(args) == 2:
             a, b = self.to_sep(args[0]), self.to_sep(args[1])
-            if name == "add":
-                return Sep(a.f + b.f, a.g + b.g)
-            return Sep(a.f - b.f, a.g - b.g)
+            return self.lin(a, b, 1 if name == "add" else -1)
         if name == "neg" and len(args) == 1:
-            a = self.to_sep(args[0])
-            return Sep(-a.f, -a.g)
+            return self.lin(self.to_sep(args[0]), None, 0, -1)
         if name == "mul" and len(args) == 2 and args[0] is args[1] and isinstance(args[0], Sep):
             return SumSq([args[0]])
         if name == "mul" and len(args) == 2:
             a, c = (args[0], args[1]) if _is_int_scalar(args[1]) else (args[1], args[0])
             if not _is_int_scalar(c):
                 raise Unsupported("a product of two index-dependent values")
-            a = self.to_sep(a)
-            return Sep(a.f * int(c), a.g * int(c))
+            return self.lin(self.to_sep(a), None, 0, int(c))
         if name == "abs" and len(args) == 1:
             return AbsSep(self.to_sep(args[0]))
         raise Unsupported(f"{name} on values that depend on both q_idx and kv_idx")
@@ -402,98 +544,14 @@ def _search(key: torch.Tensor, target: torch.Tensor):
     return left, torch.searchsorted(key, flat, right=True).view(target.shape)
 
 
-def _gather(table, index):
-    """``table[index]`` for a constant tensor indexed by ints, 0-d integer tensors and one kind
-    of per-index integer values (QV or KV, 1-D): plain advanced indexing gives what vmap with
-    ``aten.index`` gives, without its cost. None for any other form."""
-    items = index if isinstance(index, tuple) else (index,)
-    if not isinstance(table, torch.Tensor) or len(items) > table.dim():
-        return None
-    kinds = {type(i) for i in items if isinstance(i, (QV, KV))}
-    if len(kinds) != 1:
-        return None
-    cls = kinds.pop()
-    idx = []
-    for i in items:
-        t = i.t if isinstance(i, (QV, KV)) else i
-        if isinstance(t, bool) or not isinstance(t, (int, torch.Tensor)):
-            return None
-        t = torch.as_tensor(t, device=table.device)
-        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
-            return None
-        if t.dim() == 1 and not isinstance(i, (QV, KV)):
-            return None
-        idx.append(t)
-    return cls(table[tuple(idx)])
-
-
-def _callable(node):
-    if node.op == "call_method":
-        return lambda self, *a, **k: getattr(self, node.target)(*a, **k)
-    return node.target
-
-
-def _vmapped(fn, args, kwargs, cls):
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    pos = [i for i, x in enumerate(flat) if isinstance(x, cls)]
-    others = [i for i, x in enumerate(flat) if isinstance(x, (QV, KV)) and i not in pos]
-    if others:
-        raise Unsupported("q and kv values in one operation")
-
-    def inner(*vals):
-        leaves = list(flat)
-        for i, v in zip(pos, vals):
-            leaves[i] = v
-        a, k = pytree.tree_unflatten(leaves, spec)
-        return fn(*a, **k)
-
-    with TransformGetItemToIndex():
-        out = torch.vmap(inner)(*[flat[i].t for i in pos])
-    if not isinstance(out, torch.Tensor):
-        raise Unsupported(f"an operation returned {type(out).__name__}")
-    return out
-
-
-def _is_bool(v) -> bool:
-    if isinstance(v, (QV, KV)):
-        return v.t.dtype == torch.bool
-    return isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
-
-
-def _is_bool_scalar(v) -> bool:
-    if isinstance(v, bool):
-        return True
-    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype == torch.bool
-
-
-def _is_int_scalar(v) -> bool:
-    if isinstance(v, bool):
-        return False
-    if isinstance(v, int):
-        return True
-    return isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point
-
-
-def _check_bool(out):
-    if isinstance(out, (QV, KV)) and out.t.dtype != torch.bool:
-        raise Unsupported("the mask_mod does not return a bool")
-    if isinstance(out, (Sep, AbsSep)):
-        raise Unsupported("the mask_mod does not return a bool")
-    return out
-
-
 def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
     """``[(lo, hi, count)]`` per (b, h) of ``bh`` (canonical, ``[Nq, K]``).
 
     Raises:
         Unsupported: with the reason, when the mask_mod has no analytic form here.
     """
-    import torch.fx
-
     try:
-        gm = torch.fx.symbolic_trace(mask_mod)
+        gm = trace.symbolic_trace(mask_mod)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means: evaluate
         raise Unsupported(f"torch.fx cannot trace it ({type(exc).__name__}: {exc})") from None
     lifter = Lifter(q_len, kv_len, device)
@@ -508,18 +566,31 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
 
 
 def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
-    """The lifted intervals against FlexAttention's scalar semantics on a small probe."""
+    """The lifted intervals against FlexAttention's scalar semantics on a small probe.
+
+    The mask_mod is called on broadcast indices first (plain tensor operations, a fraction of
+    a vmapped call's host time) and under ``torch.vmap`` only when that does not match: every
+    operation the lifter takes on values of both q and kv is elementwise, and gathers are
+    plain indexing of 1-D indices, where broadcast and scalar semantics give the same
+    booleans; the operations where they can differ (on values of q alone or kv alone) are
+    lifted under vmap, so a broadcast answer that differs from vmap there does not match the
+    lifted one either and the vmapped call decides."""
     q = modeval._probe_points(q_len, modeval._PROBE_Q, device)
     kv = modeval._probe_points(kv_len, modeval._PROBE_KV, device)
+    k = kv[None, None, :]
     for i in sorted({0, len(bh) - 1}):
         b, h = bh[i]
+        lo, hi, _ = parts[i]
+        got = ((lo[q][..., None] <= k) & (k < hi[q][..., None])).any(1)
+        try:
+            if torch.equal(got, modeval.call_broadcast(mask_mod, b, h, q, kv)):
+                continue
+        except Exception:  # noqa: BLE001 - broadcast refuses it: vmap decides
+            pass
         try:
             want = modeval.call_vmap(mask_mod, b, h, q, kv)
         except Exception:  # noqa: BLE001 - vmap refuses it: compare with broadcast
             want = modeval.call_broadcast(mask_mod, b, h, q, kv)
-        lo, hi, _ = parts[i]
-        k = kv[None, None, :]
-        got = ((lo[q][..., None] <= k) & (k < hi[q][..., None])).any(1)
         if not torch.equal(got, want):
             return False
     return True
@@ -544,6 +615,7 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
     hi = torch.stack([iv.pad_k(p[0], p[1], k, kv_len)[1] for p in parts]).contiguous()
     count = torch.stack([p[2] for p in parts]).contiguous()
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
-    return MaskPlan(
-        q_len, kv_len, batch, heads, lo, hi, count, schedule, source="from_mask_mod:lifted"
-    )
+    with built_plans():  # canonical intervals and their tiles by construction, as in compile
+        return MaskPlan(
+            q_len, kv_len, batch, heads, lo, hi, count, schedule, source="from_mask_mod:lifted"
+        )
