@@ -172,3 +172,9 @@ def test_verify_checks_the_segments():
     seg.r0[1], seg.r0[2] = int(seg.r0[2]), int(seg.r0[1])  # out of order
     with pytest.raises(CompileMaskError, match="segments.r0"):
         plan.verify()
+
+
+def test_stats_report_the_compact_size():
+    plan = cm.compile(cm.masks.causal(), 1024)
+    st = plan.stats()
+    assert st["compact_bytes"] == plan.compact().nbytes < st["bytes"] / 10

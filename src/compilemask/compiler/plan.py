@@ -496,7 +496,8 @@ class MaskPlan:
             ``intervals_per_row_max`` / ``_mean``, ``tiles_full`` / ``tiles_partial``
             (``tiles_partial_bits`` of them as bitmasks) / ``tiles_empty`` at the default
             tiling, ``tile_efficiency`` (visible pairs / pairs inside touched tiles, clipped to
-            the lengths), ``bytes`` (:attr:`nbytes`), ``encoding``, ``source`` (the mask
+            the lengths), ``bytes`` (:attr:`nbytes`), ``compact_bytes`` (the size of
+            :meth:`compact`, which this derives and caches), ``encoding``, ``source`` (the mask
             text, or how a ``from_mask_mod`` plan was built: ``from_mask_mod:lifted`` /
             ``:broadcast`` / ``:vmap``) and the sizes.
 
@@ -537,6 +538,7 @@ class MaskPlan:
             "tiles_empty": counts["empty"],
             "tile_efficiency": visible / touched_pairs if touched_pairs else 1.0,
             "bytes": self.nbytes,
+            "compact_bytes": self.compact().nbytes,
         }
 
     def __repr__(self) -> str:

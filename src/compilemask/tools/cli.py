@@ -307,6 +307,8 @@ def stats(mask, q_len, kv_len, size, block_m, block_n):
     stats_fn = getattr(plan, "stats", None)
     numbers = stats_fn() if stats_fn is not None else summarize(plan)
     info = {"mask": _short(mask_text(spec.mask)), **numbers, "compile_ms": ms}
+    if isinstance(info.get("source"), str):  # the mask text again, on one line
+        info["source"] = _short(info["source"])
     if spec.B is not None:
         info["B"] = spec.B
     width = max(map(len, info))
