@@ -5,7 +5,7 @@
 
 For each seed workload at ``--n0`` (B = 32768 // n0, 16 heads, head_dim 128, bf16) and each
 backend (``triton``, ``auto``), forward without grad and forward+backward: ``--calls`` calls
-issued back to back, ``--rounds`` times. Per round: ``host_ms``, the wall time of issuing the
+issued back to back, ``--repeats`` times. Per repeat: ``host_ms``, the wall time of issuing the
 calls (``time.perf_counter``, no synchronisation inside) per call; ``wall_ms``, the same with
 a final synchronisation; ``gpu_ms``, CUDA events around the calls per call. Rows hold the
 medians (and the minimum host time) with ``date, gpu, torch, triton, commit`` (commit from
@@ -26,11 +26,11 @@ from compilemask.tools.bench_report import environment
 from compilemask.workloads import SEED_WORKLOADS, workload
 
 
-def _time(fn, calls: int, rounds: int) -> dict:
+def _time(fn, calls: int, repeats: int) -> dict:
     fn()
     torch.cuda.synchronize()
     host, wall, gpu = [], [], []
-    for _ in range(rounds):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["triton", "auto"])
     ap.add_argument("--n0", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", required=True, help="append JSON lines here")
     a = ap.parse_args()
     env = environment()
@@ -89,7 +89,7 @@ def main() -> None:
                 row = {
                     **env, "workload": name, "N0": a.n0, "N": w.N, "B": w.B, "heads": 16,
                     "head_dim": 128, "dtype": "bf16", "backend": backend, "mode": mode,
-                    "calls": a.calls, "rounds": a.rounds, **_time(fn, a.calls, a.rounds),
+                    "calls": a.calls, "repeats": a.repeats, **_time(fn, a.calls, a.repeats),
                 }  # fmt: skip
                 print(json.dumps(row))
                 with open(a.out, "a") as f:

@@ -8,7 +8,7 @@ tensors (B = 2, 16 heads, head_dim 128, the seed workload's length at ``--n0``) 
 ``attention_forward`` / ``attention_backward`` replaced by functions that only allocate their
 outputs, so what is timed is the Python around the kernels (validation, backend resolution,
 plan lookups, autograd). Triton's own launch path is not in it (it needs a GPU). Prints the
-minimum and median ms per call over rounds of ``--calls`` calls. ``--profile N``: cProfile of
+minimum and median ms per call over repeats of ``--calls`` calls. ``--profile N``: cProfile of
 the forward+backward loop, top N.
 """
 
@@ -37,9 +37,9 @@ def _bwd_stub(q, k, v, out, lse, do, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _rounds(fn, rounds: int, n: int) -> list[float]:
+def _repeats(fn, repeats: int, n: int) -> list[float]:
     out = []
-    for _ in range(rounds):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["hstu", "shared_prompt"])
     ap.add_argument("--backends", nargs="+", default=["triton"])
     ap.add_argument("--n0", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", type=int, default=0)
     a = ap.parse_args()
@@ -86,11 +86,11 @@ def main() -> None:
         for backend in a.backends:
             step, forward = _steps(name, a.n0, backend)
             for what, fn in (("fwd (no grad)", forward), ("fwd+bwd", step)):
-                _rounds(fn, 1, 20)  # warm
-                print(_line(f"{name} {backend} {what}", _rounds(fn, a.rounds, a.calls)))
+                _repeats(fn, 1, 20)  # warm
+                print(_line(f"{name} {backend} {what}", _repeats(fn, a.repeats, a.calls)))
             if a.profile:
                 prof = cProfile.Profile()
-                prof.runcall(_rounds, step, 1, a.calls)
+                prof.runcall(_repeats, step, 1, a.calls)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
 
 

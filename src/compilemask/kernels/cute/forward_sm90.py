@@ -418,7 +418,7 @@ class FlashFwdSm90:
             kh = kv_cons.wait_and_advance()
             acc_s = ts.acc_s
             # ping-pong: wait for the other warpgroup to have issued its GEMMs, issue ours,
-            # let it go (its softmax then runs while our GEMMs do, and the other way round)
+            # let it go (its softmax then runs while our GEMMs do, and vice versa)
             cute.arch.barrier(barrier_id=SCHED_BARRIER + ts.cw, number_of_threads=2 * WG_THREADS)
             warpgroup.fence()
             self.qk_gemm(ts, acc_s, kh.index)
