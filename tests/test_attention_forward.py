@@ -355,9 +355,11 @@ def test_triton_backend_unavailable_without_interpreter(small, monkeypatch):
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("duals", ["q", "kv", "qkv"])
 def test_triton_refuses_forward_mode_ad(small, duals, requires_grad):
-    """Dual tensors (forward-mode AD) on the Triton backend: an InputError naming the inputs
-    that carry a tangent and the reference backend (before, inputs without grad gave an output
-    with no tangent, silently, and inputs with grad torch's generic "implement the jvp" error)."""
+    """Dual tensors (forward-mode AD) on the Triton backend (any backend but the reference: the
+    check is in ``attention``): an InputError naming the inputs that carry a tangent and the
+    reference backend (before, inputs without grad gave an output with no tangent, silently,
+    and inputs with grad torch's generic "implement the jvp" error); "auto" runs the
+    reference."""
     q, k, v, plan = small
     args = {"q": q, "k": k, "v": v}
     match = rf"forward-mode AD.*: {', '.join(duals)} carr.*backend=\"reference\""
@@ -367,8 +369,9 @@ def test_triton_refuses_forward_mode_ad(small, duals, requires_grad):
             args[name] = forward_ad.make_dual(x, torch.randn_like(x))
         with pytest.raises(InputError, match=match):
             cm.attention(args["q"], args["k"], args["v"], plan, backend="triton")
-        with pytest.raises(InputError, match=match):  # "auto" picks Triton here
-            cm.attention(args["q"], args["k"], args["v"], plan)
+        # "auto" runs the reference, the one backend that propagates tangents
+        out = cm.attention(args["q"], args["k"], args["v"], plan)
+        assert forward_ad.unpack_dual(out).tangent is not None
 
 
 def test_triton_runs_plain_inputs_inside_a_dual_level(small):
@@ -809,3 +812,9 @@ def test_gpu_build_slot_bound_is_not_the_row_count():
     tile_efficiency_128(plan)
     assert not has_bitmask_tiles(plan)
     assert plan.tiles(128, 128, bits=True) is plan.schedule  # no rebuild
+
+
+def test_return_lse_must_be_a_bool(small):
+    q, k, v, plan = small
+    with pytest.raises(InputError, match="return_lse must be True or False"):
+        cm.attention(q, k, v, plan, return_lse="yes")

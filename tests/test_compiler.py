@@ -427,3 +427,16 @@ def test_bitmask_tiles_at_any_block_n(bm, bn):
 def test_more_bad_input(call, match):
     with pytest.raises(CompileMaskError, match=match):
         call()
+
+
+def test_compile_does_not_hand_out_a_cached_plan_modified_in_place():
+    from compilemask.errors import PlanError
+
+    p = cm.compile(cm.masks.causal(), 64, block_m=16, block_n=16)
+    assert cm.compile(cm.masks.causal(), 64, block_m=16, block_n=16) is p
+    p.row_hi[0, 3, 0] = 64  # a write the plan notices
+    fresh = cm.compile(cm.masks.causal(), 64, block_m=16, block_n=16)
+    assert fresh is not p
+    assert torch.equal(fresh.to_dense(), torch.ones(64, 64, dtype=torch.bool).tril())
+    with pytest.raises(PlanError):
+        p.check_unchanged()

@@ -408,6 +408,20 @@ def test_trace_reused_and_captured_tensors_read_fresh():
     assert not torch.equal(again.to_dense(), first.to_dense())
 
 
+def test_trace_reads_values_read_by_tolist_again_after_an_in_place_update():
+    """``tolist()`` reads a captured tensor without a dispatched operation: the trace holds
+    the value, so an in-place update (a new version) must trace again."""
+    cfg = torch.tensor([2, 0])
+
+    def hole(b, h, q, k):
+        return (k <= q) & (q != cfg.tolist()[0])
+
+    for val in (2, 3, 300):
+        cfg[0] = val
+        got = cm.from_mask_mod(hole, 512, block_m=16, block_n=16).to_dense()
+        assert torch.equal(got, flex_dense(hole, 512, 512, None, None)[0, 0])
+
+
 def test_trace_not_reused_after_rebinding_or_when_it_reads_values():
     from compilemask.compiler.migrate import trace
 

@@ -181,3 +181,21 @@ def test_tiled_plan_second_order_gradients(monkeypatch, triton_gather):
         return torch.autograd.grad(gq.pow(2).sum(), x)[0]
 
     torch.testing.assert_close(second(tiled), second(plain), atol=1e-4, rtol=1e-4)
+
+
+def test_a_permutation_swapped_by_replace_gets_its_own_inverse():
+    """``dataclasses.replace(plan, permutation=...)`` keeps the plan's derived cache (its
+    basis is the other tensors) but not the inverse of the old permutation."""
+    import dataclasses
+
+    plan = cm.compile(cm.tile_grid(cm.masks.clear((8, 16), 3, 16), (4, 8)), block_m=16, block_n=16)
+    n = plan.q_len
+    q, k, v = (torch.randn(1, 1, n, 32, dtype=torch.float64) for _ in range(3))
+    cm.attention(q, k, v, plan, backend="reference")  # caches the inverse
+    perm2 = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    p2 = dataclasses.replace(plan, permutation=perm2)
+    assert torch.equal(p2.inverse_permutation, torch.argsort(perm2))
+    base = plan.in_permuted_order()
+    want = cm.attention(*(t.index_select(2, perm2) for t in (q, k, v)), base, backend="reference")
+    want = want.index_select(2, torch.argsort(perm2))
+    torch.testing.assert_close(cm.attention(q, k, v, p2, backend="reference"), want)

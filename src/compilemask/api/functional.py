@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd import forward_ad
 
 from ..compiler.decode import DecodePlan
 from ..compiler.plan import MaskPlan
@@ -140,9 +141,10 @@ def attention(
     Raises:
         InputError: mismatching shapes, dtypes or devices, unsupported head_dim, a plan built
             for other lengths / batch / heads or on another device, an unavailable backend,
-            the Triton backend under a torch.func transform (grad, vjp, jvp, vmap) or on
-            dual tensors of forward-mode AD (``torch.autograd.forward_ad``), an unknown
-            backend name.
+            the Triton backend under a torch.func transform (grad, vjp, jvp, vmap), a backend
+            other than the reference on dual tensors of forward-mode AD
+            (``torch.autograd.forward_ad``; ``"auto"`` then runs the reference), an unknown
+            backend name, ``return_lse`` not a bool.
         PlanError: the plan is invalid, or was modified after it was built.
 
     Example::
@@ -152,6 +154,8 @@ def attention(
 
     Source: FlashAttention-2 (Dao, 2023) over the plan's tile lists.
     """
+    if return_lse is not True and return_lse is not False:
+        raise InputError(f"return_lse must be True or False, got {return_lse!r}")
     if block_table is not None or cache_seqlens is not None or isinstance(plan, DecodePlan):
         if score_mod is not None or sinks is not None:
             raise InputError(
@@ -164,6 +168,8 @@ def attention(
         return paged.attend_cache(
             q, k, v, plan, block_table, cache_seqlens, scale, return_lse, backend
         )
+    if forward_ad._current_level >= 0 and backend != "reference":  # inside a dual level
+        backend = _backend_for_tangents(q, k, v, sinks, backend)
     hit = None
     if score_mod is None and sinks is None and not check_plan:
         hit = _dispatch_hit(q, k, v, plan, backend, return_lse)
@@ -195,6 +201,30 @@ def attention(
     else:
         out, lse = _run(impl, q, k, v, plan, prepared, scale, call, extra)
     return (out, lse) if return_lse else out
+
+
+def _backend_for_tangents(q, k, v, sinks, backend):
+    """``backend``, or ``"reference"`` for ``"auto"`` when an input carries a forward-mode AD
+    tangent (only the reference propagates tangents; the kernels would drop them silently).
+
+    Raises:
+        InputError: an explicit backend other than the reference with a tangent on an input.
+    """
+    named = [
+        n
+        for n, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks))
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+    ]
+    if not named:
+        return backend
+    if backend == "auto":
+        return "reference"
+    raise InputError(
+        f"backend={backend!r} does not support forward-mode AD (jvp, dual tensors of "
+        f"torch.autograd.forward_ad): {', '.join(named)} "
+        f'{"carries" if len(named) == 1 else "carry"} a tangent; use backend="reference" '
+        f'(or "auto", which picks it), or pass the primals (forward_ad.unpack_dual(x).primal)'
+    )
 
 
 # ------------------------------------------------------------------------------ dispatch cache

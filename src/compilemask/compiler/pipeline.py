@@ -150,6 +150,9 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     if cache:
         with _CACHE_LOCK:
             hit = _CACHE.get(key)
+            if hit is not None and hit._verified is not None and hit._changed():
+                del _CACHE[key]  # modified in place since it was built: build a new one
+                hit = None
             if hit is not None:
                 _CACHE.move_to_end(key)
                 return hit

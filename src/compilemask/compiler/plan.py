@@ -603,13 +603,17 @@ class MaskPlan:
     @property
     def inverse_permutation(self) -> torch.Tensor | None:
         """int64 ``[Nq]``: original position -> tiled position (None without a permutation)."""
-        if self.permutation is None:
+        perm = self.permutation
+        if perm is None:
             return None
-        if "inverse" in self._cache:
-            return self._cache["inverse"]
-        inverse = _inverse(self.permutation)
+        # kept with the permutation it inverts (the cache may outlive a permutation swapped by
+        # ``dataclasses.replace``: its basis is the plan's other tensors)
+        hit = self._cache.get("inverse")
+        if hit is not None and hit[0] is perm and hit[1] == perm._version:
+            return hit[2]
+        inverse = _inverse(perm)
         if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()):
-            self._cache["inverse"] = inverse  # never an inference tensor, never a traced one
+            self._cache["inverse"] = (perm, perm._version, inverse)  # never inference / traced
         return inverse
 
     def verify(self) -> None:

@@ -7,7 +7,9 @@ A trace is reused only when it provably depends on nothing but what :func:`_stat
   and its closure;
 * its closure holds only ``None``, bools, ints, floats, strings and plain (non-inference)
   tensors; the state is the code object, each closure object by identity (held by the entry,
-  so an identity cannot be reused) and, for a tensor, its shape, dtype and device;
+  so an identity cannot be reused) and, for a tensor, its shape, dtype, device and version
+  counter (an in-place update traces again: ``tolist()`` reads values without a dispatched
+  operation, so a trace may hold them);
 * the trace ran no tensor operation on real data (a dispatch mode watches it): the graph
   reads each captured tensor itself (its ``get_attr`` nodes hold the very objects), so no
   value of a captured tensor -- nor anything computed from one -- is kept; a tensor updated in
@@ -67,7 +69,9 @@ def _state(fn):
         if type(v) in _SCALARS:
             key.append((type(v), v))
         elif type(v) is torch.Tensor and not v.is_inference():
-            key.append((tuple(v.shape), v.dtype, v.device))
+            # the version counter too: a value read outside the dispatcher (``tolist()``) is
+            # frozen into the trace, so an in-place update must trace again
+            key.append((tuple(v.shape), v.dtype, v.device, v._version))
         else:
             return None
         objs.append(v)
