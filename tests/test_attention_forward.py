@@ -818,3 +818,11 @@ def test_return_lse_must_be_a_bool(small):
     q, k, v, plan = small
     with pytest.raises(InputError, match="return_lse must be True or False"):
         cm.attention(q, k, v, plan, return_lse="yes")
+
+
+def test_explain_names_the_reference_for_dual_inputs(small):
+    q, k, v, plan = small
+    with forward_ad.dual_level():
+        qd = forward_ad.make_dual(q, torch.randn_like(q))
+        info = cm.explain(plan, qd, k, v)
+    assert info["backend"] == "reference" and "tangent" in info["reason"]

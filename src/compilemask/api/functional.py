@@ -328,6 +328,14 @@ def explain(
     score_mod = validate.check_score_mod(score_mod, q, k, plan)
     validate.check_sinks(sinks, q)
     call = call_of(q, k, v, False, score_mod=score_mod, sinks=sinks)
-    info = registry.explain_call(plan, call)
+    if forward_ad._current_level >= 0 and _backend_for_tangents(q, k, v, sinks, "auto") != "auto":
+        info = {
+            "backend": "reference",
+            "reason": "an input carries a forward-mode AD tangent: only the reference "
+            "propagates tangents",
+            "skipped": [],
+        }
+    else:
+        info = registry.explain_call(plan, call)
     info["shape_class"] = dict(plan.shape_class)
     return info
