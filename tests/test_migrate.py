@@ -464,3 +464,19 @@ def test_probe_rejects_wrong_lifted_intervals(monkeypatch):
     plan = cm.from_mask_mod(lambda b, h, q, k: k <= q, 40)
     assert plan.source == "from_mask_mod:broadcast"
     assert torch.equal(plan.to_dense(), torch.ones(40, 40, dtype=torch.bool).tril())
+
+
+def test_key_terms_beyond_int64_keys_fall_back_and_every_head_is_probed():
+    """Document ids of 62 bits on one head of three: the lifter's sort key would leave int64,
+    so that mask is evaluated; the plan equals FlexAttention's mask on every head."""
+    g = torch.Generator().manual_seed(1)
+    n, ndoc = 256, 16
+    small = torch.arange(ndoc).repeat_interleave(n // ndoc)
+    hashed = torch.randint(0, 2**62, (ndoc,), generator=g).repeat_interleave(n // ndoc)
+    seg = torch.stack([small, hashed, small])
+
+    def mm(b, h, q, k):
+        return seg[h, q] == seg[h, k]
+
+    plan = cm.from_mask_mod(mm, n, heads=3)
+    assert torch.equal(plan.to_dense(), create_mask(mm, None, 3, n, n, device="cpu"))

@@ -609,8 +609,10 @@ class MaskPlan:
         # kept with the permutation it inverts (the cache may outlive a permutation swapped by
         # ``dataclasses.replace``: its basis is the plan's other tensors)
         hit = self._cache.get("inverse")
-        if hit is not None and hit[0] is perm and hit[1] == perm._version:
-            return hit[2]
+        if hit is not None and hit[0] is perm:
+            # (a traced call reads no version counter: the eager calls before it checked it)
+            if torch.compiler.is_compiling() or hit[1] == perm._version:
+                return hit[2]
         inverse = _inverse(perm)
         if not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()):
             self._cache["inverse"] = (perm, perm._version, inverse)  # never inference / traced

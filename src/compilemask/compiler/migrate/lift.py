@@ -515,6 +515,8 @@ def _runs(g: torch.Tensor):
     x, run, n_runs, sign = best
     gmin, gmax = int(x.min()), int(x.max())
     span = gmax - gmin + 3
+    if n_runs * span >= 2**62:  # the sort key (and the search targets) would leave int64
+        raise Unsupported(f"a key term spans {span} values over {n_runs} runs (int64 keys)")
     key = run * span + (x - gmin + 1)
     ones = torch.ones_like(run)
     counts = torch.zeros(n_runs, dtype=torch.int64, device=g.device).scatter_add_(0, run, ones)
@@ -565,6 +567,10 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
     return out
 
 
+#: the most (batch row, head) parts a lifted plan's probe calls the mask_mod on
+_PROBE_PARTS = 64
+
+
 def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
     """The lifted intervals against FlexAttention's scalar semantics on a small probe.
 
@@ -578,7 +584,15 @@ def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
     q = modeval._probe_points(q_len, modeval._PROBE_Q, device)
     kv = modeval._probe_points(kv_len, modeval._PROBE_KV, device)
     k = kv[None, None, :]
-    for i in sorted({0, len(bh) - 1}):
+    # every (batch row, head) up to _PROBE_PARTS of them, else that many spread evenly (first
+    # and last included): a lifted plan is admitted on this check alone
+    n = len(bh)
+    picks = (
+        range(n)
+        if n <= _PROBE_PARTS
+        else sorted({round(j * (n - 1) / (_PROBE_PARTS - 1)) for j in range(_PROBE_PARTS)})
+    )
+    for i in picks:
         b, h = bh[i]
         lo, hi, _ = parts[i]
         got = ((lo[q][..., None] <= k) & (k < hi[q][..., None])).any(1)
