@@ -40,9 +40,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import intervals as iv
+from ..pipeline import build_plan
 from ..plan import MaskPlan, built_plans
 from ..tiles import build_tiles
 from . import modeval, trace
+from .recognise import recognise
 from .values import (
     _ELEMENTWISE,
     KV,
@@ -546,16 +548,26 @@ def _search(key: torch.Tensor, target: torch.Tensor):
     return left, torch.searchsorted(key, flat, right=True).view(target.shape)
 
 
-def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device):
-    """``[(lo, hi, count)]`` per (b, h) of ``bh`` (canonical, ``[Nq, K]``).
+def traced(mask_mod):
+    """The ``torch.fx`` trace of ``mask_mod`` (``trace.symbolic_trace``).
+
+    Raises:
+        Unsupported: torch.fx cannot trace it.
+    """
+    try:
+        return trace.symbolic_trace(mask_mod)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure means: evaluate
+        raise Unsupported(f"torch.fx cannot trace it ({type(exc).__name__}: {exc})") from None
+
+
+def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
+    """``[(lo, hi, count)]`` per (b, h) of ``bh`` (canonical, ``[Nq, K]``); ``gm``: the
+    mask_mod's trace when already taken.
 
     Raises:
         Unsupported: with the reason, when the mask_mod has no analytic form here.
     """
-    try:
-        gm = trace.symbolic_trace(mask_mod)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure means: evaluate
-        raise Unsupported(f"torch.fx cannot trace it ({type(exc).__name__}: {exc})") from None
+    gm = traced(mask_mod) if gm is None else gm
     lifter = Lifter(q_len, kv_len, device)
     out = []
     for b, h in bh:
@@ -612,9 +624,19 @@ def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
 
 def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device):
     """A plan of the lifted mask_mod (``source == "from_mask_mod:lifted"``), or None (the
-    reason is logged at INFO on ``compilemask.migrate``)."""
+    reason is logged at INFO on ``compilemask.migrate``). A common form (``recognise.py``,
+    only when the plan broadcasts over batch and heads) is built by ``compile``'s path."""
     try:
-        parts = lift_intervals(mask_mod, q_len, kv_len, bh, device)
+        gm = traced(mask_mod)
+        if batch is None and heads is None:
+            mask = recognise(gm, q_len, kv_len, device)
+            if mask is not None:
+                log.debug("mask_mod recognised as %s", mask)
+                return build_plan(
+                    mask, q_len, kv_len, None, None, block_m, block_n, device,
+                    host_sync=device.type == "cpu", source="from_mask_mod:lifted",
+                )  # fmt: skip
+        parts = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
         if not _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device):
             log.warning("lifted mask_mod disagrees with its evaluation on a probe; evaluating")
             return None
