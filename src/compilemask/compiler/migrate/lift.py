@@ -602,7 +602,7 @@ def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
     picks = (
         range(n)
         if n <= _PROBE_PARTS
-        else sorted({round(j * (n - 1) / (_PROBE_PARTS - 1)) for j in range(_PROBE_PARTS)})
+        else sorted({j * (n - 1) // (_PROBE_PARTS - 1) for j in range(_PROBE_PARTS)})
     )
     for i in picks:
         b, h = bh[i]
