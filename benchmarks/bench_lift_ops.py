@@ -1,0 +1,95 @@
+"""Operations and host time of one ``from_mask_mod`` call (lifted or recognised path) beside
+``compile`` of the same mask in the region language, on the CPU (no GPU needed).
+
+    PYTHONPATH=src python benchmarks/bench_lift_ops.py \\
+        --out benchmarks/results/cpu-lift-ops-<date>.jsonl
+
+On a GPU the path is bound by host work and small device operations, so the operation count
+(non-view aten operations, ``tools.op_counts.OpCounter.real``: each launches a kernel there)
+and the host reads (``aten._local_scalar_dense``, ``aten.equal``, ``aten.is_nonzero``) are
+its cost model. Per mask (the mask_mods of ``bench_from_mask_mod.py``) and size: the minimum
+wall ms over ``--calls`` calls on one thread (a shared machine varies a lot with two), the
+operations and host reads of one call, and the plan's ``source``. ``compilemask-compile`` rows
+time ``compile(..., cache=False)`` of the same mask written in the language (causal,
+sliding_window, prefix_lm, document). Rows carry the commit (``COMPILEMASK_COMMIT`` or git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import compilemask as cm
+from compilemask.tools.op_counts import OpCounter
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_from_mask_mod import commit, mask_mod_for  # noqa: E402
+
+HOST_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
+MASKS = ("causal", "sliding_window", "document", "prefix_lm", "hstu", "shared_prompt", "clear")
+
+
+def language_mask(name: str, n: int):
+    """The region-language twin of mask_mod ``name`` at ``n`` (None for the seeds' own)."""
+    g = torch.Generator().manual_seed(0)
+    if name == "causal":
+        return cm.masks.causal()
+    if name == "sliding_window":
+        return cm.masks.sliding_window(n // 8)
+    if name == "prefix_lm":
+        return cm.masks.prefix_lm(n // 4)
+    if name == "document":
+        cuts = torch.randperm(n - 1, generator=g)[: n // 16 - 1].sort().values + 1
+        lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
+        return cm.masks.document(lengths.tolist(), causal=True)
+    return None
+
+
+def measure(fn, calls: int) -> dict:
+    fn()
+    best = float("inf")
+    for _ in range(calls):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    with OpCounter() as counted:
+        fn()
+    reads = sum(n for op, n in counted.ops.items() if op.startswith(HOST_READS))
+    source = str(getattr(out, "source", ""))
+    return {"ms_min": round(best * 1e3, 3), "ops": counted.real(), "host_reads": reads,
+            "source": source if len(source) <= 60 else source[:57] + "..."}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    base = {"commit": commit(), "device": "cpu", "threads": 1}
+    with open(a.out, "a") as f:
+        for n in a.sizes:
+            for name in a.masks:
+                mm, length = mask_mod_for(name, n, "cpu")
+                rows = [("compilemask-auto", lambda: cm.from_mask_mod(mm, length))]  # noqa: B023
+                lang = language_mask(name, length)
+                if lang is not None:
+                    rows.append(
+                        ("compilemask-compile", lambda: cm.compile(lang, length, cache=False))  # noqa: B023
+                    )
+                for system, fn in rows:
+                    row = {"mask": name, "n": length, "system": system, **base}
+                    row.update(measure(fn, a.calls))
+                    print(json.dumps(row), flush=True)
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
