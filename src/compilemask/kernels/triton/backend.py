@@ -35,9 +35,8 @@ import math
 import os
 
 import torch
-from torch.autograd import forward_ad
 
-from ...errors import CompileMaskError, InputError
+from ...errors import CompileMaskError
 from ..interface import AttentionCall
 from . import configs as _configs
 from .configs import (
@@ -522,9 +521,6 @@ class TritonBackend:
         when a backward will be asked for, the forward alone otherwise; with ``score_mod`` or
         ``sinks``, ``modded.ModdedAttention`` (eager calls)."""
         compiling = torch.compiler.is_compiling()
-        # forward-mode AD: tangents exist only inside a dual level (else one attribute read)
-        if forward_ad._current_level >= 0 and not compiling:
-            _check_no_tangents(q, k, v)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if score_mod is not None or sinks is not None:
             from .modded import modded_attention
@@ -576,20 +572,6 @@ def backward_inputs(plan, q, k, v) -> tuple[list[torch.Tensor], list[int]]:
         return [], []
     p = BACKEND.prepare(plan, call)
     return p.bwd_schedule, p.bwd_config
-
-
-def _check_no_tangents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """No forward-mode AD tangent on q, k or v: the Triton backend has no jvp (without this
-    check, dual inputs that do not require grad gave an output without a tangent)."""
-    names = [n for n, t in zip("qkv", (q, k, v)) if forward_ad.unpack_dual(t).tangent is not None]
-    if names:
-        raise InputError(
-            f'backend="triton" does not support forward-mode AD (jvp, dual tensors of '
-            f"torch.autograd.forward_ad): {', '.join(names)} "
-            f"{'carries' if len(names) == 1 else 'carry'} a tangent; use "
-            f'backend="reference" (plain torch ops: it propagates tangents), or pass the '
-            f"primals (forward_ad.unpack_dual(x).primal) to drop the tangents"
-        )
 
 
 BACKEND = TritonBackend()
