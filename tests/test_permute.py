@@ -140,6 +140,23 @@ def test_triton_token_gather_is_index_select():
         assert torch.equal(gather_tokens(x, index[::2]), x.index_select(2, index[::2]))
 
 
+def test_every_backend_permutes_with_the_triton_row_copy_where_triton_runs():
+    """tile_grid plans on backends without a gather of their own (cudnn, fa4, cute, the
+    reference) permute with the Triton backend's row copy, not ``index_select``."""
+    from compilemask.kernels import registry
+
+    triton_backend = registry.get("triton")
+    for name in registry.names():
+        backend = registry.get(name)
+        got = registry.token_gather(backend)
+        if hasattr(backend, "gather_tokens"):
+            assert got == backend.gather_tokens
+        elif triton_backend.available()[0]:
+            assert got == triton_backend.gather_tokens
+        else:
+            assert got is None
+
+
 def _clear_plans():
     mask = masks.clear((6, 8), 2, 5)
     return cm.compile(mask, 53), cm.compile(masks.tile_grid(mask, (2, 4)), 53)

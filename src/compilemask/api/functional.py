@@ -193,7 +193,7 @@ def attention(
             _dispatch_store(q, k, v, plan, backend, return_lse, impl, prepared, call)
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
-        gather = getattr(impl, "gather_tokens", None)
+        gather = registry.token_gather(impl)
         q, k, v = (_permute_tokens(t, perm, inv, gather) for t in (q, k, v))
         out, lse = _run(impl, q, k, v, plan, prepared, scale, call, extra)
         out = _permute_tokens(out, inv, perm, gather)

@@ -553,8 +553,8 @@ class TritonBackend:
 
     def gather_tokens(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``x.index_select(2, index)``: one Triton row-copy launch on CUDA in eager calls
-        (``permute.py``), ``index_select`` elsewhere and while tracing."""
-        if x.is_cuda and not torch.compiler.is_compiling():
+        (``permute.py``) where Triton runs, ``index_select`` elsewhere and while tracing."""
+        if x.is_cuda and not torch.compiler.is_compiling() and triton_usable(x.device)[0]:
             from .permute import gather_tokens
 
             return gather_tokens(x, index)
