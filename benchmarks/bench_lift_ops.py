@@ -11,7 +11,8 @@ its cost model. Per mask (the mask_mods of ``bench_from_mask_mod.py``) and size:
 wall ms over ``--calls`` calls on one thread (a shared machine varies a lot with two), the
 operations and host reads of one call, and the plan's ``source``. ``compilemask-compile`` rows
 time ``compile(..., cache=False)`` of the same mask written in the language (causal,
-sliding_window, prefix_lm, document). Rows carry the commit (``COMPILEMASK_COMMIT`` or git).
+sliding_window, prefix_lm, document, clear). Rows carry the commit (``COMPILEMASK_COMMIT`` or
+git).
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ import torch
 
 import compilemask as cm
 from compilemask.tools.op_counts import OpCounter
+from compilemask.workloads import CLEAR_RADIUS, CLEAR_TEXT_TOK
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_from_mask_mod import commit, mask_mod_for  # noqa: E402
+from bench_from_mask_mod import CLEAR_GRIDS, commit, mask_mod_for  # noqa: E402
 
 HOST_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
 MASKS = ("causal", "sliding_window", "document", "prefix_lm", "hstu", "shared_prompt", "clear")
 
 
 def language_mask(name: str, n: int):
-    """The region-language twin of mask_mod ``name`` at ``n`` (None for the seeds' own)."""
+    """The region-language twin of ``mask_mod_for(name, n)`` (None for the seeds' own)."""
     g = torch.Generator().manual_seed(0)
     if name == "causal":
         return cm.masks.causal()
@@ -47,6 +49,8 @@ def language_mask(name: str, n: int):
         cuts = torch.randperm(n - 1, generator=g)[: n // 16 - 1].sort().values + 1
         lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
         return cm.masks.document(lengths.tolist(), causal=True)
+    if name == "clear":
+        return cm.masks.clear(CLEAR_GRIDS.get(n, (n // 128, 128)), CLEAR_RADIUS, CLEAR_TEXT_TOK)
     return None
 
 
@@ -79,7 +83,7 @@ def main() -> None:
             for name in a.masks:
                 mm, length = mask_mod_for(name, n, "cpu")
                 rows = [("compilemask-auto", lambda: cm.from_mask_mod(mm, length))]  # noqa: B023
-                lang = language_mask(name, length)
+                lang = language_mask(name, n)
                 if lang is not None:
                     rows.append(
                         ("compilemask-compile", lambda: cm.compile(lang, length, cache=False))  # noqa: B023

@@ -174,3 +174,143 @@ def test_recognised_plan_equals_compile():
         got = cm.from_mask_mod(mm, n)
         want = cm.compile(mask, n, cache=False)
         assert torch.equal(got.row_lo, want.row_lo) and torch.equal(got.row_hi, want.row_hi)
+
+
+def clear_mods(t: int, w: int, r: int):
+    """CLEAR as FlexAttention users write it: offsets, either sign order, ``* `` or ``**``,
+    ``<`` a square or ``<=`` one less, the text terms in any order and nesting."""
+    r2 = r * r
+
+    def standard(b, h, q, k):
+        qi, ki = q - t, k - t
+        dy, dx = qi // w - ki // w, qi % w - ki % w
+        return (q < t) | (k < t) | (dy * dy + dx * dx < r2)
+
+    def reversed_(b, h, q, k):
+        qi, ki = q - t, k - t
+        dy, dx = ki // w - qi // w, qi % w - ki % w
+        return ((dx**2 + dy**2 <= r2 - 1) | (t > k)) | (q <= t - 1)
+
+    def nested(b, h, q, k):
+        dy = (k - t) // w - (q - t) // w
+        dx = (k - t) % w - (q - t) % w
+        return (k < t) | ((r2 > torch.square(dy) + dx * dx) | ~(q >= t))
+
+    return [standard, reversed_, nested]
+
+
+def grid_only_mod(w: int, r: int):
+    """T == 0 without offsets and text terms."""
+    return lambda b, h, q, k: (q // w - k // w) ** 2 + (q % w - k % w) ** 2 < r * r
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(0, 12), gh=st.integers(1, 7), gw=st.integers(1, 9), r=st.integers(1, 12))
+def test_clear(t, gh, gw, r):
+    """The disc forms at every (T, grid, r): T == 0, r == 1, r beyond the grid, 1-wide grids."""
+    n = t + gh * gw
+    for mm in clear_mods(t, gw, r):
+        check(mm, n, n)
+    if t == 0:
+        check(grid_only_mod(gw, r), n, n)
+
+
+@pytest.mark.parametrize(
+    ("t", "gh", "gw", "r"),
+    [(0, 4, 4, 1), (3, 1, 9, 2), (7, 5, 3, 20), (16, 6, 11, 4), (1, 9, 1, 3), (8, 8, 8, 3)],
+)
+def test_clear_recognised_as_the_catalogue_mask(t, gh, gw, r):
+    n = t + gh * gw
+    from compilemask.tools.peers import flex_mask_mod
+
+    mask = cm.masks.clear((gh, gw), r, t)
+    for mm in (flex_mask_mod(mask, "cpu"), *clear_mods(t, gw, r)):
+        assert recognised(mm, n, n) == mask
+        check(mm, n, n)
+    standard = clear_mods(t, gw, r)[0]
+    lifted = cm.from_mask_mod(standard, n, heads=2, block_m=16, block_n=16)  # not recognised
+    assert lifted.source == "from_mask_mod:lifted"
+    assert torch.equal(lifted.to_dense()[0, 1], cm.dense(mask, n))
+    causal = lambda b, h, q, k: standard(b, h, q, k) & (k <= q)  # noqa: E731
+    assert recognised(causal, n, n) in (mask & cm.masks.causal(), cm.masks.causal() & mask)
+    check(causal, n, n)
+
+
+def test_clear_plan_equals_compile():
+    from compilemask.tools.peers import flex_mask_mod
+
+    for (gh, gw), r, t in (((16, 32), 16, 512), ((12, 20), 5, 0), ((3, 40), 7, 9)):
+        mask = cm.masks.clear((gh, gw), r, t)
+        n = t + gh * gw
+        got = cm.from_mask_mod(flex_mask_mod(mask, "cpu"), n)
+        want = cm.compile(mask, n, cache=False)
+        assert torch.equal(got.row_lo, want.row_lo) and torch.equal(got.row_hi, want.row_hi)
+        assert torch.equal(got.row_count, want.row_count)
+
+
+def _disc_mod(t, w, r2, *, tq=None, tk=None, oq=None, ok=None, wm=None, texts=("q", "k")):
+    """A CLEAR-like mask_mod with one part changed: the text bounds ``tq`` / ``tk``, the image
+    offsets ``oq`` / ``ok``, the ``%`` divisor ``wm`` or the text terms present."""
+    tq, tk = t if tq is None else tq, t if tk is None else tk
+    oq, ok = t if oq is None else oq, t if ok is None else ok
+    wm = w if wm is None else wm
+
+    def mm(b, h, q, k):
+        qi, ki = q - oq, k - ok
+        out = (qi // w - ki // w) ** 2 + (qi % wm - ki % wm) ** 2 < r2
+        if "q" in texts:
+            out = out | (q < tq)
+        if "k" in texts:
+            out = out | (k < tk)
+        return out
+
+    return mm
+
+
+@pytest.mark.parametrize(
+    ("mm", "n"),
+    [
+        (_disc_mod(4, 5, 9, ok=5), 44),  # different offsets on q and kv
+        (_disc_mod(4, 5, 9, oq=3, ok=3), 44),  # the text terms and the offset differ
+        (_disc_mod(4, 5, 9, tk=5), 44),  # the text terms differ
+        (_disc_mod(4, 5, 9, wm=6), 44),  # another divisor for % than for //
+        (_disc_mod(4, 5, 9, texts=("q",)), 44),  # a missing text term
+        (_disc_mod(4, 5, 9, texts=("k",)), 44),
+        (_disc_mod(4, 5, 9, texts=()), 44),
+        (_disc_mod(4, 5, 10), 44),  # < a non-square
+        (_disc_mod(4, 5, 0), 44),  # < 0: empty disc
+        (_disc_mod(4, 5, 9), 43),  # the image is not whole grid rows
+        (_disc_mod(4, 5, 9), 4),  # no image
+        (_disc_mod(0, 5, 9, oq=-2, ok=-2, texts=()), 40),  # an image before token 0
+        (lambda b, h, q, k: (q < 4) | (k < 4) | ((q - 4) // 5 - (k - 4) // 5 <= 2), 44),
+        (lambda b, h, q, k: (q // 5 - k // 5) ** 2 + (q % 5 - k % 5) ** 2 <= 9, 40),  # <= square
+        (lambda b, h, q, k: (q // 5 - k // 5) ** 2 + (q // 5 - k // 5) ** 2 < 9, 40),  # dy, dy
+        (lambda b, h, q, k: (q // 5 - k // 5) * (q % 5 - k % 5) < 9, 40),  # dy * dx
+        (lambda b, h, q, k: (q // 5 - k // 5) ** 3 + (q % 5 - k % 5) ** 2 < 9, 40),
+        (lambda b, h, q, k: (q // 5 - k // 5) ** 2 + (q % 5 - k % 5) ** 2 > 9, 40),
+        (lambda b, h, q, k: (q // 5 - q // 5) ** 2 + (q % 5 - k % 5) ** 2 < 9, 40),  # q, q
+        (lambda b, h, q, k: (q // 5 - k // 5) ** 2 + (q % 5 - k % 5) ** 2 + 1 < 9, 40),
+        (lambda b, h, q, k: (q > 3) | _disc_mod(4, 5, 9, texts=("k",))(b, h, q, k), 44),
+        (lambda b, h, q, k: (q < 4) & _disc_mod(4, 5, 9, texts=("k",))(b, h, q, k), 44),
+        (lambda b, h, q, k: (q < 4) | (k < 4) | ((q - 4) % 5 - (k - 4) % 5 < 1), 44),
+        (lambda b, h, q, k: (q < 4) | (q < 4) | _disc_mod(4, 5, 9, texts=("k",))(b, h, q, k), 44),
+        (lambda b, h, q, k: (b < 1) & _disc_mod(0, 5, 9)(b, h, q, k), 40),  # uses b
+        (lambda b, h, q, k: (h > 0) | _disc_mod(4, 5, 9)(b, h, q, k), 44),  # uses h
+    ],
+)
+def test_other_disc_forms_not_recognised(mm, n):
+    """Not CLEAR (or not at this length): left to the general lifting or the evaluation, exact."""
+    check_not_recognised(mm, n, n)
+
+
+def test_clear_q_len_not_kv_len_not_recognised():
+    mm = clear_mods(4, 5, 3)[0]
+    check_not_recognised(mm, 44, 39)
+    check_not_recognised(mm, 39, 44)
+
+
+def check_not_recognised(mm, nq, nk):
+    assert recognised(mm, nq, nk) is None
+    plan = cm.from_mask_mod(mm, nq, nk, block_m=16, block_n=16)
+    plan.verify()
+    assert torch.equal(plan.to_dense(), create_mask(mm, None, None, nq, nk, device="cpu")[0, 0])

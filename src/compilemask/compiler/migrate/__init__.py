@@ -1,16 +1,16 @@
 """Plans from a dense boolean mask or a FlexAttention ``mask_mod`` (migration helpers).
 
 ``from_mask_mod`` first tries to lift the mask_mod analytically (``lift.py``: traced with
-``torch.fx``; a common form -- causal, a window, prefix-LM, chunks, documents -- is built as
-its catalogue mask by ``compile``'s path, ``recognise.py``, anything else lowered to row
-intervals without evaluating the N x N pairs); a mask_mod it
-does not recognise is evaluated in blocks (``evaluate.py``), on broadcast indices when that
-gives FlexAttention's answer, else under ``torch.vmap`` with FlexAttention's scalar semantics
-(``modeval.py``). ``plan.source`` (and ``plan.stats()["source"]``) names the path taken:
-``from_mask_mod:lifted``, ``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. These plans
-are never cached: a closure's captured tensors can change between calls (only the ``torch.fx``
-trace is reused, ``trace.py``, and it reads them fresh). They are admitted as compiler output
-(host-side checks only, as ``compile``'s plans; ``plan.verify()`` runs every check).
+``torch.fx``; a common form -- causal, a window, prefix-LM, chunks, documents, CLEAR's disc --
+is built as its catalogue mask by ``compile``'s path, ``recognise.py``, anything else lowered to
+row intervals without evaluating the N x N pairs); a mask_mod it does not recognise is evaluated
+in blocks (``evaluate.py``), on broadcast indices when that gives FlexAttention's answer, else
+under ``torch.vmap`` with FlexAttention's scalar semantics (``modeval.py``). ``plan.source``
+(and ``plan.stats()["source"]``) names the path taken: ``from_mask_mod:lifted``,
+``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. These plans are never cached: a closure's
+captured tensors can change between calls (only the ``torch.fx`` trace is reused, ``trace.py``,
+and it reads them fresh). They are admitted as compiler output (host-side checks only, as
+``compile``'s plans; ``plan.verify()`` runs every check).
 """
 
 from __future__ import annotations

@@ -12,18 +12,30 @@ lowering of the catalogue masks, no per-row interval arithmetic and no probe). R
 * ``doc[q] == doc[kv]`` with ``doc`` a captured 1-D integer tensor on the plan's device whose
   first ``N`` ids are non-decreasing (``q_len == kv_len == N``): ``document(lengths, causal)``
   with the run lengths (one host read of ``doc[:N]``);
+* a 2-D local disc with text (CLEAR): ``(q < T) | (k < T) | (dy * dy + dx * dx < r * r)``
+  with ``qi, ki = q - T, k - T``, ``dy = qi // w - ki // w``, ``dx = qi % w - ki % w`` (either
+  sign order, ``dy ** 2`` for ``dy * dy``, ``<= r * r - 1`` for ``< r * r``; ``r >= 1`` and
+  ``T >= 0`` ints, the text terms ``q < T`` / ``k < T`` may be absent only when ``T == 0``):
+  ``clear((h, w), r, T)`` when ``q_len == kv_len == N`` and ``N - T`` is a positive multiple
+  ``h * w`` of ``w``. Exact: ``clear`` is true on the text rows and columns, as the text terms;
+  for ``q, k >= T`` the offsets ``qi, ki`` lie in ``[0, h * w)``, so ``// w`` and ``% w`` are
+  the grid row and column of q and k in the row-major image, ``dy^2 + dx^2`` (of either sign)
+  is ``clear``'s squared distance, and on integers ``< r * r`` is ``<= r * r - 1``. One offset
+  ``T`` on both sides, one ``w`` for ``//`` and ``%``, a square ``r * r`` and both text terms
+  are required (anything else is another mask);
 * ``&`` / ``|`` of those (``~`` of a one-sided comparison), as ``&`` / ``|`` of masks.
 
 Anything else -- ``b`` or ``h`` used, a float or tensor constant, another operation, an
-unsorted ``doc``, a band that is empty or always true -- gives None and the general lifting
-(``lift.py``) runs. Exactness: every form here has the same integer semantics on FlexAttention's
-top-left indices as the mask it maps to (``tests/test_recognise.py`` checks against
-``create_mask``).
+unsorted ``doc``, a band that is empty or always true, a bound on ``q`` outside a CLEAR union
+-- gives None and the general lifting (``lift.py``) runs. Exactness: every form here has the
+same integer semantics on FlexAttention's top-left indices as the mask it maps to
+(``tests/test_recognise.py`` checks against ``create_mask``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -56,9 +68,35 @@ class _Lin:  # a * q + b * kv + c, a and b in {-1, 0, 1}
 
 
 @dataclass(frozen=True)
-class _Div:  # var // c
+class _Div:  # (var + off) // c
     var: str
     c: int
+    off: int = 0
+
+
+@dataclass(frozen=True)
+class _Mod:  # (var + off) % c
+    var: str
+    c: int
+    off: int
+
+
+@dataclass(frozen=True)
+class _Diff:  # +-((q + off) op c - (kv + off) op c), op "div" (grid row) or "mod" (column)
+    op: str
+    c: int
+    off: int
+
+
+@dataclass(frozen=True)
+class _Sq:  # d * d
+    d: _Diff
+
+
+@dataclass(frozen=True)
+class _SumSq:  # dy * dy + dx * dx: the squared distance on a grid of width c at token -off
+    c: int
+    off: int
 
 
 @dataclass(frozen=True)
@@ -77,6 +115,19 @@ class _Band:  # lo <= kv - q <= hi (None: unbounded)
 class _KvBound:  # lo <= kv <= hi
     lo: int | None
     hi: int | None
+
+
+@dataclass
+class _QBound:  # lo <= q <= hi
+    lo: int | None
+    hi: int | None
+
+
+@dataclass
+class _Disc:  # dy^2 + dx^2 < r^2 on the image of width w after `text` text tokens
+    text: int
+    w: int
+    r: int
 
 
 @dataclass
@@ -104,8 +155,9 @@ class _Or:
     parts: list
 
 
-_ATOMS = (_Band, _KvBound, _Chunk, _BlockCausal, _Doc)
+_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc)
 _BOOL = (*_ATOMS, _And, _Or)
+_GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
 
 def _name(node) -> str:
@@ -139,8 +191,24 @@ def _bounds(op: str, t: int) -> tuple[int | None, int | None]:
             "eq": (t, t)}[op]  # fmt: skip
 
 
+def _disc(s: _SumSq, t, op: str) -> _Disc:
+    """``s op t`` as a disc: ``< r * r`` or ``<= r * r - 1``, ``r >= 1``."""
+    t = _int(t) + (op == "le")
+    if op not in ("lt", "le") or t < 1 or math.isqrt(t) ** 2 != t:
+        raise _No(f"dy^2 + dx^2 {op} a constant other than < r * r or <= r * r - 1")
+    if s.off > 0:
+        raise _No("a grid offset q + c, c > 0 (an image before token 0)")
+    return _Disc(-s.off, s.c, math.isqrt(t))
+
+
 def _compare(x, y, op: str):
+    if isinstance(y, _SumSq) and not isinstance(x, _SumSq):
+        x, y, op = y, x, _FLIP[op]
+    if isinstance(x, _SumSq):
+        return _disc(x, y, op)
     if isinstance(x, _Div) and isinstance(y, _Div) and x.c == y.c and x.var != y.var:
+        if x.off or y.off:
+            raise _No("a comparison of (q + c) // d and (kv + c) // d, c != 0")
         if op == "eq":
             return _Chunk(x.c)
         if (x.var, op) in (("kv", "le"), ("q", "ge")):
@@ -150,8 +218,8 @@ def _compare(x, y, op: str):
         if op == "eq" and x.t is y.t and x.var != y.var:
             return _Doc(x.t)
         raise _No("a comparison of gathers other than doc[q] == doc[kv]")
-    if isinstance(x, (_Div, _Gather)) or isinstance(y, (_Div, _Gather)):
-        raise _No("a gather or floor division compared with another kind of value")
+    if isinstance(x, (*_GRID, _Gather)) or isinstance(y, (*_GRID, _Gather)):
+        raise _No("a gather, floor division or remainder compared with another kind of value")
     d = _combine(_lin(x), _lin(y), -1)  # d op 0
     if d.a == -d.b and d.b != 0:  # +-(kv - q) + c op 0
         if d.b < 0:
@@ -161,11 +229,15 @@ def _compare(x, y, op: str):
         if d.b < 0:
             d, op = _Lin(0, 1, -d.c), _FLIP[op]
         return _KvBound(*_bounds(op, -d.c))
-    raise _No("a comparison other than kv - q or kv against a constant")
+    if d.b == 0 and d.a != 0:
+        if d.a < 0:
+            d, op = _Lin(1, 0, -d.c), _FLIP[op]
+        return _QBound(*_bounds(op, -d.c))
+    raise _No("a comparison other than kv - q, kv or q against a constant")
 
 
 def _negate(v):
-    if isinstance(v, (_Band, _KvBound)) and (v.lo is None) != (v.hi is None):
+    if isinstance(v, (_Band, _KvBound, _QBound)) and (v.lo is None) != (v.hi is None):
         return type(v)(None, v.lo - 1) if v.hi is None else type(v)(v.hi + 1, None)
     raise _No("~ of a value other than a one-sided comparison")
 
@@ -219,7 +291,38 @@ def _idx(a):
     return a
 
 
+def _grid_op(name: str, args):
+    """``// c``, ``% c`` of ``q + off`` / ``kv + off``, their q-minus-kv differences, squares
+    and the sum ``dy^2 + dx^2``; anything else of those values raises."""
+    if name in ("floordiv", "floor_divide", "mod", "remainder") and len(args) == 2:
+        x, c = args
+        c = _int(c)
+        if not isinstance(x, _Lin) or c < 1 or (x.a, x.b) not in ((1, 0), (0, 1)):
+            raise _No(f"{name} other than (q + c) // d or (kv + c) // d (also %), d >= 1")
+        cls = _Div if name in ("floordiv", "floor_divide") else _Mod
+        return cls("q" if x.a else "kv", c, x.c)
+    x, y = (args + [None])[:2]
+    if name == "sub" and len(args) == 2 and isinstance(x, (_Div, _Mod)) and type(x) is type(y):
+        if x.var == y.var or x.c != y.c or x.off != y.off:
+            raise _No("a difference other than of q and kv with one divisor and one offset")
+        return _Diff("div" if isinstance(x, _Div) else "mod", x.c, x.off)
+    if isinstance(x, _Diff) and (
+        (name == "mul" and len(args) == 2 and x == y)
+        or (name == "pow" and len(args) == 2 and _int(y) == 2)
+        or (name == "square" and len(args) == 1)
+    ):
+        return _Sq(x)
+    if name == "add" and len(args) == 2 and isinstance(x, _Sq) and isinstance(y, _Sq):
+        if {x.d.op, y.d.op} == {"div", "mod"} and (x.d.c, x.d.off) == (y.d.c, y.d.off):
+            return _SumSq(x.d.c, x.d.off)
+    raise _No(f"{name} of grid values other than dy * dy + dx * dx")
+
+
 def _op(name: str, target, args):
+    if name in ("floordiv", "floor_divide", "mod", "remainder") or (
+        name not in _CMPS and any(isinstance(a, _GRID) for a in args)
+    ):
+        return _grid_op(name, args)
     if name in ("add", "sub") and len(args) == 2:
         return _combine(_lin(args[0]), _lin(args[1]), 1 if name == "add" else -1)
     if name == "neg" and len(args) == 1:
@@ -230,12 +333,6 @@ def _op(name: str, target, args):
         if k not in (-1, 1):
             raise _No("a product other than by +-1")
         return _combine(_Lin(0, 0, 0), _lin(x), k)
-    if name in ("floordiv", "floor_divide") and len(args) == 2:
-        x, c = args
-        c = _int(c)
-        if not isinstance(x, _Lin) or c < 1 or (x.a, x.b, x.c) not in ((1, 0, 0), (0, 1, 0)):
-            raise _No("a floor division other than q // c or kv // c, c >= 1")
-        return _Div("q" if x.a else "kv", c)
     if name == "getitem" and target in (operator.getitem, "__getitem__") and len(args) == 2:
         t, x = args
         if not isinstance(t, torch.Tensor) or not isinstance(x, _Lin):
@@ -283,7 +380,7 @@ def _is_causal(b: _Band) -> bool:
 
 def _conj(parts: list, nq: int, nk: int, device) -> Mask:
     band = _Band(None, None)
-    chunks, blocks, docs, ors = set(), set(), [], []
+    chunks, blocks, docs, ors, discs = set(), set(), [], [], []
     for p in parts:
         if isinstance(p, _Band):
             lo = [v for v in (band.lo, p.lo) if v is not None]
@@ -299,9 +396,13 @@ def _conj(parts: list, nq: int, nk: int, device) -> Mask:
             docs = [p]
         elif isinstance(p, _Or):
             ors.append(p)
+        elif isinstance(p, _Disc):
+            discs.append(p)
+        elif isinstance(p, _QBound):
+            raise _No("q against a constant outside a union with a disc")
         else:
             raise _No("kv against a constant outside a union with kv <= q")
-    out: list[Mask] = []
+    out: list[Mask] = [_clear(d, [], [], nq, nk) for d in discs]
     causal_left = _is_causal(band)
     if docs:
         if nq != nk:
@@ -333,7 +434,27 @@ def _conj(parts: list, nq: int, nk: int, device) -> Mask:
     return m
 
 
+def _clear(d: _Disc, qs: list, kvs: list, nq: int, nk: int) -> Mask:
+    """``clear`` of disc ``d`` and its text terms ``q < T`` (``qs``), ``kv < T`` (``kvs``)."""
+    if len(qs) > 1 or len(kvs) > 1 or (d.text > 0 and not (qs and kvs)):
+        raise _No("a disc without exactly its two text terms q < T and kv < T")
+    if any((b.lo, b.hi) != (None, d.text - 1) for b in qs + kvs):
+        raise _No("a text term other than q < T or kv < T, T the grid's offset")
+    if nq != nk or nq - d.text <= 0 or (nq - d.text) % d.w:
+        raise _No("a disc whose grid is not (q_len - T) / w rows of w tokens, q_len == kv_len")
+    return masks.clear(((nq - d.text) // d.w, d.w), d.r, d.text)
+
+
 def _disj(parts: list, nq: int, nk: int, device) -> Mask:
+    out = []
+    discs = [p for p in parts if isinstance(p, _Disc)]
+    if discs or any(isinstance(p, _QBound) for p in parts):
+        if len(discs) != 1:
+            raise _No("q against a constant outside a union with one disc")
+        qs = [p for p in parts if isinstance(p, _QBound)]
+        kvs = [p for p in parts if isinstance(p, _KvBound)]
+        out.append(_clear(discs[0], qs, kvs, nq, nk))
+        parts = [p for p in parts if not isinstance(p, (_Disc, _QBound, _KvBound))]
     bounds = [p for p in parts if isinstance(p, _KvBound)]
     rest = [p for p in parts if not isinstance(p, _KvBound)]
     causal = [p for p in rest if isinstance(p, _Band) and _is_causal(p)]
@@ -341,9 +462,7 @@ def _disj(parts: list, nq: int, nk: int, device) -> Mask:
         if len(bounds) != 1 or not causal or bounds[0].lo not in (None, 0) or bounds[0].hi is None:
             raise _No("kv against a constant outside a union with kv <= q")
         rest.remove(causal[0])
-        out = [masks.prefix_lm(min(max(0, bounds[0].hi + 1), _LIMIT))]
-    else:
-        out = []
+        out.append(masks.prefix_lm(min(max(0, bounds[0].hi + 1), _LIMIT)))
     out += [_mask(p, nq, nk, device) for p in rest]
     m = out[0]
     for x in out[1:]:
