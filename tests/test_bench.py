@@ -14,7 +14,7 @@ import compilemask as cm
 from compilemask import masks
 from compilemask import workloads as wl
 from compilemask.kernels.reference import reference_attention
-from compilemask.tools import bench, bench_plan, bench_report, bench_sweep
+from compilemask.tools import bench, bench_plan, bench_report, bench_sweep, bench_systems
 from compilemask.tools.bench_report import RESULT_KEYS, Shape, effective_tflops, result_row
 from compilemask.tools.peers import cudnn_endpoints, endpoints_dense
 
@@ -29,8 +29,9 @@ ENV = {"date": "2026-12-01T00:00:00+00:00", "gpu": "test", "torch": "x", "triton
 def test_system_names_are_the_design_names():
     assert bench.SYSTEM_NAMES == (
         "compilemask-triton", "compilemask-triton-tiled", "compilemask-cudnn",
-        "compilemask-cudnn-tiled", "compilemask-fa4", "compilemask-fa4-tiled", "compilemask-cute",
-        "compilemask-cute-tiled", "compilemask-auto", "compilemask-auto-tiled", "flex-triton",
+        "compilemask-cudnn-tiled", "compilemask-cudnn-tiled-kept", "compilemask-fa4",
+        "compilemask-fa4-tiled", "compilemask-cute", "compilemask-cute-tiled", "compilemask-auto",
+        "compilemask-auto-tiled", "compilemask-auto-tiled-kept", "flex-triton",
         "flex-fa4", "cudnn-fe", "fa4", "sdpa-cudnn", "sdpa-flash",
         "compilemask-triton-softcap", "flex-triton-softcap", "compilemask-triton-alibi",
         "flex-triton-alibi", "compilemask-fa4-softcap", "compilemask-reference",
@@ -221,6 +222,29 @@ def test_measure_checks_then_times(fake_timer, mode):
         want = {"out", "dq", "dk", "dv"} if mode == "fwd+bwd" else {"out"}
         assert set(row["errors"]) == want
         assert (row["N"], row["B"], row["Hq"], row["D"], row["dtype"]) == (192, 2, 2, 32, "fp32")
+
+
+@pytest.mark.parametrize("keep_tiled", [False, True])
+def test_tiled_systems_check_in_the_original_order(fake_timer, monkeypatch, keep_tiled):
+    """The -tiled (attention permutes) and -tiled-kept (tokens given in the tiled order)
+    runners are checked against the row-major reference, gradients included."""
+    monkeypatch.setattr(bench_systems, "GRID_TILE", (2, 4))
+    mask = masks.clear((6, 8), 2, 5)
+    w = wl.Workload("clear", 1024, 53, 1, mask)
+    plan = cm.compile(mask, 53)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 53, 32, generator=g) for _ in range(4))
+    case = bench.Case(w, plan, q, k, v, do, bench.visible_pairs(plan))
+    prepare = bench_systems._compilemask_tiled("reference", keep_tiled=keep_tiled)
+    system = bench.System("tiled", _always, prepare, applies=bench_systems._grid_only)
+    for mode in ("fwd", "fwd+bwd"):
+        row = bench.measure(system, case, mode, ENV)
+        assert row["status"] == "ok", row.get("reason")
+    runner = prepare(case, False)
+    assert (runner.order is not None) == keep_tiled
+    if keep_tiled:  # the leaves really are in the tiled order
+        assert not torch.equal(runner.leaves[0], q)
+        assert torch.equal(runner.to_bhsd(runner.leaves[0]), q)
 
 
 def test_measure_reports_failures_errors_and_skips(fake_timer):

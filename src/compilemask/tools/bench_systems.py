@@ -114,16 +114,21 @@ class Runner:
     """A prepared system: ``fn()`` runs one forward and returns its output.
 
     ``leaves`` are the q, k, v tensors ``fn`` reads (requiring grad in ``fwd+bwd``), ``dout``
-    the output gradient, both in the system's layout (``bshd``: [B, N, H, D], else BHSD).
+    the output gradient, both in the system's layout (``bshd``: [B, N, H, D], else BHSD) and
+    token order (``order``: row ``i`` holds original token ``order[i]``, as in a model that
+    keeps its tokens in a ``tile_grid`` order; None: the original order).
     """
 
     fn: Callable[[], torch.Tensor]
     leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     dout: torch.Tensor
     bshd: bool = False
+    order: torch.Tensor | None = None
 
     def to_bhsd(self, t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2) if self.bshd else t
+        """``t`` (an output or gradient of ``fn``) as BHSD in the original token order."""
+        t = t.transpose(1, 2) if self.bshd else t
+        return t if self.order is None else t.index_select(2, torch.argsort(self.order))
 
 
 @dataclass(frozen=True)
@@ -272,9 +277,11 @@ def _compilemask(backend: str, score_mod: str | None = None) -> Callable[[Case, 
 GRID_TILE = (8, 16)
 
 
-def _compilemask_tiled(backend: str) -> Callable[[Case, bool], Runner]:
+def _compilemask_tiled(backend: str, keep_tiled: bool = False) -> Callable[[Case, bool], Runner]:
     """``backend`` on ``tile_grid(mask, GRID_TILE)``: the compiler pass reorders the grid's
-    tokens; q, k, v and the output stay in the original order (attention permutes them)."""
+    tokens; q, k, v and the output stay in the original order (attention permutes them).
+    ``keep_tiled``: q, k, v, dout are given in the tiled order (permuted once, outside the
+    timing, as a model that keeps its tokens tiled) and run on ``plan.in_permuted_order()``."""
 
     def prepare(case: Case, grad: bool) -> Runner:
         from ..api.functional import attention
@@ -287,6 +294,15 @@ def _compilemask_tiled(backend: str) -> Callable[[Case, bool], Runner]:
             )
         plan = case.cache["tiled_plan"]
         q, k, v = _bhsd_leaves(case, grad)
+        if keep_tiled:
+            perm, kept = plan.permutation, plan.in_permuted_order()
+            q, k, v = (t.detach().index_select(2, perm).requires_grad_(grad) for t in (q, k, v))
+            return Runner(
+                lambda: attention(q, k, v, kept, backend=backend),
+                (q, k, v),
+                case.dout.index_select(2, perm),
+                order=perm,
+            )
         return Runner(lambda: attention(q, k, v, plan, backend=backend), (q, k, v), case.dout)
 
     return prepare
@@ -453,6 +469,12 @@ SYSTEMS: tuple[System, ...] = (
         _compilemask_tiled("cudnn"),
         applies=_grid_only,
     ),
+    System(
+        "compilemask-cudnn-tiled-kept",
+        _all(_cuda, _backend_ok("cudnn")),
+        _compilemask_tiled("cudnn", keep_tiled=True),
+        applies=_grid_only,
+    ),
     System("compilemask-fa4", _all(_cuda, _backend_ok("fa4")), _compilemask("fa4")),
     System(
         "compilemask-fa4-tiled",
@@ -475,6 +497,12 @@ SYSTEMS: tuple[System, ...] = (
     ),
     System("compilemask-auto", _cuda, _compilemask("auto")),
     System("compilemask-auto-tiled", _cuda, _compilemask_tiled("auto"), applies=_grid_only),
+    System(
+        "compilemask-auto-tiled-kept",
+        _cuda,
+        _compilemask_tiled("auto", keep_tiled=True),
+        applies=_grid_only,
+    ),
     System("flex-triton", _FLEX_OK, _flex(None)),
     System("flex-fa4", _all(_FA4_OK, _FLEX_OK), _flex({"BACKEND": "FLASH"})),
     System("cudnn-fe", _all(_cudnn_available, _cuda, _hopper), _cudnn),
