@@ -41,7 +41,7 @@ DECODE_BUILTINS = (
 )
 
 
-#: the one-launch builder of one-interval catalogue masks on a device, or None (registered by
+#: the one-launch builder of catalogue masks on a device, or None (registered by
 #: ``kernels/triton/device_builder.py``: the compiler does not import the kernels)
 _STEP_BUILDER = None
 _ONE_INTERVAL = {"causal", "sliding_window", "prefix_lm", "chunked", "block_causal"}
@@ -49,8 +49,14 @@ _ONE_INTERVAL = {"causal", "sliding_window", "prefix_lm", "chunked", "block_caus
 
 def register_device_step_builder(builder) -> None:
     """Use ``builder(name, param, lens, offset, q_len, kv_len)`` for the one-interval catalogue
-    masks (it returns ``(lo, hi, count, offset, lens)``, or None to decline); None: the tensor
-    operations only."""
+    masks and ``tree`` (it returns ``(lo, hi, count, offset, lens)`` as :func:`step_plan` would
+    build them, or None to decline); None: the tensor operations only.
+
+    ``name``: the mask's catalogue name; ``param``: the window, prefix length, chunk or block
+    (int; 1 for ``causal``), or for ``tree`` the int32 ``[2, q_len, K]`` table of each node's
+    ancestor runs on ``lens``' device (:func:`_tree_runs`); ``lens``: int ``[B]``
+    ``cache_seqlens`` as given; ``offset``: None (bottom-right) or the int ``[B]`` ``q_offset``
+    tensor (checked)."""
     global _STEP_BUILDER
     _STEP_BUILDER = builder
 
@@ -189,12 +195,15 @@ def step_plan(
     if (
         _STEP_BUILDER is not None
         and isinstance(mask, Builtin)
-        and mask.name in _ONE_INTERVAL
+        and mask.name in _ONE_INTERVAL | {"tree"}
         and (q_offset is None or isinstance(q_offset, torch.Tensor))
     ):
         if q_offset is not None:
             _offsets(q_offset, lens, q_len)  # checks only
-        param = mask.args[0] if mask.args else 1
+        if mask.name == "tree":
+            param = _tree_runs(mask.args[0], q_len, device)
+        else:
+            param = mask.args[0] if mask.args else 1
         built = _STEP_BUILDER(mask.name, param, cache_seqlens, q_offset, q_len, kv_len)
         if built is not None:
             lo, hi, count, offset, lens = built
@@ -388,14 +397,19 @@ def _device_table(key, values: list[int], device: torch.device) -> torch.Tensor:
     return hit
 
 
-def _tree(parents, pos: torch.Tensor, offset: torch.Tensor, kv_len: int):
-    B, nq = pos.shape
+def _tree_runs(parents, nq: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[2, nq, K]`` on ``device``: :func:`_tree_table` of ``parents`` (cached)."""
     if len(parents) != nq:
         raise CompileMaskError(
             f"a tree of {len(parents)} nodes needs q_len={len(parents)}, got {nq}"
         )
     values, k = _tree_table(tuple(parents))
-    runs = _device_table(("tree", tuple(parents)), values, pos.device).view(2, 1, nq, k)
+    return _device_table(("tree", tuple(parents)), values, device).view(2, nq, k)
+
+
+def _tree(parents, pos: torch.Tensor, offset: torch.Tensor, kv_len: int):
+    B, nq = pos.shape
+    runs = _tree_runs(parents, nq, pos.device)[:, None]  # [2, 1, nq, K]
     base = offset[:, None, None]  # [B, 1, 1]; keys before 0 are cut by the clip
     lo = torch.cat([torch.zeros_like(base).expand(B, nq, 1), base + runs[0]], -1)
     hi = torch.cat([base.expand(B, nq, 1), base + runs[1]], -1)

@@ -322,3 +322,73 @@ def step_rows(name: str, param: int, lens, offset, q_len: int, kv_len: int):
     n = B * q_len
     lo, hi = out[:n].view(B, q_len, 1), out[n : 2 * n].view(B, q_len, 1)
     return lo, hi, out[2 * n : 3 * n].view(B, q_len), out[3 * n : 3 * n + B], out[3 * n + B :]
+
+
+@triton.jit
+def _step_tree_kernel(
+    Lens, Offset, Runs, Out, Nq, B, kv_len,
+    K: tl.constexpr, KP: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Batch row ``b``, nodes ``[BLOCK * pid1, ...)``: the prefix ``[0, off)`` and the runs
+    ``off + Runs[:, i, :]`` of each node, clipped to ``[0, end)``, empties dropped, touching
+    runs merged (``Out``: lo ``[B, Nq, K + 1]``, hi, count ``[B, Nq]``, offsets, lengths)."""
+    b = tl.program_id(0)
+    L = tl.load(Lens + b).to(tl.int64)
+    if HAS_OFFSET:
+        off = tl.load(Offset + b).to(tl.int64)
+    else:
+        off = L - Nq
+    if tl.program_id(1) == 0:
+        tl.store(Out + 2 * B * Nq * (K + 1) + B * Nq + b, off.to(tl.int32))
+        tl.store(Out + 2 * B * Nq * (K + 1) + B * Nq + B + b, L.to(tl.int32))
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < Nq
+    end = tl.where(off + i >= 0, tl.minimum(L, kv_len), 0)  # rows before the axis: nothing
+    slot = tl.arange(0, KP)
+    out_lo = tl.full([BLOCK, KP], kv_len, dtype=tl.int64)
+    out_hi = tl.full([BLOCK, KP], kv_len, dtype=tl.int64)
+    n = tl.zeros([BLOCK], dtype=tl.int64)  # intervals written so far
+    cur = tl.full([BLOCK], -1, dtype=tl.int64)  # the end of the last one (-1: none)
+    for j in tl.static_range(K + 1):
+        if j == 0:
+            lo = tl.zeros([BLOCK], dtype=tl.int64)
+            hi = tl.zeros([BLOCK], dtype=tl.int64) + off
+        else:
+            lo = off + tl.load(Runs + i * K + (j - 1), mask=ok, other=0)
+            hi = off + tl.load(Runs + Nq * K + i * K + (j - 1), mask=ok, other=0)
+        lo = tl.maximum(lo, 0)
+        hi = tl.minimum(hi, end)
+        live = lo < hi
+        joins = live & (lo <= cur)  # touches the last interval: extend it
+        n = tl.where(live & ~joins, n + 1, n)
+        here = slot[None, :] == (n - 1)[:, None]
+        out_lo = tl.where(here & (live & ~joins)[:, None], lo[:, None], out_lo)
+        out_hi = tl.where(here & live[:, None], hi[:, None], out_hi)
+        cur = tl.where(live, hi, cur)
+    base = (b * Nq + i)[:, None] * (K + 1) + slot[None, :]
+    put = ok[:, None] & (slot[None, :] < K + 1)
+    tl.store(Out + base, out_lo.to(tl.int32), mask=put)
+    tl.store(Out + B * Nq * (K + 1) + base, out_hi.to(tl.int32), mask=put)
+    tl.store(Out + 2 * B * Nq * (K + 1) + b * Nq + i, n.to(tl.int32), mask=ok)
+
+
+def step_tree(runs, lens, offset, q_len: int, kv_len: int):
+    """``(lo [B, Nq, K + 1], hi, count [B, Nq], offset [B], lens [B])`` int32 of a ``tree``
+    draft in one launch (the registered fast path of ``compiler.decode.step_plan``; the same
+    tensors as its tensor build). ``runs``: int32 ``[2, Nq, K]`` on ``lens``' device, per node
+    the merged runs ``[a, b)`` of node indices on its root path, ascending (unused slots
+    ``(0, 0)``; ``compiler.decode._tree_table``); ``offset`` None: bottom-right."""
+    B, k = lens.shape[0], runs.shape[-1]
+    out = torch.empty(2 * B * q_len * (k + 1) + B * q_len + 2 * B, dtype=torch.int32,
+                      device=lens.device)  # fmt: skip
+    kp = triton.next_power_of_2(k + 1)
+    block = max(1, min(triton.next_power_of_2(q_len), 4096 // kp))
+    grid = (B, triton.cdiv(q_len, block))
+    _step_tree_kernel[grid](
+        lens, offset if offset is not None else lens, runs, out, q_len, B, kv_len,
+        K=k, KP=kp, HAS_OFFSET=offset is not None, BLOCK=block, num_warps=4 if block >= 128 else 1,
+    )  # fmt: skip
+    n = B * q_len * (k + 1)
+    lo, hi = out[:n].view(B, q_len, k + 1), out[n : 2 * n].view(B, q_len, k + 1)
+    c = 2 * n + B * q_len
+    return lo, hi, out[2 * n : c].view(B, q_len), out[c : c + B], out[c + B :]
