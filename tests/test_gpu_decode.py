@@ -38,6 +38,34 @@ def test_step_plan_makes_no_host_sync():
         assert plan.row_lo.is_cuda
 
 
+def test_one_launch_tree_plan_equals_the_tensor_build(monkeypatch):
+    """A 64-node draft at batch 64 (ragged caches, an empty one, offsets before the first key):
+    the one-launch build, with no host synchronisation, equals the tensor build."""
+    from compilemask.compiler import decode
+
+    parents = [-1] + [i // 2 for i in range(63)]
+    mask = masks.tree(parents, 0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = torch.randint(0, 9216, (64,), device="cuda", generator=g, dtype=torch.int32)
+    lens[:3] = torch.tensor([0, 5, 64], device="cuda")
+    offsets = lens - 64
+    offsets[3:6] = torch.tensor([-70, -1, 9300], device="cuda", dtype=torch.int32)
+    for off in (None, offsets):
+        cm.step_plan(mask, lens, 64, kv_len=9216, q_offset=off)  # table cached, kernel compiled
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = cm.step_plan(mask, lens, 64, kv_len=9216, q_offset=off)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.setattr(decode, "_STEP_BUILDER", None)
+        want = cm.step_plan(mask, lens, 64, kv_len=9216, q_offset=off)
+        monkeypatch.undo()
+        for a, b in [(got.row_lo, want.row_lo), (got.row_hi, want.row_hi),
+                     (got.row_count, want.row_count), (got.q_offset, want.q_offset)]:  # fmt: skip
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     "mask,nq,page",
     [(masks.causal(), 1, 16), (masks.sliding_window(1024), 4, 64),
