@@ -12,6 +12,7 @@ from compilemask import masks
 from compilemask.errors import CompileMaskError, InputError
 from compilemask.kernels.reference import reference_attention
 from compilemask.kernels.reference.paged import gather_pages, paged_reference_attention
+from compilemask.language.ast import Builtin
 from compilemask.testing import check_close
 from conftest import DEVICE
 
@@ -389,10 +390,42 @@ def test_one_launch_tree_equals_the_tensor_build():
             assert torch.equal(want.to_dense(), _tree_dense(parents, lens.tolist(), o, kv))
 
 
+PIECEWISE = [(m, w) for m, w in MASKS if isinstance(m, Builtin)
+             and m.name in ("document", "shared_prompt", "hstu")]  # fmt: skip
+
+
 @pytest.mark.kernel
-def test_step_plan_routes_trees_to_the_registered_builder(monkeypatch):
-    """step_plan hands a tree (its name and its device table of ancestor runs) to the
-    registered builder and returns what it built; int64 lengths and offsets are taken."""
+@pytest.mark.parametrize("mask,whole", PIECEWISE, ids=[str(m) for m, _ in PIECEWISE])
+@pytest.mark.parametrize("nq", [1, 3])
+def test_one_launch_piecewise_equal_the_tensor_build(mask, whole, nq):
+    """The Triton builder of document, shared_prompt and hstu (the CUDA fast path of step_plan):
+    the same tensors as the tensor build, and the dense evaluator's rows; offsets before the
+    first key and past the mask's last piece."""
+    pytest.importorskip("triton")
+    from compilemask.compiler.decode import _device_table, _pieces_table
+    from compilemask.kernels.triton.decode import step_pieces
+
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    full = cm.dense(whole or mask, KV, KV)
+    values, n, k = _pieces_table(mask, KV)
+    table = _device_table(("pieces", mask, KV), values, lens.device).view(n, 1 + 4 * k)
+    for offsets in (None, torch.tensor([2, 0, -2, 4, 17]), torch.tensor([-5, 23, 5, 0, 19])):
+        want = cm.step_plan(mask, lens, nq, kv_len=KV, q_offset=offsets)
+        lo, hi, count, off, got_lens = step_pieces(table, lens, offsets, nq, KV)
+        assert torch.equal(lo, want.row_lo) and torch.equal(hi, want.row_hi)
+        assert torch.equal(count, want.row_count) and torch.equal(off, want.q_offset)
+        assert torch.equal(got_lens, lens)
+        _assert_canonical(want)
+        o = [n - nq for n in LENS] if offsets is None else offsets.tolist()
+        if min(o) >= 0:  # (_expected has no rows before the axis)
+            assert torch.equal(want.to_dense(), _expected(full, LENS, nq, o))
+
+
+@pytest.mark.kernel
+def test_step_plan_routes_tables_to_the_registered_builder(monkeypatch):
+    """step_plan hands a tree (its name and its device table of ancestor runs) and a document
+    (its table of pieces) to the registered builder and returns what it built; int64 lengths
+    and offsets are taken."""
     pytest.importorskip("triton")
     from compilemask.compiler import decode
     from compilemask.kernels.triton import device_builder
@@ -418,6 +451,12 @@ def test_step_plan_routes_trees_to_the_registered_builder(monkeypatch):
     assert seen == [("tree", (2, 7, 2))] * 2
     with pytest.raises(CompileMaskError, match="needs q_len"):
         cm.step_plan(mask, lens, 6, kv_len=KV)
+    doc = masks.document([5, 4, 4])
+    got = cm.step_plan(doc, lens, 2, kv_len=KV)
+    monkeypatch.undo()
+    want = cm.step_plan(doc, lens, 2, kv_len=KV)
+    assert torch.equal(got.row_lo, want.row_lo) and torch.equal(got.row_hi, want.row_hi)
+    assert seen[-1] == ("document", (3, 5))
 
 
 def test_cache_calls_refuse_score_mods_and_sinks():

@@ -45,6 +45,7 @@ DECODE_BUILTINS = (
 #: ``kernels/triton/device_builder.py``: the compiler does not import the kernels)
 _STEP_BUILDER = None
 _ONE_INTERVAL = {"causal", "sliding_window", "prefix_lm", "chunked", "block_causal"}
+_PIECEWISE = {"document", "shared_prompt", "hstu"}
 
 
 def register_device_step_builder(builder) -> None:
@@ -53,8 +54,10 @@ def register_device_step_builder(builder) -> None:
     build them, or None to decline); None: the tensor operations only.
 
     ``name``: the mask's catalogue name; ``param``: the window, prefix length, chunk or block
-    (int; 1 for ``causal``), or for ``tree`` the int32 ``[2, q_len, K]`` table of each node's
-    ancestor runs on ``lens``' device (:func:`_tree_runs`); ``lens``: int ``[B]``
+    (int; 1 for ``causal``); for ``tree`` the int32 ``[2, q_len, K]`` table of each node's
+    ancestor runs on ``lens``' device (:func:`_tree_runs`); for ``document``, ``shared_prompt``
+    and ``hstu`` the int32 ``[n, 1 + 4 K]`` table of their pieces (:func:`_pieces_table`);
+    ``lens``: int ``[B]``
     ``cache_seqlens`` as given; ``offset``: None (bottom-right) or the int ``[B]`` ``q_offset``
     tensor (checked)."""
     global _STEP_BUILDER
@@ -195,13 +198,16 @@ def step_plan(
     if (
         _STEP_BUILDER is not None
         and isinstance(mask, Builtin)
-        and mask.name in _ONE_INTERVAL | {"tree"}
+        and mask.name in _ONE_INTERVAL | _PIECEWISE | {"tree"}
         and (q_offset is None or isinstance(q_offset, torch.Tensor))
     ):
         if q_offset is not None:
             _offsets(q_offset, lens, q_len)  # checks only
         if mask.name == "tree":
             param = _tree_runs(mask.args[0], q_len, device)
+        elif mask.name in _PIECEWISE:
+            values, n, k = _pieces_table(mask, kv_len)
+            param = _device_table(("pieces", mask, kv_len), values, device).view(n, 1 + 4 * k)
         else:
             param = mask.args[0] if mask.args else 1
         built = _STEP_BUILDER(mask.name, param, cache_seqlens, q_offset, q_len, kv_len)
@@ -355,6 +361,31 @@ class _PositionsCtx(_Ctx):
             z = torch.full((self.rows, 1), self.kv_len, dtype=I32, device=self.device)
             return z, z.clone(), torch.zeros(self.rows, dtype=I32, device=self.device)
         return super()._rules(mask)
+
+
+class _PiecesOf(_PositionsCtx):
+    """Records the pieces of a piecewise catalogue mask instead of lowering them."""
+
+    def pieces(self, pieces, k: int):
+        return pieces, k
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces_table(mask: Builtin, kv_len: int) -> tuple[list[int], int, int]:
+    """The pieces of ``document``, ``shared_prompt`` or ``hstu`` on a key axis of ``kv_len``
+    (as :meth:`_PositionsCtx.pieces` evaluates them; pieces without rows left out), as a flat
+    table ``[n, 1 + 4 K]``: per piece its end, then ``lo_a``, ``hi_a``, ``lo_b``, ``hi_b``
+    ``[K]`` (unused slots ``[Nk, Nk)``). Returns ``(values, n, K)``."""
+    ctx = _PiecesOf(torch.zeros(0, dtype=I32), kv_len)
+    pieces, k = getattr(ctx, "_b_" + mask.name)(*mask.args)
+    values, start, n = [], 0, 0
+    for end, lo_a, lo_b, hi_a, hi_b in pieces:
+        if end <= start:
+            continue
+        start, n, pad = end, n + 1, (k - len(lo_a))
+        values += [end, *lo_a, *(0,) * pad, *hi_a, *(0,) * pad]
+        values += [*lo_b, *(kv_len,) * pad, *hi_b, *(kv_len,) * pad]
+    return values, n, k
 
 
 @functools.lru_cache(maxsize=256)
