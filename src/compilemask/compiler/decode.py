@@ -172,7 +172,9 @@ def step_plan(
             node count is not ``q_len``, a ``per_batch`` mask of another size than ``B``.
 
     Cost: O(B * q_len * K) work in a fixed number of device operations (K intervals per row;
-    independent of the cache length); no host synchronisation when ``kv_len`` is given.
+    independent of the cache length); no host synchronisation when ``kv_len`` is given. On
+    CUDA with Triton, one kernel launch for the catalogue masks but ``dilated`` (a ``q_offset``
+    of None or a tensor; the registered builder, same tensors).
 
     Example::
 
