@@ -345,8 +345,8 @@ def _step_tree_kernel(
     ok = i < Nq
     end = tl.where(off + i >= 0, tl.minimum(L, kv_len), 0)  # rows before the axis: nothing
     slot = tl.arange(0, KP)
-    out_lo = tl.full([BLOCK, KP], kv_len, dtype=tl.int64)
-    out_hi = tl.full([BLOCK, KP], kv_len, dtype=tl.int64)
+    out_lo = tl.full([BLOCK, KP], kv_len, dtype=tl.int32)  # live intervals end by kv_len
+    out_hi = tl.full([BLOCK, KP], kv_len, dtype=tl.int32)
     n = tl.zeros([BLOCK], dtype=tl.int64)  # intervals written so far
     cur = tl.full([BLOCK], -1, dtype=tl.int64)  # the end of the last one (-1: none)
     for j in tl.static_range(K + 1):
@@ -362,13 +362,13 @@ def _step_tree_kernel(
         joins = live & (lo <= cur)  # touches the last interval: extend it
         n = tl.where(live & ~joins, n + 1, n)
         here = slot[None, :] == (n - 1)[:, None]
-        out_lo = tl.where(here & (live & ~joins)[:, None], lo[:, None], out_lo)
-        out_hi = tl.where(here & live[:, None], hi[:, None], out_hi)
+        out_lo = tl.where(here & (live & ~joins)[:, None], lo.to(tl.int32)[:, None], out_lo)
+        out_hi = tl.where(here & live[:, None], hi.to(tl.int32)[:, None], out_hi)
         cur = tl.where(live, hi, cur)
     base = (b * Nq + i)[:, None] * (K + 1) + slot[None, :]
     put = ok[:, None] & (slot[None, :] < K + 1)
-    tl.store(Out + base, out_lo.to(tl.int32), mask=put)
-    tl.store(Out + B * Nq * (K + 1) + base, out_hi.to(tl.int32), mask=put)
+    tl.store(Out + base, out_lo, mask=put)
+    tl.store(Out + B * Nq * (K + 1) + base, out_hi, mask=put)
     tl.store(Out + 2 * B * Nq * (K + 1) + b * Nq + i, n.to(tl.int32), mask=ok)
 
 
@@ -382,11 +382,12 @@ def step_tree(runs, lens, offset, q_len: int, kv_len: int):
     out = torch.empty(2 * B * q_len * (k + 1) + B * q_len + 2 * B, dtype=torch.int32,
                       device=lens.device)  # fmt: skip
     kp = triton.next_power_of_2(k + 1)
-    block = max(1, min(triton.next_power_of_2(q_len), 4096 // kp))
+    block = max(1, min(triton.next_power_of_2(q_len), 1024 // kp))
     grid = (B, triton.cdiv(q_len, block))
     _step_tree_kernel[grid](
         lens, offset if offset is not None else lens, runs, out, q_len, B, kv_len,
-        K=k, KP=kp, HAS_OFFSET=offset is not None, BLOCK=block, num_warps=4 if block >= 128 else 1,
+        K=k, KP=kp, HAS_OFFSET=offset is not None, BLOCK=block,
+        num_warps=min(8, max(1, block * kp // 128)),
     )  # fmt: skip
     return _split(out, B, q_len, k + 1)
 
@@ -413,7 +414,7 @@ def _step_pieces_kernel(
     max(p, 0)`` (the first whose end passes ``q``, else the last), its ``K`` intervals ``[a * q
     + b)`` cut to ``[0, end)``, empties padded (``Out``: lo ``[B, Nq, K]``, hi, count, offsets,
     lengths). ``Table``: per piece ``[end, lo_a[K], hi_a[K], lo_b[K], hi_b[K]]``."""
-    W: tl.constexpr = 1 + 4 * K
+    W = 1 + 4 * K
     b = tl.program_id(0)
     L = tl.load(Lens + b).to(tl.int64)
     if HAS_OFFSET:
