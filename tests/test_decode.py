@@ -12,6 +12,7 @@ from compilemask import masks
 from compilemask.errors import CompileMaskError, InputError
 from compilemask.kernels.reference import reference_attention
 from compilemask.kernels.reference.paged import gather_pages, paged_reference_attention
+from compilemask.language.ast import Builtin
 from compilemask.testing import check_close
 from conftest import DEVICE
 
@@ -320,6 +321,142 @@ def test_one_launch_step_rows_equal_the_tensor_build(mask, nq):
         assert torch.equal(lo, want.row_lo) and torch.equal(hi, want.row_hi)
         assert torch.equal(count, want.row_count) and torch.equal(off, want.q_offset)
         assert torch.equal(got_lens, lens)
+
+
+def _trees():
+    """Chains, stars, a binary tree and random forests of 1 to 64 nodes."""
+    g = torch.Generator().manual_seed(3)
+    out = [[-1], [-1, -1], list(range(-1, 63)), [-1] + [0] * 63, [-1] + [i // 2 for i in range(63)]]
+    for n in (2, 5, 9, 17, 40, 64):
+        par = [-1]
+        for i in range(1, n):
+            root = int(torch.randint(0, 8, (), generator=g)) == 0
+            par.append(-1 if root else int(torch.randint(0, i, (), generator=g)))
+        out.append(par)
+    return out
+
+
+def _tree_dense(parents, lens, offsets, kv_len) -> torch.Tensor:
+    """``[B, 1, n, kv_len]`` from the definition: node i at key ``o + i`` sees ``[0, o)`` and
+    the keys ``o + j`` of its ancestors j (itself included), inside ``[0, min(L, kv_len))``;
+    nodes at a negative key see nothing."""
+    n = len(parents)
+    own = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            own[i, j], j = True, parents[j]
+    rows = []
+    for L, o in zip(lens, offsets):
+        d = torch.zeros(n, kv_len + n + abs(o), dtype=torch.bool)
+        for i in range(n):
+            if o + i >= 0:
+                d[i, : max(o, 0)] = True
+                for j in range(n):
+                    if own[i, j] and o + j >= 0:
+                        d[i, o + j] = True
+        d = d[:, :kv_len].clone()
+        d[:, min(L, kv_len) :] = False
+        rows.append(d)
+    return torch.stack(rows)[:, None]
+
+
+@pytest.mark.kernel
+def test_one_launch_tree_equals_the_tensor_build():
+    """The Triton builder of tree drafts (the CUDA fast path of step_plan): the same tensors as
+    the tensor build, and the tree's definition, over ragged caches (empty, shorter than the
+    draft), offsets before the first key and past the cache, and a key axis that cuts."""
+    pytest.importorskip("triton")
+    from compilemask.compiler.decode import _tree_runs
+    from compilemask.kernels.triton.decode import step_tree
+
+    g = torch.Generator().manual_seed(0)
+    for parents in _trees():
+        n = len(parents)
+        mask = masks.tree(parents, 0)
+        kv = n + 7
+        lens = torch.tensor([n + 7, n, n - 1, 0, 1, n + 3], dtype=torch.int32).clamp(max=kv)
+        offsets = torch.randint(-n - 2, kv + 2, (6,), generator=g, dtype=torch.int32)
+        offsets[0] = -(n // 2)  # some nodes before the first key, the rest after it
+        for off in (None, offsets, offsets.long()):
+            want = cm.step_plan(mask, lens, n, kv_len=kv, q_offset=off)
+            runs = _tree_runs(parents, n, lens.device)
+            lo, hi, count, got_off, got_lens = step_tree(runs, lens, off, n, kv)
+            assert torch.equal(lo, want.row_lo) and torch.equal(hi, want.row_hi), parents
+            assert torch.equal(count, want.row_count) and torch.equal(got_off, want.q_offset)
+            assert torch.equal(got_lens, lens)
+            _assert_canonical(want)
+            o = (lens - n if off is None else off).tolist()
+            assert torch.equal(want.to_dense(), _tree_dense(parents, lens.tolist(), o, kv))
+
+
+PIECEWISE = [(m, w) for m, w in MASKS if isinstance(m, Builtin)
+             and m.name in ("document", "shared_prompt", "hstu")]  # fmt: skip
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("mask,whole", PIECEWISE, ids=[str(m) for m, _ in PIECEWISE])
+@pytest.mark.parametrize("nq", [1, 3])
+def test_one_launch_piecewise_equal_the_tensor_build(mask, whole, nq):
+    """The Triton builder of document, shared_prompt and hstu (the CUDA fast path of step_plan):
+    the same tensors as the tensor build, and the dense evaluator's rows; offsets before the
+    first key and past the mask's last piece."""
+    pytest.importorskip("triton")
+    from compilemask.compiler.decode import _device_table, _pieces_table
+    from compilemask.kernels.triton.decode import step_pieces
+
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    full = cm.dense(whole or mask, KV, KV)
+    values, n, k = _pieces_table(mask, KV)
+    table = _device_table(("pieces", mask, KV), values, lens.device).view(n, 1 + 4 * k)
+    for offsets in (None, torch.tensor([2, 0, -2, 4, 17]), torch.tensor([-5, 23, 5, 0, 19])):
+        want = cm.step_plan(mask, lens, nq, kv_len=KV, q_offset=offsets)
+        lo, hi, count, off, got_lens = step_pieces(table, lens, offsets, nq, KV)
+        assert torch.equal(lo, want.row_lo) and torch.equal(hi, want.row_hi)
+        assert torch.equal(count, want.row_count) and torch.equal(off, want.q_offset)
+        assert torch.equal(got_lens, lens)
+        _assert_canonical(want)
+        o = [n - nq for n in LENS] if offsets is None else offsets.tolist()
+        if min(o) >= 0:  # (_expected has no rows before the axis)
+            assert torch.equal(want.to_dense(), _expected(full, LENS, nq, o))
+
+
+@pytest.mark.kernel
+def test_step_plan_routes_tables_to_the_registered_builder(monkeypatch):
+    """step_plan hands a tree (its name and its device table of ancestor runs) and a document
+    (its table of pieces) to the registered builder and returns what it built; int64 lengths
+    and offsets are taken."""
+    pytest.importorskip("triton")
+    from compilemask.compiler import decode
+    from compilemask.kernels.triton import device_builder
+
+    parents = [-1, 0, 0, 1, 3, -1, 5]
+    mask = masks.tree(parents, 0)
+    lens = torch.tensor([20, 7, 3, 0])
+    offsets = torch.tensor([13, 0, -4, 2])
+    want = [cm.step_plan(mask, lens, 7, kv_len=KV, q_offset=o) for o in (None, offsets)]
+    seen = []
+
+    def spy(name, param, *args):
+        seen.append((name, tuple(param.shape)))
+        return device_builder.triton_step_builder(name, param, *args)
+
+    monkeypatch.setattr(device_builder, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(decode, "_STEP_BUILDER", spy)
+    for w, o in zip(want, (None, offsets)):
+        got = cm.step_plan(mask, lens, 7, kv_len=KV, q_offset=o)
+        assert torch.equal(got.row_lo, w.row_lo) and torch.equal(got.row_hi, w.row_hi)
+        assert torch.equal(got.row_count, w.row_count) and torch.equal(got.q_offset, w.q_offset)
+        assert got.cache_seqlens.dtype == torch.int32 and got.source == w.source
+    assert seen == [("tree", (2, 7, 2))] * 2
+    with pytest.raises(CompileMaskError, match="needs q_len"):
+        cm.step_plan(mask, lens, 6, kv_len=KV)
+    doc = masks.document([5, 4, 4])
+    got = cm.step_plan(doc, lens, 2, kv_len=KV)
+    monkeypatch.undo()
+    want = cm.step_plan(doc, lens, 2, kv_len=KV)
+    assert torch.equal(got.row_lo, want.row_lo) and torch.equal(got.row_hi, want.row_hi)
+    assert seen[-1] == ("document", (3, 5))
 
 
 def test_cache_calls_refuse_score_mods_and_sinks():

@@ -39,6 +39,38 @@ def test_step_plan_makes_no_host_sync():
 
 
 @pytest.mark.parametrize(
+    "mask,nq",
+    [(masks.tree([-1] + [i // 2 for i in range(63)], 0), 64), (masks.document([3000, 2000]), 4),
+     (masks.shared_prompt(1000, [2000, 3000]), 1), (masks.hstu([4000, 4000], [64, 64], 2), 4)],
+    ids=["tree-64", "document", "shared_prompt", "hstu"],
+)  # fmt: skip
+def test_one_launch_plans_equal_the_tensor_build(monkeypatch, mask, nq):
+    """Batch 64 (ragged caches, an empty one, offsets before the first key and past the cache):
+    the one-launch build, with no host synchronisation, equals the tensor build."""
+    from compilemask.compiler import decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = torch.randint(0, 9216, (64,), device="cuda", generator=g, dtype=torch.int32)
+    lens[:3] = torch.tensor([0, 5, 64], device="cuda")
+    offsets = lens - nq
+    offsets[3:6] = torch.tensor([-70, -1, 9300], device="cuda", dtype=torch.int32)
+    for off in (None, offsets):
+        cm.step_plan(mask, lens, nq, kv_len=9216, q_offset=off)  # tables cached, kernel built
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = cm.step_plan(mask, lens, nq, kv_len=9216, q_offset=off)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.setattr(decode, "_STEP_BUILDER", None)
+        want = cm.step_plan(mask, lens, nq, kv_len=9216, q_offset=off)
+        monkeypatch.undo()
+        for a, b in [(got.row_lo, want.row_lo), (got.row_hi, want.row_hi),
+                     (got.row_count, want.row_count), (got.q_offset, want.q_offset)]:  # fmt: skip
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
     "mask,nq,page",
     [(masks.causal(), 1, 16), (masks.sliding_window(1024), 4, 64),
      (masks.tree([-1, 0, 0, 1, 1, 2, 2, 3], 0), 8, 256), (masks.causal(), 64, 128)],

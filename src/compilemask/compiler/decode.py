@@ -41,16 +41,25 @@ DECODE_BUILTINS = (
 )
 
 
-#: the one-launch builder of one-interval catalogue masks on a device, or None (registered by
+#: the one-launch builder of catalogue masks on a device, or None (registered by
 #: ``kernels/triton/device_builder.py``: the compiler does not import the kernels)
 _STEP_BUILDER = None
 _ONE_INTERVAL = {"causal", "sliding_window", "prefix_lm", "chunked", "block_causal"}
+_PIECEWISE = {"document", "shared_prompt", "hstu"}
 
 
 def register_device_step_builder(builder) -> None:
     """Use ``builder(name, param, lens, offset, q_len, kv_len)`` for the one-interval catalogue
-    masks (it returns ``(lo, hi, count, offset, lens)``, or None to decline); None: the tensor
-    operations only."""
+    masks and ``tree`` (it returns ``(lo, hi, count, offset, lens)`` as :func:`step_plan` would
+    build them, or None to decline); None: the tensor operations only.
+
+    ``name``: the mask's catalogue name; ``param``: the window, prefix length, chunk or block
+    (int; 1 for ``causal``); for ``tree`` the int32 ``[2, q_len, K]`` table of each node's
+    ancestor runs on ``lens``' device (:func:`_tree_runs`); for ``document``, ``shared_prompt``
+    and ``hstu`` the int32 ``[n, 1 + 4 K]`` table of their pieces (:func:`_pieces_table`);
+    ``lens``: int ``[B]``
+    ``cache_seqlens`` as given; ``offset``: None (bottom-right) or the int ``[B]`` ``q_offset``
+    tensor (checked)."""
     global _STEP_BUILDER
     _STEP_BUILDER = builder
 
@@ -163,7 +172,9 @@ def step_plan(
             node count is not ``q_len``, a ``per_batch`` mask of another size than ``B``.
 
     Cost: O(B * q_len * K) work in a fixed number of device operations (K intervals per row;
-    independent of the cache length); no host synchronisation when ``kv_len`` is given.
+    independent of the cache length); no host synchronisation when ``kv_len`` is given. On
+    CUDA with Triton, one kernel launch for the catalogue masks but ``dilated`` (a ``q_offset``
+    of None or a tensor; the registered builder, same tensors).
 
     Example::
 
@@ -189,12 +200,18 @@ def step_plan(
     if (
         _STEP_BUILDER is not None
         and isinstance(mask, Builtin)
-        and mask.name in _ONE_INTERVAL
+        and mask.name in _ONE_INTERVAL | _PIECEWISE | {"tree"}
         and (q_offset is None or isinstance(q_offset, torch.Tensor))
     ):
         if q_offset is not None:
             _offsets(q_offset, lens, q_len)  # checks only
-        param = mask.args[0] if mask.args else 1
+        if mask.name == "tree":
+            param = _tree_runs(mask.args[0], q_len, device)
+        elif mask.name in _PIECEWISE:
+            values, n, k = _pieces_table(mask, kv_len)
+            param = _device_table(("pieces", mask, kv_len), values, device).view(n, 1 + 4 * k)
+        else:
+            param = mask.args[0] if mask.args else 1
         built = _STEP_BUILDER(mask.name, param, cache_seqlens, q_offset, q_len, kv_len)
         if built is not None:
             lo, hi, count, offset, lens = built
@@ -348,6 +365,31 @@ class _PositionsCtx(_Ctx):
         return super()._rules(mask)
 
 
+class _PiecesOf(_PositionsCtx):
+    """Records the pieces of a piecewise catalogue mask instead of lowering them."""
+
+    def pieces(self, pieces, k: int):
+        return pieces, k
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces_table(mask: Builtin, kv_len: int) -> tuple[list[int], int, int]:
+    """The pieces of ``document``, ``shared_prompt`` or ``hstu`` on a key axis of ``kv_len``
+    (as :meth:`_PositionsCtx.pieces` evaluates them; pieces without rows left out), as a flat
+    table ``[n, 1 + 4 K]``: per piece its end, then ``lo_a``, ``hi_a``, ``lo_b``, ``hi_b``
+    ``[K]`` (unused slots ``[Nk, Nk)``). Returns ``(values, n, K)``."""
+    ctx = _PiecesOf(torch.zeros(0, dtype=I32), kv_len)
+    pieces, k = getattr(ctx, "_b_" + mask.name)(*mask.args)
+    values, start, n = [], 0, 0
+    for end, lo_a, lo_b, hi_a, hi_b in pieces:
+        if end <= start:
+            continue
+        start, n, pad = end, n + 1, (k - len(lo_a))
+        values += [end, *lo_a, *(0,) * pad, *hi_a, *(0,) * pad]
+        values += [*lo_b, *(kv_len,) * pad, *hi_b, *(kv_len,) * pad]
+    return values, n, k
+
+
 @functools.lru_cache(maxsize=256)
 def _tree_table(parents: tuple[int, ...]) -> tuple[list[int], int]:
     """Per node, the merged runs ``[a, b)`` of node indices on its root path (ascending), as
@@ -388,14 +430,19 @@ def _device_table(key, values: list[int], device: torch.device) -> torch.Tensor:
     return hit
 
 
-def _tree(parents, pos: torch.Tensor, offset: torch.Tensor, kv_len: int):
-    B, nq = pos.shape
+def _tree_runs(parents, nq: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[2, nq, K]`` on ``device``: :func:`_tree_table` of ``parents`` (cached)."""
     if len(parents) != nq:
         raise CompileMaskError(
             f"a tree of {len(parents)} nodes needs q_len={len(parents)}, got {nq}"
         )
     values, k = _tree_table(tuple(parents))
-    runs = _device_table(("tree", tuple(parents)), values, pos.device).view(2, 1, nq, k)
+    return _device_table(("tree", tuple(parents)), values, device).view(2, nq, k)
+
+
+def _tree(parents, pos: torch.Tensor, offset: torch.Tensor, kv_len: int):
+    B, nq = pos.shape
+    runs = _tree_runs(parents, nq, pos.device)[:, None]  # [2, 1, nq, K]
     base = offset[:, None, None]  # [B, 1, 1]; keys before 0 are cut by the clip
     lo = torch.cat([torch.zeros_like(base).expand(B, nq, 1), base + runs[0]], -1)
     hi = torch.cat([base.expand(B, nq, 1), base + runs[1]], -1)

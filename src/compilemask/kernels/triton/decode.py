@@ -322,3 +322,153 @@ def step_rows(name: str, param: int, lens, offset, q_len: int, kv_len: int):
     n = B * q_len
     lo, hi = out[:n].view(B, q_len, 1), out[n : 2 * n].view(B, q_len, 1)
     return lo, hi, out[2 * n : 3 * n].view(B, q_len), out[3 * n : 3 * n + B], out[3 * n + B :]
+
+
+@triton.jit
+def _step_tree_kernel(
+    Lens, Offset, Runs, Out, Nq, B, kv_len,
+    K: tl.constexpr, KP: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Batch row ``b``, nodes ``[BLOCK * pid1, ...)``: the prefix ``[0, off)`` and the runs
+    ``off + Runs[:, i, :]`` of each node, clipped to ``[0, end)``, empties dropped, touching
+    runs merged (``Out``: lo ``[B, Nq, K + 1]``, hi, count ``[B, Nq]``, offsets, lengths)."""
+    b = tl.program_id(0)
+    L = tl.load(Lens + b).to(tl.int64)
+    if HAS_OFFSET:
+        off = tl.load(Offset + b).to(tl.int64)
+    else:
+        off = L - Nq
+    if tl.program_id(1) == 0:
+        tl.store(Out + 2 * B * Nq * (K + 1) + B * Nq + b, off.to(tl.int32))
+        tl.store(Out + 2 * B * Nq * (K + 1) + B * Nq + B + b, L.to(tl.int32))
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < Nq
+    end = tl.where(off + i >= 0, tl.minimum(L, kv_len), 0)  # rows before the axis: nothing
+    slot = tl.arange(0, KP)
+    out_lo = tl.full([BLOCK, KP], kv_len, dtype=tl.int32)  # live intervals end by kv_len
+    out_hi = tl.full([BLOCK, KP], kv_len, dtype=tl.int32)
+    n = tl.zeros([BLOCK], dtype=tl.int64)  # intervals written so far
+    cur = tl.full([BLOCK], -1, dtype=tl.int64)  # the end of the last one (-1: none)
+    for j in tl.static_range(K + 1):
+        if j == 0:
+            lo = tl.zeros([BLOCK], dtype=tl.int64)
+            hi = tl.zeros([BLOCK], dtype=tl.int64) + off
+        else:
+            lo = off + tl.load(Runs + i * K + (j - 1), mask=ok, other=0)
+            hi = off + tl.load(Runs + Nq * K + i * K + (j - 1), mask=ok, other=0)
+        lo = tl.maximum(lo, 0)
+        hi = tl.minimum(hi, end)
+        live = lo < hi
+        joins = live & (lo <= cur)  # touches the last interval: extend it
+        n = tl.where(live & ~joins, n + 1, n)
+        here = slot[None, :] == (n - 1)[:, None]
+        out_lo = tl.where(here & (live & ~joins)[:, None], lo.to(tl.int32)[:, None], out_lo)
+        out_hi = tl.where(here & live[:, None], hi.to(tl.int32)[:, None], out_hi)
+        cur = tl.where(live, hi, cur)
+    base = (b * Nq + i)[:, None] * (K + 1) + slot[None, :]
+    put = ok[:, None] & (slot[None, :] < K + 1)
+    tl.store(Out + base, out_lo, mask=put)
+    tl.store(Out + B * Nq * (K + 1) + base, out_hi, mask=put)
+    tl.store(Out + 2 * B * Nq * (K + 1) + b * Nq + i, n.to(tl.int32), mask=ok)
+
+
+def step_tree(runs, lens, offset, q_len: int, kv_len: int):
+    """``(lo [B, Nq, K + 1], hi, count [B, Nq], offset [B], lens [B])`` int32 of a ``tree``
+    draft in one launch (the registered fast path of ``compiler.decode.step_plan``; the same
+    tensors as its tensor build). ``runs``: int32 ``[2, Nq, K]`` on ``lens``' device, per node
+    the merged runs ``[a, b)`` of node indices on its root path, ascending (unused slots
+    ``(0, 0)``; ``compiler.decode._tree_table``); ``offset`` None: bottom-right."""
+    B, k = lens.shape[0], runs.shape[-1]
+    out = torch.empty(2 * B * q_len * (k + 1) + B * q_len + 2 * B, dtype=torch.int32,
+                      device=lens.device)  # fmt: skip
+    kp = triton.next_power_of_2(k + 1)
+    block = max(1, min(triton.next_power_of_2(q_len), 1024 // kp))
+    grid = (B, triton.cdiv(q_len, block))
+    _step_tree_kernel[grid](
+        lens, offset if offset is not None else lens, runs, out, q_len, B, kv_len,
+        K=k, KP=kp, HAS_OFFSET=offset is not None, BLOCK=block,
+        num_warps=min(8, max(1, block * kp // 128)),
+    )  # fmt: skip
+    return _split(out, B, q_len, k + 1)
+
+
+def _split(out: torch.Tensor, B: int, q_len: int, k: int):
+    """The views ``(lo [B, Nq, K], hi, count [B, Nq], offset [B], lens [B])`` of one buffer."""
+    n = B * q_len * k
+    lo, hi = out[:n].view(B, q_len, k), out[n : 2 * n].view(B, q_len, k)
+    c = 2 * n + B * q_len
+    return lo, hi, out[2 * n : c].view(B, q_len), out[c : c + B], out[c + B :]
+
+
+#: the piecewise catalogue masks :func:`step_pieces` builds
+PIECEWISE = ("document", "shared_prompt", "hstu")
+
+
+@triton.jit
+def _step_pieces_kernel(
+    Lens, Offset, Table, Out, Nq, B, kv_len, n_pieces,
+    K: tl.constexpr, KP: tl.constexpr, STEPS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Batch row ``b``, rows ``[BLOCK * pid1, ...)`` at position ``p``: the piece of ``q =
+    max(p, 0)`` (the first whose end passes ``q``, else the last), its ``K`` intervals ``[a * q
+    + b)`` cut to ``[0, end)``, empties padded (``Out``: lo ``[B, Nq, K]``, hi, count, offsets,
+    lengths). ``Table``: per piece ``[end, lo_a[K], hi_a[K], lo_b[K], hi_b[K]]``."""
+    W = 1 + 4 * K
+    b = tl.program_id(0)
+    L = tl.load(Lens + b).to(tl.int64)
+    if HAS_OFFSET:
+        off = tl.load(Offset + b).to(tl.int64)
+    else:
+        off = L - Nq
+    if tl.program_id(1) == 0:
+        tl.store(Out + 2 * B * Nq * K + B * Nq + b, off.to(tl.int32))
+        tl.store(Out + 2 * B * Nq * K + B * Nq + B + b, L.to(tl.int32))
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < Nq
+    p = off + i
+    q = tl.maximum(p, 0)
+    end = tl.where(p >= 0, tl.minimum(L, kv_len), 0)  # rows before the axis: nothing
+    first = tl.zeros([BLOCK], dtype=tl.int64)  # binary search: ends[first - 1] <= q
+    last = tl.zeros([BLOCK], dtype=tl.int64) + n_pieces  # ends[last] > q
+    for _ in tl.static_range(STEPS):
+        active = first < last
+        mid = (first + last) // 2
+        e = tl.load(Table + mid * W, mask=ok & active, other=0)
+        first = tl.where(active & (e <= q), mid + 1, first)
+        last = tl.where(active & (e > q), mid, last)
+    row = Table + tl.minimum(first, n_pieces - 1) * W
+    slot = tl.arange(0, KP)
+    take = ok[:, None] & (slot[None, :] < K)
+    at = row[:, None] + 1 + slot[None, :]
+    lo = tl.load(at, mask=take, other=0) * q[:, None] + tl.load(at + 2 * K, mask=take, other=0)
+    hi = tl.load(at + K, mask=take, other=0) * q[:, None] + tl.load(at + 3 * K, mask=take, other=0)
+    hi = tl.minimum(hi, end[:, None])
+    live = take & (lo < hi)
+    base = (b * Nq + i)[:, None] * K + slot[None, :]
+    tl.store(Out + base, tl.where(live, lo, kv_len).to(tl.int32), mask=take)
+    tl.store(Out + B * Nq * K + base, tl.where(live, hi, kv_len).to(tl.int32), mask=take)
+    count = tl.sum(live.to(tl.int32), 1)
+    tl.store(Out + 2 * B * Nq * K + b * Nq + i, count, mask=ok)
+
+
+def step_pieces(table, lens, offset, q_len: int, kv_len: int):
+    """``(lo [B, Nq, K], hi, count [B, Nq], offset [B], lens [B])`` int32 of a piecewise
+    catalogue mask (``document``, ``shared_prompt``, ``hstu``) in one launch (the registered
+    fast path of ``compiler.decode.step_plan``; the same tensors as its tensor build).
+    ``table``: int32 ``[n, 1 + 4 K]`` on ``lens``' device, per piece its end and the ``a``,
+    ``b`` of its intervals ``[lo_a * q + lo_b, hi_a * q + hi_b)`` (``compiler.decode.
+    _pieces_table``); ``offset`` None: bottom-right."""
+    B, (n, w) = lens.shape[0], table.shape
+    k = (w - 1) // 4
+    out = torch.empty(2 * B * q_len * k + B * q_len + 2 * B, dtype=torch.int32,
+                      device=lens.device)  # fmt: skip
+    kp = triton.next_power_of_2(k)
+    block = min(1024, triton.next_power_of_2(q_len))
+    grid = (B, triton.cdiv(q_len, block))
+    _step_pieces_kernel[grid](
+        lens, offset if offset is not None else lens, table, out, q_len, B, kv_len, n,
+        K=k, KP=kp, STEPS=n.bit_length(), HAS_OFFSET=offset is not None, BLOCK=block,
+        num_warps=4 if block >= 128 else 1,
+    )  # fmt: skip
+    return _split(out, B, q_len, k)

@@ -69,6 +69,10 @@ def triton_step_builder(name, param, lens, offset, q_len, kv_len):
     one Triton launch for CUDA tensors, None (decline) elsewhere or without Triton."""
     if not _on_cuda(lens):
         return None
-    from .decode import step_rows
+    from .decode import PIECEWISE, step_pieces, step_rows, step_tree
 
+    if name == "tree":
+        return step_tree(param, lens, offset, q_len, kv_len)
+    if name in PIECEWISE:
+        return step_pieces(param, lens, offset, q_len, kv_len)
     return step_rows(name, param, lens, offset, q_len, kv_len)
