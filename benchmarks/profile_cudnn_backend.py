@@ -1,0 +1,109 @@
+"""Where the cudnn backend's time goes beside cuDNN-frontend called directly, on the same endpoints:
+per-call medians (CUDA events around one call, host time included) and the kernels of one
+call (torch.profiler), for clear at 32K (row-major, through tile_grid with attention permuting
+the tokens, and with the tokens kept in the tiled order) and hstu / shared_prompt / causal at 4K.
+
+    PYTHONPATH=src python benchmarks/profile_cudnn_backend.py \\
+        > benchmarks/results/h200-cudnn-profile-<date>.txt
+
+Each timed function runs within the loop iteration that defines it (hence B023 is off).
+"""
+
+# ruff: noqa: B023
+import statistics
+import traceback
+
+import torch
+from cudnn.flex_attention import create_mask_plan, flex_attn_func
+from torch.profiler import ProfilerActivity, profile
+
+import compilemask as cm
+from compilemask import workloads as wl
+from compilemask.tools.peers import cudnn_endpoints
+
+dev = "cuda"
+
+
+def med(fn, n=25):
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def kernels(fn, label):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    print("=== kernels:", label)
+    for e in sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:10]:
+        print(f"  {e.device_time_total / 1e3:8.3f} ms x{e.count:3d}  {e.key[:110]}")
+
+
+def leaves(B, N, grad, bshd):
+    shape = (B, N, 16, 128) if bshd else (B, 16, N, 128)
+    return [
+        torch.randn(shape, device=dev, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3)
+    ]
+
+
+def step(fn, ins, dout):
+    def run():
+        for t in ins:
+            t.grad = None
+        o = fn()
+        o = o[0] if isinstance(o, tuple) else o
+        if dout is not None:
+            o.backward(dout)
+
+    return run
+
+
+for name, n0, modes, tiled in (
+    ("clear", 32768, ("fwd", "fwd+bwd"), True),
+    ("hstu", 4096, ("fwd+bwd", "fwd"), False),
+    ("shared_prompt", 4096, ("fwd+bwd",), False),
+    ("causal", 4096, ("fwd+bwd",), False),
+):
+    try:
+        w = wl.workload(name, n0)
+        plan_r = cm.compile(w.mask, w.N, device=dev)
+        plans = {"row-major": plan_r}
+        if tiled:
+            plan_t = cm.compile(cm.masks.tile_grid(w.mask, (8, 16)), w.N, device=dev)
+            plans["tile_grid (attention permutes)"] = plan_t
+            plans["tile_grid, tokens kept tiled"] = plan_t.in_permuted_order()
+        for mode in modes:
+            grad = mode == "fwd+bwd"
+            res = {}
+            for pname, plan in plans.items():
+                base = plan.in_permuted_order() if "tile_grid" in pname else plan
+                qb, kb, vb = leaves(w.B, w.N, grad, True)
+                cp = create_mask_plan(cudnn_endpoints(base, w.B), qb, kb, vb, build_backward=grad)
+                dob = torch.randn_like(qb) if grad else None
+                fe = step(lambda: flex_attn_func(qb, kb, vb, mask_plan=cp), (qb, kb, vb), dob)
+                q, k, v = leaves(w.B, w.N, grad, False)
+                do = torch.randn_like(q) if grad else None
+                ours = step(lambda: cm.attention(q, k, v, plan, backend="cudnn"), (q, k, v), do)
+                ctx = torch.enable_grad() if grad else torch.no_grad()
+                with ctx:
+                    if "attention permutes" not in pname:
+                        res[f"cudnn-fe direct, {pname}"] = med(fe)
+                    res[f"cm cudnn, {pname}"] = med(ours)
+                    if pname != "row-major" or name != "clear":
+                        kernels(ours, f"{name} {mode} cm cudnn {pname}")
+                        if "attention permutes" not in pname:
+                            kernels(fe, f"{name} {mode} cudnn-fe {pname}")
+            for r, t in res.items():
+                print(f"{name:14s} N={w.N} {mode:8s} {r:48s} {t:8.3f} ms")
+    except Exception:
+        traceback.print_exc()
