@@ -133,3 +133,53 @@ def test_plain_attention_backends_refuse_modifiers_sinks_and_other_value_dims(na
         assert reason not in why
     else:
         assert not ok and reason in why
+
+
+# ------------------------------------------------------------------ native causal / window plans
+
+
+def test_native_form_of_causal_and_sliding_window_plans():
+    from compilemask.kernels.fa4.native import Fa4Native, native_form
+
+    assert native_form(cm.compile(cm.masks.causal(), 300)) == Fa4Native(0)
+    assert native_form(cm.compile(cm.masks.sliding_window(64), 300)) == Fa4Native(64)
+    assert native_form(cm.compile(cm.masks.sliding_window(300), 300)) == Fa4Native(0)
+    assert Fa4Native(0).flash_args() == {"causal": True}
+    assert Fa4Native(64).flash_args() == {"causal": False, "window_size": (63, 0)}
+    assert Fa4Native(64).bwd_args() == {
+        "causal": False, "window_size_left": 63, "window_size_right": 0,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        cm.compile(cm.masks.causal(), 300, 200),  # q_len != kv_len
+        cm.compile(cm.masks.prefix_lm(40), 300),
+        cm.compile(cm.masks.document([100, 200]), 300),
+        cm.compile(cm.masks.per_batch([cm.masks.causal(), cm.masks.causal()]), 300, batch=2),
+        cm.compile(cm.masks.per_head([cm.masks.causal(), cm.masks.causal()]), 300, heads=2),
+        cm.compile(cm.masks.tile_grid(cm.masks.clear((8, 16), 3, 0), (4, 8)), 128),
+    ],
+    ids=["q_ne_kv", "prefix_lm", "document", "per_batch", "per_head", "tile_grid"],
+)
+def test_native_form_refuses_other_plans(plan):
+    from compilemask.kernels.fa4.native import native_form
+
+    assert native_form(plan) is None
+
+
+def test_native_form_checks_the_intervals_not_the_name():
+    """A plan named causal whose tensors say otherwise (modified in place, or built by hand)
+    runs the block-sparse path; the verdict follows the tensors' versions."""
+    import dataclasses
+
+    from compilemask.kernels.fa4.native import native_form
+
+    plan = cm.compile(cm.masks.causal(), 300, cache=False)
+    assert native_form(plan) is not None
+    plan.row_hi[0, 5, 0] = 3  # row 5 now sees keys [0, 3)
+    assert native_form(plan) is None
+    window = cm.compile(cm.masks.sliding_window(8), 300, cache=False)
+    named = dataclasses.replace(window, source="causal()", _cache={})
+    assert native_form(named) is None

@@ -177,6 +177,32 @@ def test_auto_rules_match_on_length_and_backward():
     assert not rule.matches(call(8192, False))
     assert AutoRule("x", min_q_len=4096).matches(call(8192, False))
     assert not AutoRule("x", device="cuda").matches(call(8192, False))
+    seen = []
+
+    def causal_only(plan):
+        seen.append(plan)
+        return plan.source == "causal()"
+
+    picky = AutoRule("x", min_q_len=4096, plans=causal_only)
+    causal, window = cm.compile(cm.masks.causal(), 64), cm.compile(cm.masks.sliding_window(8), 64)
+    assert picky.matches(call(4096, True), causal)
+    assert not picky.matches(call(4096, True), window)
+    assert not picky.matches(call(4096, True))  # a plan test needs the plan
+    assert len(seen) == 2
+    assert not picky.matches(call(1024, True), causal) and len(seen) == 2  # call fields first
+
+
+def test_auto_fa4_causal_row_reads_no_plan_without_fa4(monkeypatch):
+    """The plan test of the fa4 row (a host read, once per plan) runs only where fa4 runs."""
+    from compilemask.kernels.fa4 import native
+
+    calls = []
+    monkeypatch.setattr(native, "native_form", lambda plan: calls.append(plan))
+    fa4_rows = [r for r in registry.AUTO_TABLE if r.backend == "fa4" and r.plans is not None]
+    assert fa4_rows and fa4_rows[0].requires_grad is True
+    if not registry.get("fa4").available()[0]:
+        assert fa4_rows[0].plans(cm.compile(cm.masks.causal(), 64)) is False
+        assert calls == []
 
 
 class _WithoutNeedLse(_Counting):

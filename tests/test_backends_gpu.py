@@ -32,6 +32,7 @@ def _cases():
         "per_head": (PER_HEAD_4, 1024, 1024, 4, 4, 4),
         "gqa": (M.causal(), 1024, 1024, None, 4, 1),
         "empty_rows": (M.sliding_window(64), 1100, 900, None, 4, 2),
+        "sliding_window": (M.sliding_window(100), 1024, 1024, None, 4, 2),
     }
 
 

@@ -18,6 +18,7 @@ reference).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class AutoRule:
         dtypes: input dtypes, or None.
         min_q_len: least query length (tokens per batch row), or None.
         requires_grad: True matches only calls that will run a backward, None any call.
+        plans: a test of the plan (``plan -> bool``) the row also needs, or None.
         why: the measurement or reason behind the row (shown by :func:`explain`).
     """
 
@@ -48,9 +50,12 @@ class AutoRule:
     dtypes: tuple[torch.dtype, ...] | None = None
     min_q_len: int | None = None
     requires_grad: bool | None = None
+    plans: Callable[[object], bool] | None = None
     why: str = ""
 
-    def matches(self, call: AttentionCall) -> bool:
+    def matches(self, call: AttentionCall, plan=None) -> bool:
+        """Whether the row applies to ``call`` (and ``plan``, when the row tests plans: after
+        every field of the call matched)."""
         if self.device is not None and call.device.type != self.device:
             return False
         if self.head_dims is not None and call.head_dim not in self.head_dims:
@@ -64,12 +69,42 @@ class AutoRule:
         if self.min_capability is not None:
             if call.device.type != "cuda" or _capability(call.device) < self.min_capability:
                 return False
+        if self.plans is not None and (plan is None or not self.plans(plan)):
+            return False
         return True
 
 
 #: What ``backend="auto"`` tries, in order (first match that is available and supports the
 #: call). Rows from measurements go above the defaults.
+def _fa4_causal(plan) -> bool:
+    """Plans FlashAttention-4 runs as its own causal kernel (``fa4/native.py``)."""
+    from .fa4.native import native_form
+
+    if torch.compiler.is_compiling():  # its check reads the plan back (fa4 is eager-only)
+        return False
+    fa4 = _BACKENDS.get("fa4")
+    if fa4 is None or not fa4.available()[0]:  # no host read for a backend that cannot run
+        return False
+    native = native_form(plan)
+    return native is not None and native.window == 0
+
+
 AUTO_TABLE: list[AutoRule] = [
+    # H200, bf16, 16 heads, head_dim 128: h200-backends-2026-12-01.jsonl, causal forward +
+    # backward, FA4 against cuDNN-frontend (ms): 1K 1.253 / 1.329 (377b5dd), 4K 3.589 / 3.665
+    # and 16K 12.764 / 12.843 (5e7155f), 32K 24.955 / 25.503 (0d54193)
+    AutoRule(
+        "fa4",
+        device="cuda",
+        min_capability=(9, 0),
+        dtypes=(torch.float16, torch.bfloat16),
+        requires_grad=True,
+        plans=_fa4_causal,
+        why=(
+            "FlashAttention-4's causal kernel for plans that are exactly causal: "
+            "forward+backward faster than cuDNN-frontend at 1K to 32K tokens per row (H200)"
+        ),
+    ),
     # H200, bf16, 16 heads, head_dim 128, each (workload, size) in one process:
     # benchmarks/results/h200-backends-2026-12-01.jsonl (1K forwards at eb2e108; hstu at 1K
     # and 4K with compilemask-auto at 9263479, where a forward-only row without
@@ -164,7 +199,7 @@ def resolve(name: object, plan, call: AttentionCall) -> Backend:
     ``"auto"``."""
     if name == "auto":
         for rule in AUTO_TABLE:
-            if rule.matches(call):
+            if rule.matches(call, plan):
                 backend = get(rule.backend)
                 if backend.available()[0] and backend.supports(plan, call)[0]:
                     return backend
@@ -215,7 +250,7 @@ def explain_call(plan, call: AttentionCall) -> dict:
     "reason": str, "skipped": [(name, why), ...]}``."""
     skipped = []
     for rule in AUTO_TABLE:
-        if not rule.matches(call):
+        if not rule.matches(call, plan):
             continue
         backend = get(rule.backend)
         ok, why = backend.available()

@@ -27,6 +27,10 @@ inside the methods). What they read and return (from the 4.0.0b36 sources):
   backward), ``sinks`` [Hq] as its ``learnable_sink`` (natural-log logits added to each row's
   denominator; lse includes them; a row that sees no key gets out 0 and lse = sink; the
   gradient ``dsinks`` comes from the backward). Other modifiers and ``Dv != Dqk`` are refused.
+- Plans that are exactly causal or a causal sliding window (``q_len == kv_len``, no batch or
+  head dependence, no permutation) run FlashAttention-4's own ``causal`` / ``window_size``
+  kernels instead, with no tile lists or ``mask_mod`` (:mod:`.native`: the compiler's name
+  for the plan selects it, its intervals are checked once with one host read).
 - Costs paid once: the lowering per plan (cached on the plan; two host reads, see
   :mod:`.lower`); FlashAttention JIT-compiles each kernel configuration on first use (seconds;
   cached by FlashAttention in the process).
@@ -49,6 +53,7 @@ from ..interface import (
     under_compile_reason,
 )
 from .lower import BLOCK, Fa4Blocks, lower
+from .native import Fa4Native, native_form
 
 INSTALL_HINT = "install compilemask[fa4] (flash-attn-4>=4.0.0b36)"
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -139,12 +144,14 @@ class Fa4Backend:
             return False, why
         return True, ""
 
-    def prepare(self, plan: MaskPlan, call) -> Fa4Blocks:
-        """The block lists and tile bitmasks of :func:`.lower.lower`, built once per plan and
-        cached on it (shared by every call shape: batch and heads broadcast at the call)."""
+    def prepare(self, plan: MaskPlan, call) -> Fa4Blocks | Fa4Native:
+        """:class:`.native.Fa4Native` for plans FlashAttention runs as plain causal or sliding
+        window attention (:func:`.native.native_form`), else the block lists and tile bitmasks
+        of :func:`.lower.lower`; built once per plan and cached on it (shared by every call
+        shape: batch and heads broadcast at the call)."""
         if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
-        return plan.cached(("fa4", BLOCK), lambda: lower(plan, BLOCK))
+        return plan.cached(("fa4", BLOCK), lambda: native_form(plan) or lower(plan, BLOCK))
 
     @staticmethod
     def _aux(blocks: Fa4Blocks, batch: int, heads: int) -> list[torch.Tensor]:
@@ -152,7 +159,7 @@ class Fa4Backend:
         return [index, blocks.bits]
 
     def forward(
-        self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float, need_lse=True,
+        self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks | Fa4Native, scale: float, need_lse=True,
         softcap: float | None = None, sinks: torch.Tensor | None = None,
     ):  # fmt: skip
         """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``; ``out`` is a transpose view;
@@ -163,18 +170,23 @@ class Fa4Backend:
         from .mask_mod import plan_bits_mask_mod
 
         B, Hq = q.shape[:2]
-        with torch.no_grad():
-            out, lse = flash_attn_func(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                softmax_scale=scale, pack_gqa=False, mask_mod=plan_bits_mask_mod(),
+        if isinstance(blocks, Fa4Native):  # FlashAttention's own causal / window path
+            mask = blocks.flash_args()
+        else:
+            mask = dict(
+                pack_gqa=False, mask_mod=plan_bits_mask_mod(),
                 aux_tensors=self._aux(blocks, B, Hq),
                 block_sparse_tensors=_sparse(blocks.forward, B, Hq, blocks.block),
-                return_lse=need_lse, softcap=softcap or 0.0, learnable_sink=sinks,
+            )  # fmt: skip
+        with torch.no_grad():
+            out, lse = flash_attn_func(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                return_lse=need_lse, softcap=softcap or 0.0, learnable_sink=sinks, **mask,
             )  # fmt: skip
         return out.transpose(1, 2), (lse if need_lse else None)
 
     def backward(
-        self, q, k, v, out, lse, dout, plan: MaskPlan, blocks: Fa4Blocks, scale: float,
+        self, q, k, v, out, lse, dout, plan: MaskPlan, blocks: Fa4Blocks | Fa4Native, scale: float,
         softcap: float | None = None, sinks: torch.Tensor | None = None,
     ):  # fmt: skip
         """``(dq, dk, dv)`` in the shapes of q, k, v, from the forward's ``out`` and ``lse``;
@@ -186,19 +198,23 @@ class Fa4Backend:
         B, Hq = q.shape[:2]
         qb, kb, vb, ob, dob = (t.transpose(1, 2) for t in (q, k, v, out, dout))
         dob = dob if dob.stride(-1) == 1 else dob.contiguous()
+        if isinstance(blocks, Fa4Native):
+            mask = blocks.bwd_args()
+        else:
+            mask = dict(
+                mask_mod=plan_bits_mask_mod(), aux_tensors=self._aux(blocks, B, Hq),
+                block_sparse_tensors=_sparse(blocks.backward, B, Hq, blocks.block),
+            )  # fmt: skip
         with torch.no_grad():
             grads = _flash_attn_bwd(
                 qb, kb, vb, ob, dob, lse.contiguous(), softmax_scale=scale,
-                softcap=softcap or 0.0, mask_mod=plan_bits_mask_mod(),
-                aux_tensors=self._aux(blocks, B, Hq),
-                block_sparse_tensors=_sparse(blocks.backward, B, Hq, blocks.block),
-                learnable_sink=sinks,
+                softcap=softcap or 0.0, learnable_sink=sinks, **mask,
             )  # fmt: skip
         dq, dk, dv = (g.transpose(1, 2) for g in grads[:3])
         return (dq, dk, dv) if sinks is None else (dq, dk, dv, grads[3])
 
     def attend(
-        self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks, scale: float, call, *,
+        self, q, k, v, plan: MaskPlan, blocks: Fa4Blocks | Fa4Native, scale: float, call, *,
         score_mod=None, sinks=None,
     ):  # fmt: skip
         """``(out, lse)`` with gradients to q, k, v and ``sinks``; ``score_mod`` is a lone
