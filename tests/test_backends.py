@@ -234,5 +234,19 @@ def test_auto_forward_rows_take_no_backward_steps():
     from compilemask.kernels import registry
 
     for rule in registry.AUTO_TABLE:
-        if rule.backend == "cudnn" and rule.min_q_len is None:
+        if rule.backend == "cudnn" and rule.min_q_len is None and rule.plans is None:
             assert rule.requires_grad is False
+
+
+def test_auto_many_interval_row_reads_only_the_plan_shape():
+    """Below 4K, calls with a backward go to cudnn only on plans of many intervals per row
+    (clear: cudnn measured faster; shared_prompt's 2 per row: Triton faster)."""
+    from compilemask import workloads as wl
+
+    rows = [r for r in registry.AUTO_TABLE if r.plans is registry._many_intervals]
+    assert len(rows) == 1 and rows[0].backend == "cudnn" and rows[0].requires_grad is True
+    many = {}
+    for name in ("clear", "shared_prompt", "hstu", "causal"):
+        w = wl.workload(name, 1024)
+        many[name] = registry._many_intervals(cm.compile(w.mask, w.N))
+    assert many == {"clear": True, "shared_prompt": False, "hstu": False, "causal": False}

@@ -89,6 +89,16 @@ def _fa4_causal(plan) -> bool:
     return native is not None and native.window == 0
 
 
+#: interval slots per row from which a plan counts as many-interval (clear at 1K: 17)
+MANY_INTERVALS = 8
+
+
+def _many_intervals(plan) -> bool:
+    """Plans whose rows hold ``MANY_INTERVALS`` or more interval slots (a shape: no host read)."""
+    lo = getattr(plan, "row_lo", None)
+    return lo is not None and lo.dim() == 3 and lo.shape[-1] >= MANY_INTERVALS
+
+
 AUTO_TABLE: list[AutoRule] = [
     # H200, bf16, 16 heads, head_dim 128: h200-backends-2026-12-01.jsonl, causal forward +
     # backward, FA4 against cuDNN-frontend (ms): 1K 1.253 / 1.329 (377b5dd), 4K 3.589 / 3.665
@@ -124,6 +134,21 @@ AUTO_TABLE: list[AutoRule] = [
         why=(
             "cuDNN-frontend interval attention: forward+backward faster than the Triton "
             "kernels on every seed workload at 4K and 32K tokens per row (H200)"
+        ),
+    ),
+    # below 4K with a backward, by intervals per row (904dc43, 1K forward+backward): clear
+    # (17 slots per row) cudnn 1.839 ms against Triton 2.610; shared_prompt (2 per row)
+    # Triton 1.382 against cudnn 1.540
+    AutoRule(
+        "cudnn",
+        device="cuda",
+        min_capability=(9, 0),
+        dtypes=(torch.float16, torch.bfloat16),
+        requires_grad=True,
+        plans=_many_intervals,
+        why=(
+            "cuDNN-frontend interval attention: forward+backward faster than the Triton "
+            f"kernels at 1K on plans of {MANY_INTERVALS} or more intervals per row (clear; H200)"
         ),
     ),
     AutoRule(
