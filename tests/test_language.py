@@ -460,3 +460,24 @@ def test_expressions_nested_too_deeply_raise_a_compile_mask_error():
         cm.compile(deep, 64)
     with pytest.raises(cm.CompileMaskError, match="nested too deeply"):
         cm.parse("(" * 3000 + "causal()" + ")" * 3000)
+
+
+def test_catalogue_integer_lists_checked_at_once_or_one_by_one():
+    """Long plain-int lists take the one-pass check; anything else gets the per-item
+    conversion and the message naming the item."""
+    import numpy as np
+
+    from compilemask import masks
+
+    assert masks.document([16] * 3000).args[0] == (16,) * 3000
+    assert masks.document([np.int64(3), 4]).args[0] == (3, 4)
+    assert type(masks.document([np.int64(3), 4]).args[0][0]) is int
+    for bad, message in (
+        ([3, True], "lengths[1] must be an integer"),
+        ([3, 0], "lengths[1] must be >= 1"),
+        ([3, 4, 2**31], "lengths[2] must be below 2**31"),
+        ([3, 2.0], "lengths[1] must be an integer"),
+    ):
+        with pytest.raises(CompileMaskError, match=re.escape(message)):
+            masks.document(bad)
+    assert str(masks.document([5, 7])) == "document([5, 7], true)"

@@ -79,6 +79,8 @@ def _value(v: object) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, (tuple, list)):
+        if all(type(x) is int for x in v):  # thousands of document lengths: one join
+            return "[" + ", ".join(map(str, v)) + "]"
         return "[" + ", ".join(_value(x) for x in v) + "]"
     raise CompileMaskError(f"cannot print mask argument {v!r} of type {type(v).__name__}")
 
