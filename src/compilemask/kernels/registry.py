@@ -74,8 +74,6 @@ class AutoRule:
         return True
 
 
-#: What ``backend="auto"`` tries, in order (first match that is available and supports the
-#: call). Rows from measurements go above the defaults.
 def _fa4_causal(plan) -> bool:
     """Plans FlashAttention-4 runs as its own causal kernel (``fa4/native.py``)."""
     from .fa4.native import native_form
@@ -99,10 +97,13 @@ def _many_intervals(plan) -> bool:
     return lo is not None and lo.dim() == 3 and lo.shape[-1] >= MANY_INTERVALS
 
 
+#: What ``backend="auto"`` tries, in order (first match that is available and supports the
+#: call). Rows from measurements go above the defaults.
 AUTO_TABLE: list[AutoRule] = [
     # H200, bf16, 16 heads, head_dim 128: h200-backends-2026-12-01.jsonl, causal forward +
-    # backward, FA4 against cuDNN-frontend (ms): 1K 1.253 / 1.329 (377b5dd), 4K 3.589 / 3.665
-    # and 16K 12.764 / 12.843 (5e7155f), 32K 24.955 / 25.503 (0d54193)
+    # backward, FA4 against cuDNN-frontend (ms): 4K 3.589 / 3.665 and 16K 12.764 / 12.843
+    # (5e7155f), 32K 24.955 / 25.503 (0d54193); the fa4 backend on causal plans at 904dc43:
+    # 4K 3.483 (cuDNN-frontend 3.725), 1K 1.292 (cuDNN-frontend 1.244, Triton 1.483 at 377b5dd)
     AutoRule(
         "fa4",
         device="cuda",
@@ -112,7 +113,8 @@ AUTO_TABLE: list[AutoRule] = [
         plans=_fa4_causal,
         why=(
             "FlashAttention-4's causal kernel for plans that are exactly causal: "
-            "forward+backward faster than cuDNN-frontend at 1K to 32K tokens per row (H200)"
+            "forward+backward faster than cuDNN-frontend at 4K to 32K tokens per row and "
+            "than Triton at 1K (H200)"
         ),
     ),
     # H200, bf16, 16 heads, head_dim 128, each (workload, size) in one process:
