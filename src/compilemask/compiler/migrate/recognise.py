@@ -44,6 +44,7 @@ import torch
 from ... import masks
 from ...language.ast import Mask
 from ...language.parser import parse
+from . import packed
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -155,7 +156,7 @@ class _Or:
     parts: list
 
 
-_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc)
+_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, *packed.ROW_ATOMS)
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
@@ -214,6 +215,13 @@ def _compare(x, y, op: str):
         if (x.var, op) in (("kv", "le"), ("q", "ge")):
             return _BlockCausal(x.c)
         raise _No(f"{op} of q // c and kv // c")
+    row = None
+    if isinstance(x, _Gather):
+        row = _row(x, y, op)
+    elif isinstance(y, _Gather):
+        row = _row(y, x, _FLIP[op])
+    if row is not None:
+        return row
     if isinstance(x, _Gather) and isinstance(y, _Gather):
         if op == "eq" and x.t is y.t and x.var != y.var:
             return _Doc(x.t)
@@ -234,6 +242,18 @@ def _compare(x, y, op: str):
             d, op = _Lin(1, 0, -d.c), _FLIP[op]
         return _QBound(*_bounds(op, -d.c))
     raise _No("a comparison other than kv - q, kv or q against a constant")
+
+
+def _row(t: _Gather, x, op: str):
+    """``t[q] op x`` for ``x`` = ``kv`` or ``q`` as a row atom (``kv flip(op) t[q]``), else
+    None."""
+    if t.var != "q" or not isinstance(x, _Lin) or x.c or op == "ne":
+        return None
+    if (x.a, x.b) == (0, 1):
+        return packed.KvRow(t.t, _FLIP[op])
+    if (x.a, x.b) == (1, 0):
+        return packed.QRow(t.t, _FLIP[op])
+    return None
 
 
 def _negate(v):
@@ -481,8 +501,11 @@ def recognise(gm, q_len: int, kv_len: int, device) -> Mask | None:
     GraphModule) at ``(q_len, kv_len)``, or None (the reason is logged at DEBUG on
     ``compilemask.migrate``)."""
     try:
-        return _mask(formula(gm), q_len, kv_len, torch.device(device))
-    except _No as exc:
+        f, device = formula(gm), torch.device(device)
+        if packed.has_rows(f):
+            return packed.packed_mask(f, q_len, kv_len, device, (_And, _Or, _Band, _Doc))
+        return _mask(f, q_len, kv_len, device)
+    except (_No, packed.NoForm) as exc:
         log.debug("mask_mod not a recognised form: %s", exc)
     except Exception as exc:  # noqa: BLE001 - the lifted / evaluated paths report errors
         log.debug("mask_mod not a recognised form: %s: %s", type(exc).__name__, exc)
