@@ -122,8 +122,9 @@ def _hstu(f, kinds):
         return None
     rows = _split(
         inner["o"].parts,
-        {"causal": _band(kinds, None, 0), "ctx": _is(QRow, "lt", "le"), "tgt": _is(QRow, "ge", "gt")},
-    )
+        {"causal": _band(kinds, None, 0), "ctx": _is(QRow, "lt", "le"),
+         "tgt": _is(QRow, "ge", "gt")},
+    )  # fmt: skip
     if rows is None:
         return None
     key, ctx, tgt = inner["key"], rows["ctx"], rows["tgt"]
