@@ -198,3 +198,16 @@ def test_other_packed_forms_not_recognised(case):
         pe = torch.where(g == 0, 7, p)  # the first group's prompt covers it: no response
         mm = lambda b, h, q, k: (k <= q) & (g[q] == g[k]) & ((k < pe[q]) | (r[k] == r[q]))  # noqa: E731
     check(mm, n, "")
+
+
+def test_tables_read_on_every_call():
+    """The trace and its formula are reused; the tables' values are read on every call."""
+    g, r, p = shared_tables([2, 3], [[2, 3], [1, 2]])
+    mm = shared_mods(g, r, p)[0]
+    check(mm, len(g), "shared_prompt")
+    p[:7] = 1  # the first group's prompt is one token
+    check(mm, len(g), "shared_prompt")
+    r[2:4] = r[4]  # its two responses share an id: one response of five tokens
+    check(mm, len(g), "shared_prompt")
+    p[0] = 3  # not one prompt end per group: lifted
+    check(mm, len(g), "")

@@ -37,6 +37,8 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -269,12 +271,33 @@ def _attr(gm, target: str):
     return obj
 
 
+#: formulas per trace: a reused trace (``trace.py``) holds the same graph and captured tensor
+#: objects, and a formula depends on nothing else (no tensor value is read here)
+_FORMULAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
 def formula(gm):
-    """The boolean formula of a traced mask_mod (``_Band`` ... ``_Or``).
+    """The boolean formula of a traced mask_mod (``_Band`` ... ``_Or``), kept per ``gm``.
 
     Raises:
         _No: not built from the recognised forms only.
     """
+    with _LOCK:
+        hit = _FORMULAS.get(gm)
+    if hit is None:
+        try:
+            hit = (_formula(gm), None)
+        except _No as exc:
+            hit = (None, str(exc))
+        with _LOCK:
+            _FORMULAS[gm] = hit
+    if hit[1] is not None:
+        raise _No(hit[1])
+    return hit[0]
+
+
+def _formula(gm):
     env: dict = {}
     places = []
     out = None
