@@ -23,7 +23,11 @@ lowering of the catalogue masks, no per-row interval arithmetic and no probe). R
   is ``clear``'s squared distance, and on integers ``< r * r`` is ``<= r * r - 1``. One offset
   ``T`` on both sides, one ``w`` for ``//`` and ``%``, a square ``r * r`` and both text terms
   are required (anything else is another mask);
-* ``&`` / ``|`` of those (``~`` of a one-sided comparison), as ``&`` / ``|`` of masks.
+* ``&`` / ``|`` of those (``~`` of a one-sided comparison), as ``&`` / ``|`` of masks;
+* packed users or groups with per-row tables gathered by ``q``: ``kv op t[q]`` and
+  ``q op t[q]`` (row atoms) in the hstu and shared_prompt forms of ``packed.py``, as
+  ``hstu(...)`` / ``shared_prompt(...)`` (one host read of the tables); a row atom anywhere
+  else is not recognised.
 
 Anything else -- ``b`` or ``h`` used, a float or tensor constant, another operation, an
 unsorted ``doc``, a band that is empty or always true, a bound on ``q`` outside a CLEAR union
