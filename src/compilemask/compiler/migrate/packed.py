@@ -135,13 +135,13 @@ def _hstu(f, kinds):
         he = he + (key.op == "le")  # kv < he
         ce = ce + (ctx.op == "le")  # q < ce
         he2 = he2 + (tgt.op == "gt")  # q >= he2
-        s, e, uid = _runs(u)
-        h = _per_run(he, s, uid, "the history end")
+        s, e, new = _runs(u)
+        h = _per_run(he, s, new, "the history end")
         if not np.array_equal(he, he2):
             raise NoForm("the key bound and the target rows' bound differ")
         if not ((s < h) & (h <= e)).all():
             raise NoForm("a history end outside (start, end] of its user")
-        c = np.minimum(np.maximum(_per_run(ce, s, uid, "the contextual end") - s, 0), h - s)
+        c = np.minimum(np.maximum(_per_run(ce, s, new, "the contextual end") - s, 0), h - s)
         ctx_len = int(c.max())
         if not np.array_equal(c, np.minimum(ctx_len, h - s)):
             raise NoForm("contextual rows not min(C, history) for one C")
@@ -169,15 +169,15 @@ def _shared_prompt(f, kinds):
     def build(vals):
         g, p, r = vals
         p = p + (key.op == "le")  # kv < p
-        s, e, gid = _runs(g)
-        pe = _per_run(p, s, gid, "the prompt end")
+        s, e, new = _runs(g)
+        pe = _per_run(p, s, new, "the prompt end")
         if not ((s <= pe) & (pe < e)).all():
             raise NoForm("a prompt end outside [start, end) of its group")
         pos = np.arange(len(g))
-        resp = pos >= pe[gid]
+        pe_tok = np.repeat(pe, e - s)
         prev = np.concatenate([[True], r[1:] != r[:-1]])
-        starts = np.flatnonzero(resp & (prev | (pos == pe[gid])))
-        grp = gid[starts]
+        starts = np.flatnonzero((pos >= pe_tok) & (prev | (pos == pe_tok)))
+        grp = np.searchsorted(s, starts, side="right") - 1
         ends = np.minimum(np.append(starts[1:], len(g)), e[grp])
         order = np.lexsort((r[starts], grp))
         dup = (grp[order][1:] == grp[order][:-1]) & (r[starts][order][1:] == r[starts][order][:-1])
@@ -205,18 +205,17 @@ def _read(tables: list, n: int, device) -> list:
 
 
 def _runs(ids: np.ndarray):
-    """Starts, ends and run index per token of non-decreasing ``ids``."""
-    step = ids[1:] - ids[:-1]
-    if (step < 0).any():
+    """Starts and ends of the runs of non-decreasing ``ids``, and where a run starts (bool
+    per token)."""
+    if (ids[1:] < ids[:-1]).any():
         raise NoForm("ids are not non-decreasing")
-    new = np.concatenate([[True], step != 0])
+    new = np.concatenate([[True], ids[1:] != ids[:-1]])
     s = np.flatnonzero(new)
-    return s, np.append(s[1:], len(ids)), np.cumsum(new) - 1
+    return s, np.append(s[1:], len(ids)), new
 
 
-def _per_run(t: np.ndarray, s: np.ndarray, run: np.ndarray, what: str) -> np.ndarray:
+def _per_run(t: np.ndarray, s: np.ndarray, new: np.ndarray, what: str) -> np.ndarray:
     """The one value of ``t`` on each run (raises when a run holds two)."""
-    v = t[s]
-    if not np.array_equal(t, v[run]):
+    if ((t[1:] != t[:-1]) & ~new[1:]).any():
         raise NoForm(f"{what} is not one value per run")
-    return v
+    return t[s]
