@@ -135,7 +135,7 @@ def _hstu(f, kinds):
         he = he + (key.op == "le")  # kv < he
         ce = ce + (ctx.op == "le")  # q < ce
         he2 = he2 + (tgt.op == "gt")  # q >= he2
-        s, e, new = _runs(u)
+        s, e, new = runs(u)
         h = _per_run(he, s, new, "the history end")
         if not np.array_equal(he, he2):
             raise NoForm("the key bound and the target rows' bound differ")
@@ -169,7 +169,7 @@ def _shared_prompt(f, kinds):
     def build(vals):
         g, p, r = vals
         p = p + (key.op == "le")  # kv < p
-        s, e, new = _runs(g)
+        s, e, new = runs(g)
         pe = _per_run(p, s, new, "the prompt end")
         if not ((s <= pe) & (pe < e)).all():
             raise NoForm("a prompt end outside [start, end) of its group")
@@ -204,7 +204,7 @@ def _read(tables: list, n: int, device) -> list:
     return [by_id[id(t)] for t in tables]
 
 
-def _runs(ids: np.ndarray):
+def runs(ids: np.ndarray):
     """Starts and ends of the runs of non-decreasing ``ids``, and where a run starts (bool
     per token)."""
     if (ids[1:] < ids[:-1]).any():

@@ -412,13 +412,12 @@ def _rule(relation: str) -> Mask:
 def _doc_lengths(t: torch.Tensor, n: int, device) -> list[int]:
     if t.dim() != 1 or t.dtype not in _INT_DTYPES or t.device != device or t.numel() < n:
         raise _No("doc is not a 1-D integer tensor on the plan's device covering the length")
-    d = t[:n].to("cpu", torch.int64)  # the one host read
-    step = d[1:] - d[:-1]
-    if bool((step < 0).any()):
-        raise _No("doc ids are not non-decreasing")
-    cuts = torch.nonzero(step).flatten() + 1
-    ends = torch.cat([cuts, torch.tensor([n])])
-    return torch.diff(ends, prepend=torch.tensor([0])).tolist()
+    d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
+    try:
+        s, e, _ = packed.runs(d)
+    except packed.NoForm:
+        raise _No("doc ids are not non-decreasing") from None
+    return (e - s).tolist()
 
 
 def _is_causal(b: _Band) -> bool:
