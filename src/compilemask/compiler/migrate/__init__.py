@@ -1,9 +1,10 @@
 """Plans from a dense boolean mask or a FlexAttention ``mask_mod`` (migration helpers).
 
 ``from_mask_mod`` first tries to lift the mask_mod analytically (``lift.py``: traced with
-``torch.fx``; a common form -- causal, a window, prefix-LM, chunks, documents, CLEAR's disc --
-is built as its catalogue mask by ``compile``'s path, ``recognise.py``, anything else lowered to
-row intervals without evaluating the N x N pairs); a mask_mod it does not recognise is evaluated
+``torch.fx``; a common form -- causal, a window, prefix-LM, chunks, documents, CLEAR's disc,
+hstu and shared_prompt with per-row tables (``packed.py``) -- is built as its catalogue mask
+by ``compile``'s path, ``recognise.py``, anything else lowered to row intervals without
+evaluating the N x N pairs); a mask_mod it does not recognise is evaluated
 in blocks (``evaluate.py``), on broadcast indices when that gives FlexAttention's answer, else
 under ``torch.vmap`` with FlexAttention's scalar semantics (``modeval.py``). ``plan.source``
 (and ``plan.stats()["source"]``) names the path taken: ``from_mask_mod:lifted``,

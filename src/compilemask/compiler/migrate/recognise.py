@@ -23,7 +23,11 @@ lowering of the catalogue masks, no per-row interval arithmetic and no probe). R
   is ``clear``'s squared distance, and on integers ``< r * r`` is ``<= r * r - 1``. One offset
   ``T`` on both sides, one ``w`` for ``//`` and ``%``, a square ``r * r`` and both text terms
   are required (anything else is another mask);
-* ``&`` / ``|`` of those (``~`` of a one-sided comparison), as ``&`` / ``|`` of masks.
+* ``&`` / ``|`` of those (``~`` of a one-sided comparison), as ``&`` / ``|`` of masks;
+* packed users or groups with per-row tables gathered by ``q``: ``kv op t[q]`` and
+  ``q op t[q]`` (row atoms) in the hstu and shared_prompt forms of ``packed.py``, as
+  ``hstu(...)`` / ``shared_prompt(...)`` (one host read of the tables); a row atom anywhere
+  else is not recognised.
 
 Anything else -- ``b`` or ``h`` used, a float or tensor constant, another operation, an
 unsorted ``doc``, a band that is empty or always true, a bound on ``q`` outside a CLEAR union
@@ -37,6 +41,8 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +50,7 @@ import torch
 from ... import masks
 from ...language.ast import Mask
 from ...language.parser import parse
+from . import packed
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -155,7 +162,7 @@ class _Or:
     parts: list
 
 
-_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc)
+_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, *packed.ROW_ATOMS)
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
@@ -214,6 +221,13 @@ def _compare(x, y, op: str):
         if (x.var, op) in (("kv", "le"), ("q", "ge")):
             return _BlockCausal(x.c)
         raise _No(f"{op} of q // c and kv // c")
+    row = None
+    if isinstance(x, _Gather):
+        row = _row(x, y, op)
+    elif isinstance(y, _Gather):
+        row = _row(y, x, _FLIP[op])
+    if row is not None:
+        return row
     if isinstance(x, _Gather) and isinstance(y, _Gather):
         if op == "eq" and x.t is y.t and x.var != y.var:
             return _Doc(x.t)
@@ -236,6 +250,18 @@ def _compare(x, y, op: str):
     raise _No("a comparison other than kv - q, kv or q against a constant")
 
 
+def _row(t: _Gather, x, op: str):
+    """``t[q] op x`` for ``x`` = ``kv`` or ``q`` as a row atom (``kv flip(op) t[q]``), else
+    None."""
+    if t.var != "q" or not isinstance(x, _Lin) or x.c or op == "ne":
+        return None
+    if (x.a, x.b) == (0, 1):
+        return packed.KvRow(t.t, _FLIP[op])
+    if (x.a, x.b) == (1, 0):
+        return packed.QRow(t.t, _FLIP[op])
+    return None
+
+
 def _negate(v):
     if isinstance(v, (_Band, _KvBound, _QBound)) and (v.lo is None) != (v.hi is None):
         return type(v)(None, v.lo - 1) if v.hi is None else type(v)(v.hi + 1, None)
@@ -249,12 +275,33 @@ def _attr(gm, target: str):
     return obj
 
 
+#: formulas per trace: a reused trace (``trace.py``) holds the same graph and captured tensor
+#: objects, and a formula depends on nothing else (no tensor value is read here)
+_FORMULAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
 def formula(gm):
-    """The boolean formula of a traced mask_mod (``_Band`` ... ``_Or``).
+    """The boolean formula of a traced mask_mod (``_Band`` ... ``_Or``), kept per ``gm``.
 
     Raises:
         _No: not built from the recognised forms only.
     """
+    with _LOCK:
+        hit = _FORMULAS.get(gm)
+    if hit is None:
+        try:
+            hit = (_formula(gm), None)
+        except _No as exc:
+            hit = (None, str(exc))
+        with _LOCK:
+            _FORMULAS[gm] = hit
+    if hit[1] is not None:
+        raise _No(hit[1])
+    return hit[0]
+
+
+def _formula(gm):
     env: dict = {}
     places = []
     out = None
@@ -365,13 +412,12 @@ def _rule(relation: str) -> Mask:
 def _doc_lengths(t: torch.Tensor, n: int, device) -> list[int]:
     if t.dim() != 1 or t.dtype not in _INT_DTYPES or t.device != device or t.numel() < n:
         raise _No("doc is not a 1-D integer tensor on the plan's device covering the length")
-    d = t[:n].to("cpu", torch.int64)  # the one host read
-    step = d[1:] - d[:-1]
-    if bool((step < 0).any()):
-        raise _No("doc ids are not non-decreasing")
-    cuts = torch.nonzero(step).flatten() + 1
-    ends = torch.cat([cuts, torch.tensor([n])])
-    return torch.diff(ends, prepend=torch.tensor([0])).tolist()
+    d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
+    try:
+        s, e, _ = packed.runs(d)
+    except packed.NoForm:
+        raise _No("doc ids are not non-decreasing") from None
+    return (e - s).tolist()
 
 
 def _is_causal(b: _Band) -> bool:
@@ -481,8 +527,11 @@ def recognise(gm, q_len: int, kv_len: int, device) -> Mask | None:
     GraphModule) at ``(q_len, kv_len)``, or None (the reason is logged at DEBUG on
     ``compilemask.migrate``)."""
     try:
-        return _mask(formula(gm), q_len, kv_len, torch.device(device))
-    except _No as exc:
+        f, device = formula(gm), torch.device(device)
+        if packed.has_rows(f):
+            return packed.packed_mask(f, q_len, kv_len, device, (_And, _Or, _Band, _Doc))
+        return _mask(f, q_len, kv_len, device)
+    except (_No, packed.NoForm) as exc:
         log.debug("mask_mod not a recognised form: %s", exc)
     except Exception as exc:  # noqa: BLE001 - the lifted / evaluated paths report errors
         log.debug("mask_mod not a recognised form: %s: %s", type(exc).__name__, exc)
