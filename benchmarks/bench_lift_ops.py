@@ -4,13 +4,13 @@
     PYTHONPATH=src python benchmarks/bench_lift_ops.py \\
         --out benchmarks/results/cpu-lift-ops-<date>.jsonl
 
-On a GPU the path is bound by host work and small device operations, so the operation count
-(non-view aten operations, ``tools.op_counts.OpCounter.real``: each launches a kernel there)
-and the host reads (``aten._local_scalar_dense``, ``aten.equal``, ``aten.is_nonzero``: scalar
-reads; a whole-tensor copy to the host, ``.cpu()`` / ``.tolist()`` / ``.numpy()``, is not seen
-on the CPU) are its cost model. Per mask (the mask_mods of ``bench_from_mask_mod.py``) and
-size: the minimum wall ms over ``--calls`` calls on one thread (a shared machine varies a lot
-with two), the operations and host reads of one call, and the plan's ``source``. ``compilemask-compile`` rows
+On a GPU the path is bound by host work and small device operations, so the operation count (non-
+view aten operations, ``tools.op_counts.OpCounter.real``: each launches a kernel there) and the
+host reads (``aten._local_scalar_dense``, ``aten.equal``, ``aten.is_nonzero``: scalar reads; a
+whole-tensor copy to the host, ``.cpu()`` / ``.tolist()`` / ``.numpy()``, is not seen on the CPU)
+are its cost model. Per mask (the mask_mods of ``bench_from_mask_mod.py``) and size: the minimum
+wall ms over ``--calls`` calls on one thread (a shared machine varies a lot with two), the
+operations and host reads of one call, and the plan's ``source``. ``compilemask-compile`` rows
 time ``compile(..., cache=False)`` of the same mask written in the language (causal,
 sliding_window, prefix_lm, document, clear). Rows carry the commit (``COMPILEMASK_COMMIT`` or
 git).
