@@ -4,8 +4,8 @@
     PYTHONPATH=src python benchmarks/bench_lift_ops.py \\
         --out benchmarks/results/cpu-lift-ops-<date>.jsonl
 
-On a GPU the path is bound by host work and small device operations, so the operation count (non-
-view aten operations, ``tools.op_counts.OpCounter.real``: each launches a kernel there) and the
+On a GPU the path is bound by host work and small device operations, so the operation count
+(non-view aten operations, ``tools.op_counts.OpCounter.real``: each launches a kernel there) and the
 host reads (``aten._local_scalar_dense``, ``aten.equal``, ``aten.is_nonzero``: scalar reads; a
 whole-tensor copy to the host, ``.cpu()`` / ``.tolist()`` / ``.numpy()``, is not seen on the CPU)
 are its cost model. Per mask (the mask_mods of ``bench_from_mask_mod.py``) and size: the minimum
