@@ -422,6 +422,8 @@ def test_bitmask_tiles_at_any_block_n(bm, bn):
         (lambda: cm.parse("layout r:99999999999999999999x3"), "parts"),
         (lambda: cm.parse("layout r:3000000000x1"), "parts"),
         (lambda: cm.compile(masks.causal(), 4, device="nope"), "device"),
+        (lambda: cm.compile(masks.causal(), 4, cache="x"), "cache must be True or False"),
+        (lambda: cm.compile(masks.causal(), 4, cache=1), "cache must be True or False, got 1"),
     ],
 )
 def test_more_bad_input(call, match):
