@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Sequence
 
@@ -270,24 +271,22 @@ class Bias(ScoreMod):
 
 
 def _check_jit(name: str, fn: object) -> None:
-    """``fn`` must be a ``@triton.jit`` function (checked only when triton is installed): a
-    ``JITFunction``, or an ``InterpretedFunction`` under ``TRITON_INTERPRET=1``."""
-    try:
-        from triton.runtime import JITFunction
-    except ImportError:
+    """``fn`` must be a ``@triton.jit`` function (a ``triton.runtime.JITFunction``, or an
+    ``InterpretedFunction`` under ``TRITON_INTERPRET=1``); checked by class, without importing
+    Triton (only ``kernels/triton`` does), and only when Triton is installed."""
+    if importlib.util.find_spec("triton") is None:
         return
-    kinds: tuple[type, ...] = (JITFunction,)
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        kinds += (InterpretedFunction,)
-    except ImportError:  # a triton without the interpreter
-        pass
-    if not isinstance(fn, kinds):
+    if not any(
+        c.__module__.split(".")[0] == "triton" and c.__name__ in _JIT_CLASSES
+        for c in type(fn).__mro__
+    ):
         raise InputError(
             f"custom: {name} must be a @triton.jit function (triton.runtime.JITFunction), "
             f"got {type(fn).__name__}"
         )
+
+
+_JIT_CLASSES = ("JITFunction", "InterpretedFunction")
 
 
 class Custom(ScoreMod):
