@@ -422,6 +422,16 @@ def test_bitmask_tiles_at_any_block_n(bm, bn):
         (lambda: cm.parse("layout r:99999999999999999999x3"), "parts"),
         (lambda: cm.parse("layout r:3000000000x1"), "parts"),
         (lambda: cm.compile(masks.causal(), 4, device="nope"), "device"),
+        (lambda: cm.compile(masks.causal(), 4, cache="x"), "cache must be True or False"),
+        (lambda: cm.compile(masks.causal(), 4, cache=1), "cache must be True or False, got 1"),
+        (lambda: masks.per_head([1]), r"per_head: masks\[0\] must be a compilemask Mask, got int"),
+        (
+            lambda: masks.per_batch([masks.causal(), "causal()"]),
+            r"per_batch: masks\[1\] must be a compilemask Mask, got str",
+        ),
+        (lambda: masks.per_head([]), "per_head needs a non-empty list of masks"),
+        (lambda: masks.per_batch(masks.causal()), "per_batch needs a list of masks, got Builtin"),
+        (lambda: masks.per_head(3), "per_head needs a list of masks, got int"),
     ],
 )
 def test_more_bad_input(call, match):

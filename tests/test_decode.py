@@ -300,6 +300,27 @@ def test_cache_longer_than_the_plan_axis_is_refused():
         cm.step_plan(masks.causal(), torch.tensor([70, 3]), 1, kv_len=64)
 
 
+def test_cache_lengths_outside_int32_are_refused_before_the_conversion():
+    """CPU lengths are checked on their own dtype: 2**32 + 5 would otherwise become a plan for
+    5 keys, 2**31 a negative length."""
+    for bad in (2**32 + 5, 2**31, -1):
+        with pytest.raises(CompileMaskError, match=rf"cache_seqlens\[1\] = {bad} is outside"):
+            cm.step_plan(masks.causal(), torch.tensor([4, bad]), 1)
+    with pytest.raises(CompileMaskError, match=r"kv_len must be an int in \[1, 2\*\*31 - 1\]"):
+        cm.step_plan(masks.causal(), torch.tensor([4]), 1, kv_len=2**31)
+
+
+@pytest.mark.parametrize(
+    "mask", [masks.causal(), masks.block_causal(16), masks.sliding_window(8)], ids=str
+)
+def test_the_longest_int32_cache(mask):
+    """A cache of 2**31 - 1 keys (the int32 bound): the last row sees up to the last key; the
+    block of block_causal that runs past the bound does not wrap."""
+    n = 2**31 - 1
+    plan = cm.step_plan(mask, torch.tensor([n]), 1, kv_len=n)
+    assert plan.row_hi[0, 0, 0] == n and plan.row_count[0, 0] == 1
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize(
     "mask",

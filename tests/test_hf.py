@@ -205,6 +205,8 @@ def test_pack_documents():
     assert ids.tolist() == [[5, 6, 7, 8, 9, 10]]
     assert pos.tolist() == [[0, 1, 2, 0, 0, 1]]
     assert bool((plan.to_dense() == cm.dense(masks.document([3, 1, 2], causal=False), 6)).all())
+    ids, _, _ = cm_hf.pack_documents([torch.tensor([5, 6]), [torch.tensor(7, dtype=torch.int32)]])
+    assert ids.tolist() == [[5, 6, 7]]  # integer tensors are token ids too
 
 
 @pytest.mark.parametrize(
@@ -214,6 +216,9 @@ def test_pack_documents():
         ([], "at least one document"),
         ("abc", "list of token-id lists, got str"),
         ([[1, 2], "ab"], r"documents\[1\] must be a list of token ids"),
+        ([[101, 7592.9, 102]], r"documents\[0\]\[1\] must be an integer token id, got float"),
+        ([[1], [2, True]], r"documents\[1\]\[1\] must be an integer token id, got bool"),
+        ([[1], torch.tensor([2.0, 3.0])], r"documents\[1\]\[0\] .*got torch.float32 tensor"),
     ],
 )
 def test_pack_documents_errors_name_the_documents(documents, match):

@@ -101,6 +101,8 @@ def test_mask_mod_errors():
         cm.from_mask_mod("causal", 8)
     with pytest.raises(CompileMaskError, match="block_m"):
         cm.from_mask_mod(lambda b, h, q, k: q >= k, 8, block_m=0)
+    with pytest.raises(CompileMaskError, match="lifting must be True or False, got 'no'"):
+        cm.from_mask_mod(lambda b, h, q, k: q >= k, 4, lifting="no")
 
 
 @settings(max_examples=60, deadline=None)

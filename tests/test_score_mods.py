@@ -390,10 +390,46 @@ def test_custom_torch_fn_errors_name_the_modifier():
     def wrong_shape(score, b, h, i, j, aux):
         return torch.zeros(*score.shape[:-1], score.shape[-1] + 1)
 
-    for fn, match in ((broken, "raised ZeroDivisionError"), (wrong_shape, "score's shape")):
-        mod = sm.custom(fn, fn, name="mine")
-        with pytest.raises(InputError, match=f"'mine'.*{match}"):
+    def one_column(score, b, h, i, j, aux):  # broadcasts to score's shape: still refused
+        return score[..., :1] * aux[0] + 0.25 * h
+
+    def a_bool(score, b, h, i, j, aux):
+        return score > 0
+
+    def a_scalar(score, b, h, i, j, aux):
+        return torch.tensor(1.0)
+
+    cases = (
+        (broken, "raised ZeroDivisionError"),
+        (wrong_shape, "score's shape"),
+        (one_column, r"score's shape \(.*, 40\), got shape \(.*, 40, 1\)"),
+        (a_bool, "floating-point tensor.*torch.bool"),
+        (a_scalar, r"score's shape .*got shape \(\)"),
+    )
+    aux = torch.tensor([0.5], device=DEVICE)
+    for fn, match in cases:
+        mod = sm.custom(fn, _halve_plus_head, aux=aux, name="mine")
+        with pytest.raises(InputError, match=f"'mine'.*torch_fn.*{match}"):
             cm.attention(q, k, v, plan, score_mod=mod, backend="reference")
+
+
+def test_custom_refuses_a_plain_triton_fn_and_an_empty_aux():
+    """At construction: triton_fn / triton_grad_fn must be @triton.jit functions, aux must
+    hold an element (an empty one would be read out of bounds by the kernels)."""
+    with pytest.raises(InputError, match="triton_fn must be a @triton.jit function"):
+        sm.custom(_halve_plus_head_torch, _halve_plus_head_torch, aux=torch.ones(1))
+    with pytest.raises(InputError, match="triton_grad_fn must be a @triton.jit function"):
+        sm.custom(_halve_plus_head_torch, _halve_plus_head, _halve_plus_head_torch)
+    with pytest.raises(InputError, match=r"aux must hold at least one element, got shape \[0\]"):
+        sm.custom(_halve_plus_head_torch, _halve_plus_head, aux=torch.tensor([]))
+    sm.custom(_halve_plus_head_torch, _halve_plus_head, _halve_plus_head_grad, torch.ones(1))
+
+
+def test_alibi_refuses_non_finite_slopes_on_the_cpu():
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(InputError, match="alibi: slopes must be finite"):
+            sm.alibi(torch.tensor([0.5, bad]))
+    sm.alibi(torch.tensor([0.5, 0.25]))
 
 
 def test_softcap_runs_the_special_function_unit_on_cuda_only():

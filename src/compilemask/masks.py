@@ -230,20 +230,36 @@ def tile_grid(mask: Mask, tile: tuple[int, int] = (8, 16)) -> Mask:
     return TiledGrid(mask, _pair(tile, "tile"))
 
 
+def _mask_list(masks: object, name: str) -> tuple[Mask, ...]:
+    """``masks`` as a non-empty tuple of masks, else a CompileMaskError naming the bad item."""
+    try:
+        if isinstance(masks, (Mask, str)):
+            raise TypeError
+        ms = tuple(masks)
+    except TypeError:
+        raise CompileMaskError(
+            f"{name} needs a list of masks, got {type(masks).__name__}"
+        ) from None
+    if not ms:
+        raise CompileMaskError(f"{name} needs a non-empty list of masks, got an empty one")
+    for i, m in enumerate(ms):
+        if not isinstance(m, Mask):
+            raise CompileMaskError(
+                f"{name}: masks[{i}] must be a compilemask Mask, got {type(m).__name__}"
+            )
+    return ms
+
+
 def per_head(masks: Sequence[Mask]) -> Mask:
-    """``masks[h]`` for query head ``h`` (compile with ``heads=len(masks)``)."""
-    ms = tuple(masks)
-    if not ms or not all(isinstance(m, Mask) for m in ms):
-        raise CompileMaskError("per_head needs a non-empty list of masks")
-    return PerHead(ms)
+    """``masks[h]`` for query head ``h`` (compile with ``heads=len(masks)``). Raises
+    CompileMaskError for an empty list or an item that is not a mask."""
+    return PerHead(_mask_list(masks, "per_head"))
 
 
 def per_batch(masks: Sequence[Mask]) -> Mask:
-    """``masks[b]`` for batch row ``b`` (compile with ``batch=len(masks)``)."""
-    ms = tuple(masks)
-    if not ms or not all(isinstance(m, Mask) for m in ms):
-        raise CompileMaskError("per_batch needs a non-empty list of masks")
-    return PerBatch(ms)
+    """``masks[b]`` for batch row ``b`` (compile with ``batch=len(masks)``). Raises
+    CompileMaskError for an empty list or an item that is not a mask."""
+    return PerBatch(_mask_list(masks, "per_batch"))
 
 
 CATALOGUE = {

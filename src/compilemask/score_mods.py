@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Sequence
 
@@ -121,6 +122,14 @@ class Alibi(ScoreMod):
                 "alibi: slopes that require grad are not supported (ALiBi slopes are "
                 "constants); pass slopes.detach()"
             )
+        # values: checked where it costs no host synchronisation (a GPU tensor is not read back)
+        if (
+            slopes.device.type == "cpu"
+            and slopes.is_floating_point()
+            and not torch.compiler.is_compiling()
+            and not bool(torch.isfinite(slopes).all())
+        ):
+            raise InputError(f"alibi: slopes must be finite, got {slopes.tolist()}")
         self.slopes = slopes
 
     def __call__(self, score, b, h, q_idx, kv_idx):
@@ -261,6 +270,25 @@ class Bias(ScoreMod):
         return f"bias({list(self.tensor.shape)})"
 
 
+def _check_jit(name: str, fn: object) -> None:
+    """``fn`` must be a ``@triton.jit`` function (a ``triton.runtime.JITFunction``, or an
+    ``InterpretedFunction`` under ``TRITON_INTERPRET=1``); checked by class, without importing
+    Triton (only ``kernels/triton`` does), and only when Triton is installed."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    if not any(
+        c.__module__.split(".")[0] == "triton" and c.__name__ in _JIT_CLASSES
+        for c in type(fn).__mro__
+    ):
+        raise InputError(
+            f"custom: {name} must be a @triton.jit function (triton.runtime.JITFunction), "
+            f"got {type(fn).__name__}"
+        )
+
+
+_JIT_CLASSES = ("JITFunction", "InterpretedFunction")
+
+
 class Custom(ScoreMod):
     """A modifier of your own: ``torch_fn(score, b, h, q_idx, kv_idx, aux)`` (the reference's
     twin, on broadcastable tensors) and ``triton_fn`` (a ``@triton.jit`` function of the same
@@ -274,8 +302,16 @@ class Custom(ScoreMod):
     def __init__(self, torch_fn, triton_fn, triton_grad_fn=None, aux=None, name="custom"):
         if not callable(torch_fn) or not callable(triton_fn):
             raise InputError("custom: torch_fn and triton_fn must be callables")
+        _check_jit("triton_fn", triton_fn)
+        if triton_grad_fn is not None:
+            _check_jit("triton_grad_fn", triton_grad_fn)
         if aux is not None and (not isinstance(aux, torch.Tensor) or aux.requires_grad):
             raise InputError("custom: aux must be a tensor that does not require grad")
+        if aux is not None and aux.numel() == 0:
+            raise InputError(
+                f"custom: aux must hold at least one element, got shape {list(aux.shape)} "
+                f"(pass aux=None when the modifier reads none)"
+            )
         self.torch_fn, self.triton_fn, self.triton_grad_fn = torch_fn, triton_fn, triton_grad_fn
         self.aux, self.name = aux, name
 
@@ -288,19 +324,17 @@ class Custom(ScoreMod):
             raise InputError(
                 f"custom score_mod {self.name!r}: torch_fn raised {type(exc).__name__}: {exc}"
             ) from exc
-        ok = isinstance(out, torch.Tensor)
-        if ok:
-            try:
-                ok = torch.broadcast_shapes(out.shape, score.shape) == score.shape
-            except RuntimeError:
-                ok = False
-        if not ok:
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise InputError(
-                f"custom score_mod {self.name!r}: torch_fn must return a tensor of score's "
-                f"shape {tuple(score.shape)} (or one that broadcasts to it), got {got}"
-            )
-        return out
+        # exactly score's shape: a smaller result would broadcast silently to a wrong score
+        if not isinstance(out, torch.Tensor):
+            got = type(out).__name__
+        elif tuple(out.shape) != tuple(score.shape) or not out.is_floating_point():
+            got = f"shape {tuple(out.shape)} of dtype {out.dtype}"
+        else:
+            return out
+        raise InputError(
+            f"custom score_mod {self.name!r}: torch_fn must return a floating-point tensor of "
+            f"score's shape {tuple(score.shape)}, got {got}"
+        )
 
     def check(self, B, Hq, Nq, Nk, device):
         if self.aux is not None and self.aux.device != device:
@@ -353,7 +387,9 @@ def softcap(cap: float) -> ScoreMod:
 
 
 def alibi(slopes: torch.Tensor) -> ScoreMod:
-    """``s + slopes[h] * (kv_idx - q_idx)``; ``slopes`` [Hq] (:func:`alibi_slopes`)."""
+    """``s + slopes[h] * (kv_idx - q_idx)``; ``slopes`` [Hq] (:func:`alibi_slopes`), a float
+    tensor that does not require grad, of finite values (checked on the CPU; a GPU tensor is
+    not read back). Raises InputError otherwise."""
     return Alibi(slopes)
 
 
@@ -378,7 +414,10 @@ def custom(
     aux: torch.Tensor | None = None,
     name: str = "custom",
 ) -> ScoreMod:
-    """A modifier of your own (see :class:`Custom` and docs/score-mods.md)."""
+    """A modifier of your own (see :class:`Custom` and docs/score-mods.md). Raises InputError
+    when ``triton_fn`` (or ``triton_grad_fn``) is not a ``@triton.jit`` function (with triton
+    installed), when ``aux`` requires grad or is empty, and, in the reference, when
+    ``torch_fn`` raises or returns anything but a floating-point tensor of score's shape."""
     return Custom(torch_fn, triton_fn, triton_grad_fn, aux, name)
 
 

@@ -25,6 +25,7 @@ from . import intervals as iv
 from .lower import _Ctx
 
 I32 = torch.int32
+MAX_LEN = 2**31 - 1  # key positions and lengths are int32 in plans
 
 #: catalogue masks with a decoding closed form (the rest of the catalogue is refused)
 DECODE_BUILTINS = (
@@ -153,10 +154,14 @@ def step_plan(
             on: the keys in each batch row's cache, the ``q_len`` new tokens' keys included.
             Every row sees only keys inside ``[0, cache_seqlens[b])`` (a batch row with
             ``cache_seqlens[b] = 0`` is an empty row), and rows at a negative position see
-            nothing.
+            nothing. Values must lie in ``[0, 2**31 - 1]``: checked here for CPU lengths
+            (before any int32 conversion); GPU lengths are not read back here (no host
+            synchronisation): ``compilemask.attention`` checks them on every call with the
+            plan.
         q_len: new query rows per batch row (int >= 1).
-        kv_len: the key axis (cache capacity per batch row, tokens: e.g. pages per sequence *
-            page size); every ``cache_seqlens[b]`` must be at most this (checked here for CPU
+        kv_len: the key axis, an int in ``[1, 2**31 - 1]`` (cache capacity per batch row,
+            tokens: e.g. pages per sequence * page size); every ``cache_seqlens[b]`` must be
+            at most this (checked here for CPU
             lengths, and by ``compilemask.attention`` on every call with the plan). None:
             ``cache_seqlens.max()``, read on the host (a synchronisation on a GPU: pass it
             there).
@@ -168,8 +173,9 @@ def step_plan(
 
     Raises:
         CompileMaskError: a mask without a decoding form (``per_head``, ``tile_grid``,
-            ``clear``, ``natten2d``, ``global_local``), bad shapes or dtypes, a ``tree`` whose
-            node count is not ``q_len``, a ``per_batch`` mask of another size than ``B``.
+            ``clear``, ``natten2d``, ``global_local``), bad shapes or dtypes, CPU
+            ``cache_seqlens`` outside ``[0, 2**31 - 1]``, a ``tree`` whose node count is not
+            ``q_len``, a ``per_batch`` mask of another size than ``B``.
 
     Cost: O(B * q_len * K) work in a fixed number of device operations (K intervals per row;
     independent of the cache length); no host synchronisation when ``kv_len`` is given. On
@@ -190,8 +196,8 @@ def step_plan(
     kv_len_given = kv_len is not None
     if kv_len is None:
         kv_len = max(1, int(lens.max())) if B else 1
-    if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len < 2**31 - 1:
-        raise CompileMaskError(f"kv_len must be a positive int below 2**31, got {kv_len!r}")
+    if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len <= MAX_LEN:
+        raise CompileMaskError(f"kv_len must be an int in [1, 2**31 - 1], got {kv_len!r}")
     if kv_len_given and lens.device.type == "cpu" and B and int(lens.max()) > kv_len:
         # (on a GPU the attention call checks it: no host read here)
         raise CompileMaskError(
@@ -263,6 +269,16 @@ def _lengths(cache_seqlens) -> torch.Tensor:
         )
     if cache_seqlens.device.type == "meta":
         raise CompileMaskError("cache_seqlens must hold values: a meta tensor has none")
+    # values: checked before the int32 conversion where it costs no host synchronisation (a GPU
+    # tensor is not read back: compilemask.attention checks the lengths on every call)
+    if cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = (cache_seqlens < 0) | (cache_seqlens > MAX_LEN)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise CompileMaskError(
+                f"cache_seqlens[{b}] = {int(cache_seqlens[b])} is outside [0, 2**31 - 1] (a "
+                f"cache length in keys; plans hold int32 positions)"
+            )
     return cache_seqlens.to(I32)
 
 
@@ -351,7 +367,8 @@ class _PositionsCtx(_Ctx):
 
     def _b_block_causal(self, block):
         b = min(block, self._axis())
-        return torch.zeros_like(self.q)[:, None], ((self.q // b + 1) * b)[:, None]
+        hi = ((self.q.long() // b + 1) * b).clamp_(max=self.kv_len).to(I32)  # no int32 wrap
+        return torch.zeros_like(self.q)[:, None], hi[:, None]
 
     def _b_document(self, lengths, causal):
         if not causal:  # the last document's rows see it to the end of the cache

@@ -36,6 +36,14 @@ def positive_int(value: object, name: str) -> int:
     return value
 
 
+def strict_bool(value: object, name: str) -> bool:
+    """``value`` if it is True or False (not a truthy string or number), else a
+    :class:`CompileMaskError` naming ``name``."""
+    if value is not True and value is not False:
+        raise CompileMaskError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def resolve_device(device, default="cpu") -> torch.device:
     """``device`` (a torch.device, a string such as ``"cuda:0"``, or None for ``default``) as a
     torch.device that exists here, else a :class:`CompileMaskError`."""
@@ -117,7 +125,8 @@ def compile(  # noqa: A001 - the public name is fixed by the design
 
     Raises:
         CompileMaskError: bad lengths, a length the mask does not accept, an inconsistent
-            layout, a batch/heads that contradicts a per_batch/per_head mask.
+            layout, a batch/heads that contradicts a per_batch/per_head mask, a ``cache``
+            that is not True or False.
 
     Example::
 
@@ -128,6 +137,7 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     """
     if not isinstance(mask, Mask):
         raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}")
+    strict_bool(cache, "cache")
     if q_len is None:
         q_len = natural_lengths(mask)[0]
         if q_len is None:

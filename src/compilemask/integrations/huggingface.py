@@ -42,6 +42,7 @@ Legend: B batch, Hq / Hkv query / key-value heads, N sequence length, D head_dim
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -231,8 +232,8 @@ def pack_documents(
         restart at 0 in each document, and the plan of ``document(lengths, causal)`` for N.
 
     Raises:
-        InputError: ``documents`` is not a list of token-id lists, holds no document, or
-            an empty one.
+        InputError: ``documents`` is not a list of token-id lists, holds no document, an
+            empty one, or a token id that is not an integer (a float or a bool).
 
     Example::
 
@@ -253,11 +254,24 @@ def pack_documents(
             raise InputError(f"documents[{i}] is empty; every document needs a token")
     lengths = [len(d) for d in documents]
     mask = document(lengths, causal=causal)
-    flat = [int(t) for d in documents for t in d]
+    flat = [_token_id(t, i, j) for i, d in enumerate(documents) for j, t in enumerate(d)]
     input_ids = torch.tensor([flat], dtype=torch.int64, device=device)
     position_ids = torch.cat([torch.arange(n, dtype=torch.int64, device=device) for n in lengths])
     plan = compile_mask(mask, len(flat), device=device, **compile_kwargs)
     return input_ids, position_ids[None], plan
+
+
+def _token_id(t: object, i: int, j: int) -> int:
+    """``documents[i][j]`` as an int: an integer (Python, numpy or a 0-dim integer tensor);
+    a float or a bool is refused rather than truncated."""
+    is_bool = isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool)
+    if not is_bool:
+        try:
+            return operator.index(t)
+        except TypeError:
+            pass
+    got = f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else f"{type(t).__name__} {t!r}"
+    raise InputError(f"documents[{i}][{j}] must be an integer token id, got {got}")
 
 
 def plan_for_layers(plans: dict[str, MaskPlan], layer_types: Sequence[str]) -> Callable:

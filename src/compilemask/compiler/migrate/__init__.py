@@ -21,7 +21,7 @@ import logging
 import torch
 
 from ...errors import CompileMaskError
-from ..pipeline import positive_int, resolve_device
+from ..pipeline import positive_int, resolve_device, strict_bool
 from ..plan import MaskPlan, outside_inference_mode
 from . import lift, modeval
 from .blockmask import from_block_mask
@@ -113,8 +113,8 @@ def from_mask_mod(
         lifting: try the analytic path first (False: always evaluate).
 
     Raises:
-        CompileMaskError: bad lengths, a mask_mod that raises (both ways) or returns a
-            non-boolean or wrongly shaped tensor.
+        CompileMaskError: bad lengths, a ``lifting`` that is not True or False, a mask_mod
+            that raises (both ways) or returns a non-boolean or wrongly shaped tensor.
     """
     q_len = positive_int(q_len, "q_len")
     kv_len = q_len if kv_len is None else positive_int(kv_len, "kv_len")
@@ -124,6 +124,7 @@ def from_mask_mod(
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     if not callable(mask_mod):
         raise CompileMaskError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    strict_bool(lifting, "lifting")
     device = resolve_device(device)
     bh = [(b, h) for b in range(batch or 1) for h in range(heads or 1)]
     if lifting:
