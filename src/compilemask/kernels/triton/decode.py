@@ -267,12 +267,11 @@ STEP_KINDS = {"causal": 0, "sliding_window": 1, "prefix_lm": 2, "chunked": 3, "b
 
 
 @triton.jit
-def _step_rows_kernel(
-    Lens, Offset, Out, Nq, B, kv_len, param,
-    KIND: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """Batch row ``b``: the one interval of each new row (``Out`` holds lo ``[B, Nq]``, hi,
-    count, then the offsets and lengths ``[B]``), as ``compiler.decode.step_plan``."""
+def _step_row(Lens, Offset, Tail, Nq, B, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+    """Batch row ``b = program_id(0)`` of a step-plan kernel: its cache length ``L`` and first
+    query position ``off`` (int64; bottom-right ``L - Nq`` without an offset), stored by the
+    row's first program at ``Tail`` (offsets ``[B]``, then lengths ``[B]``), and the program's
+    new rows ``i`` with their mask ``ok``."""
     b = tl.program_id(0)
     L = tl.load(Lens + b).to(tl.int64)
     if HAS_OFFSET:
@@ -280,10 +279,20 @@ def _step_rows_kernel(
     else:
         off = L - Nq
     if tl.program_id(1) == 0:
-        tl.store(Out + 3 * B * Nq + b, off.to(tl.int32))
-        tl.store(Out + 3 * B * Nq + B + b, L.to(tl.int32))
+        tl.store(Tail + b, off.to(tl.int32))
+        tl.store(Tail + B + b, L.to(tl.int32))
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < Nq
+    return b, L, off, i, i < Nq
+
+
+@triton.jit
+def _step_rows_kernel(
+    Lens, Offset, Out, Nq, B, kv_len, param,
+    KIND: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Batch row ``b``: the one interval of each new row (``Out`` holds lo ``[B, Nq]``, hi,
+    count, then the offsets and lengths ``[B]``), as ``compiler.decode.step_plan``."""
+    b, L, off, i, ok = _step_row(Lens, Offset, Out + 3 * B * Nq, Nq, B, HAS_OFFSET, BLOCK)
     p = off + i
     pp = tl.maximum(p, 0)
     lo = tl.zeros([BLOCK], dtype=tl.int64)
@@ -332,17 +341,8 @@ def _step_tree_kernel(
     """Batch row ``b``, nodes ``[BLOCK * pid1, ...)``: the prefix ``[0, off)`` and the runs
     ``off + Runs[:, i, :]`` of each node, clipped to ``[0, end)``, empties dropped, touching
     runs merged (``Out``: lo ``[B, Nq, K + 1]``, hi, count ``[B, Nq]``, offsets, lengths)."""
-    b = tl.program_id(0)
-    L = tl.load(Lens + b).to(tl.int64)
-    if HAS_OFFSET:
-        off = tl.load(Offset + b).to(tl.int64)
-    else:
-        off = L - Nq
-    if tl.program_id(1) == 0:
-        tl.store(Out + 2 * B * Nq * (K + 1) + B * Nq + b, off.to(tl.int32))
-        tl.store(Out + 2 * B * Nq * (K + 1) + B * Nq + B + b, L.to(tl.int32))
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < Nq
+    tail = Out + 2 * B * Nq * (K + 1) + B * Nq
+    b, L, off, i, ok = _step_row(Lens, Offset, tail, Nq, B, HAS_OFFSET, BLOCK)
     end = tl.where(off + i >= 0, tl.minimum(L, kv_len), 0)  # rows before the axis: nothing
     slot = tl.arange(0, KP)
     out_lo = tl.full([BLOCK, KP], kv_len, dtype=tl.int32)  # live intervals end by kv_len
@@ -415,17 +415,8 @@ def _step_pieces_kernel(
     + b)`` cut to ``[0, end)``, empties padded (``Out``: lo ``[B, Nq, K]``, hi, count, offsets,
     lengths). ``Table``: per piece ``[end, lo_a[K], hi_a[K], lo_b[K], hi_b[K]]``."""
     W = 1 + 4 * K
-    b = tl.program_id(0)
-    L = tl.load(Lens + b).to(tl.int64)
-    if HAS_OFFSET:
-        off = tl.load(Offset + b).to(tl.int64)
-    else:
-        off = L - Nq
-    if tl.program_id(1) == 0:
-        tl.store(Out + 2 * B * Nq * K + B * Nq + b, off.to(tl.int32))
-        tl.store(Out + 2 * B * Nq * K + B * Nq + B + b, L.to(tl.int32))
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < Nq
+    tail = Out + 2 * B * Nq * K + B * Nq
+    b, L, off, i, ok = _step_row(Lens, Offset, tail, Nq, B, HAS_OFFSET, BLOCK)
     p = off + i
     q = tl.maximum(p, 0)
     end = tl.where(p >= 0, tl.minimum(L, kv_len), 0)  # rows before the axis: nothing
