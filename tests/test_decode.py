@@ -546,3 +546,14 @@ def test_kv_cache_calls_refuse_bitmask_plans():
     q, k = torch.randn(1, 2, 2, 32), torch.randn(1, 2, 40, 32)
     with pytest.raises(InputError, match="stores bitmasks"):
         cm.attention(q, k, k, plan, cache_seqlens=torch.tensor([40]))
+
+
+def test_step_plan_refuses_offsets_past_int32():
+    """Key positions are int32: an offset whose rows would end past 2**31 - 1 is refused (an
+    int anywhere, a tensor where it can be read without a device synchronisation)."""
+    lens = torch.tensor([9])
+    for q_offset in (2**31, 2**31 - 2, torch.tensor([2**40]), torch.tensor([-(2**40)])):
+        with pytest.raises(CompileMaskError, match="q_offset"):
+            cm.step_plan(cm.masks.causal(), lens, 2, kv_len=16, q_offset=q_offset)
+    plan = cm.step_plan(cm.masks.causal(), lens, 2, kv_len=16, q_offset=2**31 - 3)
+    assert plan.row_hi[..., 0].tolist() == [[9, 9]]  # rows past the cache see all of it

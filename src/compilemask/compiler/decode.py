@@ -25,6 +25,7 @@ from . import intervals as iv
 from .lower import _Ctx
 
 I32 = torch.int32
+_I32_MAX = 2**31 - 1
 MAX_LEN = 2**31 - 1  # key positions and lengths are int32 in plans
 
 #: catalogue masks with a decoding closed form (the rest of the catalogue is refused)
@@ -296,10 +297,23 @@ def _offsets(q_offset, lens: torch.Tensor, q_len: int) -> torch.Tensor:
                 f"{lens.device}, got shape {tuple(q_offset.shape)}, {q_offset.dtype} on "
                 f"{q_offset.device}"
             )
+        if q_offset.device.type == "cpu" and q_offset.numel():  # (no host read on a GPU)
+            lo, hi = int(q_offset.min()), int(q_offset.max())
+            if lo < -_I32_MAX or hi > _I32_MAX - q_len:
+                bad = lo if lo < -_I32_MAX else hi
+                raise CompileMaskError(
+                    f"q_offset holds {bad}: q_offset must be at least -(2**31 - 1) and "
+                    f"q_offset + q_len (q_len={q_len}) at most 2**31 - 1 (int32 key positions)"
+                )
         return q_offset.to(I32)
     if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
         raise CompileMaskError(
             f"q_offset must be None, an int >= 0 or a [B] tensor, got {q_offset!r}"
+        )
+    if q_offset > _I32_MAX - q_len:
+        raise CompileMaskError(
+            f"q_offset + q_len must be at most 2**31 - 1 (int32 key positions), got q_offset="
+            f"{q_offset} and q_len={q_len}"
         )
     return torch.full_like(lens, q_offset)
 
