@@ -442,7 +442,10 @@ class Lifter:
         x, y = torch.maximum(x, a), torch.minimum(y, b)
         x = torch.where(ok & (x < y), x, self.nk)
         y = torch.where(ok & (x < self.nk), y, self.nk)
-        return self.canon(x.flatten(-2), y.flatten(-2))
+        # within [0, nk], sorted and disjoint by construction (runs ordered inside each sorted
+        # slot, empties at nk): compacted without clipping
+        lo, hi, _ = iv.compact_sorted(x.flatten(-2), y.flatten(-2), self.nk)
+        return Iv(lo.to(torch.int32), hi.to(torch.int32))
 
     # ------------------------------------------------------------------ graph
     def run(self, gm, b: int, h: int) -> Iv:
