@@ -6,19 +6,26 @@
 
 On a GPU the path is bound by host work and small device operations, so the operation count
 (non-view aten operations, ``tools.op_counts.OpCounter.real``: each launches a kernel there) and the
-host reads (``aten._local_scalar_dense``, ``aten.equal``, ``aten.is_nonzero``: scalar reads; a
-whole-tensor copy to the host, ``.cpu()`` / ``.tolist()`` / ``.numpy()``, is not seen on the CPU)
-are its cost model. Per mask (the mask_mods of ``bench_from_mask_mod.py``) and size: the minimum
+host reads (``aten._local_scalar_dense``, ``aten.equal``, ``aten.is_nonzero``: scalar reads; and
+the whole-tensor copies to the host, ``Tensor.tolist`` / ``.cpu()`` / ``.numpy()``, counted by
+wrapping those methods for the count, as no aten operation shows them on the CPU) are its cost
+model. Per mask (the mask_mods of ``bench_from_mask_mod.py``) and size: the minimum
 wall ms over ``--calls`` calls on one thread (a shared machine varies a lot with two), the
 operations and host reads of one call, and the plan's ``source``. ``compilemask-compile`` rows
 time ``compile(..., cache=False)`` of the same mask written in the language (causal,
-sliding_window, prefix_lm, document, clear). Rows carry the commit (``COMPILEMASK_COMMIT`` or
-git).
+sliding_window, prefix_lm, document, clear). With ``--gym`` the masks are instead the
+attention-gym and FlashAttention-4 mask_mods of ``tests/flex_masks.py`` scaled to each size
+(``lift_gym_masks.py``: the general lifting, no common form), each row with ``recognised``
+(the catalogue mask it is recognised as, or null). Rows carry the commit
+(``COMPILEMASK_COMMIT`` or git).
+
+    PYTHONPATH=src python benchmarks/bench_lift_ops.py --gym --out /tmp/gym.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -32,8 +39,14 @@ from compilemask.workloads import CLEAR_RADIUS, CLEAR_TEXT_TOK
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_from_mask_mod import CLEAR_GRIDS, commit, mask_mod_for  # noqa: E402
+from lift_gym_masks import GYM, gym_mask_mod  # noqa: E402
+
+from compilemask.compiler.migrate import lift  # noqa: E402
+from compilemask.compiler.migrate.recognise import recognise  # noqa: E402
 
 HOST_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
+#: methods that copy a whole tensor to the host (no aten operation on the CPU)
+HOST_COPIES = ("tolist", "cpu", "numpy")
 MASKS = ("causal", "sliding_window", "document", "prefix_lm", "hstu", "shared_prompt", "clear")
 
 
@@ -55,6 +68,28 @@ def language_mask(name: str, n: int):
     return None
 
 
+@contextlib.contextmanager
+def counting_host_copies():
+    """Counts the calls of :data:`HOST_COPIES` (``Tensor`` methods) in the block."""
+    seen = {"n": 0}
+    real = {name: getattr(torch.Tensor, name) for name in HOST_COPIES}
+
+    def wrap(method):
+        def counted(self, *args, **kwargs):
+            seen["n"] += 1
+            return method(self, *args, **kwargs)
+
+        return counted
+
+    for name, method in real.items():
+        setattr(torch.Tensor, name, wrap(method))
+    try:
+        yield seen
+    finally:
+        for name, method in real.items():
+            setattr(torch.Tensor, name, method)
+
+
 def measure(fn, calls: int) -> dict:
     fn()
     best = float("inf")
@@ -62,9 +97,9 @@ def measure(fn, calls: int) -> dict:
         t = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t)
-    with OpCounter() as counted:
+    with OpCounter() as counted, counting_host_copies() as copies:
         fn()
-    reads = sum(n for op, n in counted.ops.items() if op.startswith(HOST_READS))
+    reads = copies["n"] + sum(n for op, n in counted.ops.items() if op.startswith(HOST_READS))
     source = str(getattr(out, "source", ""))
     return {"ms_min": round(best * 1e3, 3), "ops": counted.real(), "host_reads": reads,
             "source": source if len(source) <= 60 else source[:57] + "..."}  # fmt: skip
@@ -74,11 +109,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
+    ap.add_argument(
+        "--gym",
+        nargs="*",
+        choices=GYM,
+        default=None,
+        help="the general lifting's mask_mods (all, or the ones named) instead",
+    )
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
     base = {"commit": commit(), "device": "cpu", "threads": 1}
+    if a.gym is not None:
+        return gym(a.gym or list(GYM), a.sizes, a.calls, a.out, base)
     with open(a.out, "a") as f:
         for n in a.sizes:
             for name in a.masks:
@@ -94,6 +138,22 @@ def main() -> None:
                     row.update(measure(fn, a.calls))
                     print(json.dumps(row), flush=True)
                     f.write(json.dumps(row) + "\n")
+
+
+def gym(names, sizes, calls: int, out: str, base: dict) -> None:
+    with open(out, "a") as f:
+        for n in sizes:
+            for name in names:
+                mm, nq, nk, batch, heads = gym_mask_mod(name, n)
+                got = recognise(lift.traced(mm), nq, nk, torch.device("cpu"))
+                row = {"mask": name, "n": nq, "kv_len": nk, "batch": batch, "heads": heads,
+                       "system": "compilemask-auto", **base,
+                       "recognised": None if got is None else str(got).split("\n")[0]}  # fmt: skip
+                row.update(measure(
+                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads), calls  # noqa: B023
+                ))  # fmt: skip
+                print(json.dumps(row), flush=True)
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -483,3 +483,29 @@ def test_key_terms_beyond_int64_keys_fall_back_and_every_head_is_probed():
 
     plan = cm.from_mask_mod(mm, n, heads=3)
     assert torch.equal(plan.to_dense(), create_mask(mm, None, 3, n, n, device="cpu"))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 36, 37, 38, 50, 1000, 32768])
+def test_probe_points_cover_ends_and_spread(n):
+    pts = modeval._probe_list(n, modeval._PROBE_Q)
+    assert pts == sorted(set(pts)) and all(0 <= p < n for p in pts)
+    assert {0, n - 1} <= set(pts) and ({1, n - 2} <= set(pts) or n <= 2)
+    assert len(pts) == min(n, modeval._PROBE_Q) or len(pts) <= modeval._PROBE_Q + 2
+
+
+@pytest.mark.parametrize("bad_part", [0, 2, 5])
+def test_lifted_probe_catches_one_wrong_part(bad_part):
+    """The probe compares every part at once: one part's wrong row is still found."""
+    docs = torch.sort(torch.randint(0, 4, (2, 3, 40), generator=torch.Generator().manual_seed(1)))
+    doc = docs.values
+
+    def mm(b, h, q, k):
+        return doc[b, h, q] == doc[b, h, k]
+
+    bh = [(b, h) for b in range(2) for h in range(3)]
+    parts = lift.lift_intervals(mm, 40, 40, bh, torch.device("cpu"))
+    lo, hi, _ = lift._stacked(parts, 40)
+    assert modeval.lifted_agrees(mm, lo, hi, 40, 40, bh, torch.device("cpu"))
+    hi = hi.clone()
+    hi[bad_part, 39] = lo[bad_part, 39]  # the last row (a probe row) left empty
+    assert not modeval.lifted_agrees(mm, lo, hi, 40, 40, bh, torch.device("cpu"))

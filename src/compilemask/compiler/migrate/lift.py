@@ -71,6 +71,9 @@ log = logging.getLogger("compilemask.migrate")
 
 #: the most key runs one row's intervals may cross when a comparison is lowered inside them
 MAX_RUNS_PER_ROW = 64
+#: a comparison inside ``K`` slots per row over a key term of ``R`` runs takes all ``R`` runs
+#: per slot (no host read of how many it crosses) when ``R * K`` is at most this
+_RUNS_UNREAD = 4
 #: the most parts of a union kept apart (``Disj``)
 _MAX_DISJ = 4
 
@@ -94,30 +97,51 @@ class Lifter:
     def __init__(self, q_len: int, kv_len: int, device):
         self.nq, self.nk, self.device = q_len, kv_len, device
         self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
-        self._sorted = {}  # id(g) -> (g, (sign * g, sign) or None)
+        self._profiles = {}  # id(g) -> (g, (descents, ascents, min, max))
+        self._consts = None
+
+    def profile_of(self, g: torch.Tensor) -> tuple[int, int, int, int]:
+        """``(descents, ascents, min, max)`` of a key term ``g`` (int64 ``[Nk]``): how many
+        neighbours step down / up, and its range, in one host read."""
+        hit = self._profiles.get(id(g))
+        if hit is None or hit[0] is not g:
+            lo, hi = torch.aminmax(g)
+            d = torch.stack([(g[1:] < g[:-1]).sum(), (g[1:] > g[:-1]).sum(), lo, hi])
+            hit = self._profiles[id(g)] = (g, tuple(d.tolist()))
+        return hit[1]
 
     def runs_of(self, g: torch.Tensor):
         hit = self._runs.get(id(g))
         if hit is None or hit[0] is not g:
-            hit = self._runs[id(g)] = (g, _runs(g))
+            hit = self._runs[id(g)] = (g, _runs(g, self.profile_of(g)))
         return hit[1]
 
     def sorted_of(self, g: torch.Tensor):
         """``(sign * g, sign)`` when ``g`` [Nk] is non-decreasing (sign 1) or non-increasing
         (sign -1), else None."""
-        hit = self._sorted.get(id(g))
+        if g.dim() != 1:
+            return None
+        down, up, _, _ = self.profile_of(g)
+        if not down:
+            return g, 1
+        if up:
+            return None
+        hit = self._runs.get(("neg", id(g)))
         if hit is None or hit[0] is not g:
-            mono = None
-            if g.dim() == 1:
-                down, up = torch.stack([(g[1:] < g[:-1]).any(), (g[1:] > g[:-1]).any()]).tolist()
-                mono = (g, 1) if not down else (-g, -1) if not up else None
-            hit = self._sorted[id(g)] = (g, mono)
-        return hit[1]
+            hit = self._runs[("neg", id(g))] = (g, -g)
+        return hit[1], -1
 
     # ------------------------------------------------------------------ interval sets
+    def consts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0 and ``nk``: int32 0-d tensors, made once (never written to)."""
+        if self._consts is None:
+            both = torch.tensor([0, self.nk], dtype=torch.int32, device=self.device)
+            self._consts = both[0], both[1]
+        return self._consts
+
     def full(self) -> Iv:
-        z = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
-        return Iv(z, z + self.nk)
+        zero, nk = self.consts()
+        return Iv(zero.view(1, 1), nk.view(1, 1))
 
     def row_full(self, k: int):
         """``([0, nk, ...], [nk, nk, ...])``: int32 ``[k]``, the whole row in ``k`` slots."""
@@ -172,13 +196,23 @@ class Lifter:
         return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk)[:2])
 
     def kept(self, x, y) -> Iv:
-        """``[x, y)`` per slot (int32 tensors), the empty ones set to ``[nk, nk)``, compacted
-        when there are several slots (``x``, ``y`` sorted and disjoint per row)."""
-        keep = x < y
-        x, y = (
-            torch.where(keep, x, self.nk).to(torch.int32),
-            torch.where(keep, y, self.nk).to(torch.int32),
-        )
+        """``[x, y)`` per slot, the empty ones set to ``[nk, nk)``, compacted when there are
+        several slots (``x``, ``y`` sorted and disjoint per row). ``x``: an integer tensor
+        ``>= 0`` or the int 0; ``y``: an integer tensor ``<= nk`` or the int ``nk``. An empty
+        slot has ``x' = nk``, and ``y' = max(y, x')`` is then ``nk`` (as ``y <= nk``) and
+        ``y`` otherwise: one ``where`` for both bounds."""
+        zero, pad = self.consts()
+        if isinstance(x, int) and isinstance(y, int):
+            return self.full()
+        if isinstance(y, int):  # [x, nk): empty only when x >= nk
+            x = x.clamp(max=self.nk).to(torch.int32)
+            y = pad.expand(x.shape)
+        elif isinstance(x, int):  # [0, y): empty when y <= 0
+            x = torch.where(y > 0, zero, pad)
+            y = torch.maximum(y, x).to(torch.int32)
+        else:
+            x = torch.where(x < y, x, pad)
+            x, y = x.to(torch.int32), torch.maximum(y, x).to(torch.int32)
         if x.shape[-1] == 1:
             return Iv(x, y)
         return Iv(*iv.compact_sorted(x, y, self.nk)[:2])
@@ -363,10 +397,6 @@ class Lifter:
         else:
             x = cur.lo if isinstance(x, int) else torch.maximum(cur.lo, x)
             y = cur.hi if isinstance(y, int) else torch.minimum(cur.hi, y)
-        if isinstance(x, int):
-            x = torch.zeros_like(y)
-        if isinstance(y, int):
-            y = torch.full_like(x, self.nk)
         return self.kept(x, y)
 
     def within(self, cur: Iv, runs, op: str, t) -> Iv:
@@ -379,10 +409,13 @@ class Lifter:
         live = lo < hi
         first = run[lo.clamp(max=self.nk - 1)]
         last = run[(hi - 1).clamp(min=0, max=self.nk - 1)]
-        width = torch.where(live, last - first + 1, 0)
-        s_max = int(width.max()) if width.numel() else 0
-        if s_max == 0:
-            return cur
+        if n_runs * lo.shape[-1] <= _RUNS_UNREAD:  # every run in every slot: no host read
+            s_max = n_runs
+        else:
+            width = torch.where(live, last - first + 1, 0)
+            s_max = int(width.max()) if width.numel() else 0
+            if s_max == 0:
+                return cur
         if s_max * lo.shape[-1] > MAX_RUNS_PER_ROW:
             raise Unsupported(
                 f"a comparison crosses {s_max} monotone runs of its key term in one row"
@@ -395,7 +428,7 @@ class Lifter:
         tq = t if t.dim() == 0 else t.reshape(*t.shape, 1, 1)
         tt = (tq - gmin + 1).clamp(0, span - 1)
         target = r * span + tt
-        left, right = _search(key, target)
+        left, right = _search(key, target, n_runs * span)
         if op == "ge":
             x, y = left, b
         elif op == "gt":
@@ -409,7 +442,10 @@ class Lifter:
         x, y = torch.maximum(x, a), torch.minimum(y, b)
         x = torch.where(ok & (x < y), x, self.nk)
         y = torch.where(ok & (x < self.nk), y, self.nk)
-        return self.canon(x.flatten(-2), y.flatten(-2))
+        # within [0, nk], sorted and disjoint by construction (runs ordered inside each sorted
+        # slot, empties at nk): compacted without clipping
+        lo, hi, _ = iv.compact_sorted(x.flatten(-2), y.flatten(-2), self.nk)
+        return Iv(lo.to(torch.int32), hi.to(torch.int32))
 
     # ------------------------------------------------------------------ graph
     def run(self, gm, b: int, h: int) -> Iv:
@@ -502,26 +538,21 @@ class Lifter:
         raise Unsupported(f"{name} on values that depend on both q_idx and kv_idx")
 
 
-def _runs(g: torch.Tensor):
+def _runs(g: torch.Tensor, profile):
     """The sorted key of ``g`` [Nk] over its monotone runs, choosing the direction
-    (non-decreasing, or non-increasing negated) with fewer runs."""
-    best = None
-    for sign in (1, -1):
-        x = g * sign
-        desc = torch.zeros_like(x, dtype=torch.int64)
-        desc[1:] = (x[1:] < x[:-1]).long()
-        run = torch.cumsum(desc, 0)
-        n_runs = int(run[-1]) + 1
-        if best is None or n_runs < best[2]:
-            best = (x, run, n_runs, sign)
-    x, run, n_runs, sign = best
-    gmin, gmax = int(x.min()), int(x.max())
+    (non-decreasing, or non-increasing negated) with fewer runs; ``profile``:
+    ``Lifter.profile_of(g)``."""
+    down, up, gmin, gmax = profile
+    if down <= up:
+        x, n_runs, sign = g, down + 1, 1
+    else:
+        x, n_runs, sign, gmin, gmax = -g, up + 1, -1, -gmax, -gmin
     span = gmax - gmin + 3
     if n_runs * span >= 2**62:  # the sort key (and the search targets) would leave int64
         raise Unsupported(f"a key term spans {span} values over {n_runs} runs (int64 keys)")
+    run = torch.nn.functional.pad(torch.cumsum(x[1:] < x[:-1], 0), (1, 0))
     key = run * span + (x - gmin + 1)
-    ones = torch.ones_like(run)
-    counts = torch.zeros(n_runs, dtype=torch.int64, device=g.device).scatter_add_(0, run, ones)
+    counts = torch.bincount(run, minlength=n_runs)
     run_end = torch.cumsum(counts, 0)
     return key, run, n_runs, run_end - counts, run_end, gmin, span, sign
 
@@ -532,15 +563,16 @@ def _isqrt(n: int) -> int:
     return math.isqrt(n)
 
 
-def _search(key: torch.Tensor, target: torch.Tensor):
-    """``searchsorted(key, target)`` left and right for a sorted non-negative int64 ``key``:
-    through a table of the key's value range when it is small (O(range + targets), cheaper
-    than a binary search per target on the CPU), else by binary search."""
-    top = int(key[-1]) + 2
+def _search(key: torch.Tensor, target: torch.Tensor, top_bound: int):
+    """``searchsorted(key, target)`` left and right for a sorted non-negative int64 ``key``
+    and targets in ``[0, top_bound)`` (``top_bound`` above every key): through a table of
+    that range when it is small (O(range + targets), cheaper than a binary search per target
+    on the CPU), else by binary search."""
+    top = top_bound
     if top <= 4 * key.numel() + 1024:
         counts = torch.bincount(key, minlength=top)
         right_of = torch.cumsum(counts, 0)
-        t = target.clamp(0, top - 1)
+        t = target
         right = right_of[t]
         return right - counts[t], right
     flat = target.reshape(-1)
@@ -579,47 +611,15 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
     return out
 
 
-#: the most (batch row, head) parts a lifted plan's probe calls the mask_mod on
-_PROBE_PARTS = 64
-
-
-def _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device) -> bool:
-    """The lifted intervals against FlexAttention's scalar semantics on a small probe.
-
-    The mask_mod is called on broadcast indices first (plain tensor operations, a fraction of
-    a vmapped call's host time) and under ``torch.vmap`` only when that does not match: every
-    operation the lifter takes on values of both q and kv is elementwise, and gathers are
-    plain indexing of 1-D indices, where broadcast and scalar semantics give the same
-    booleans; the operations where they can differ (on values of q alone or kv alone) are
-    lifted under vmap, so a broadcast answer that differs from vmap there does not match the
-    lifted one either and the vmapped call decides."""
-    q = modeval._probe_points(q_len, modeval._PROBE_Q, device)
-    kv = modeval._probe_points(kv_len, modeval._PROBE_KV, device)
-    k = kv[None, None, :]
-    # every (batch row, head) up to _PROBE_PARTS of them, else that many spread evenly (first
-    # and last included): a lifted plan is admitted on this check alone
-    n = len(bh)
-    picks = (
-        range(n)
-        if n <= _PROBE_PARTS
-        else sorted({j * (n - 1) // (_PROBE_PARTS - 1) for j in range(_PROBE_PARTS)})
-    )
-    for i in picks:
-        b, h = bh[i]
-        lo, hi, _ = parts[i]
-        got = ((lo[q][..., None] <= k) & (k < hi[q][..., None])).any(1)
-        try:
-            if torch.equal(got, modeval.call_broadcast(mask_mod, b, h, q, kv)):
-                continue
-        except Exception:  # noqa: BLE001 - broadcast refuses it: vmap decides
-            pass
-        try:
-            want = modeval.call_vmap(mask_mod, b, h, q, kv)
-        except Exception:  # noqa: BLE001 - vmap refuses it: compare with broadcast
-            want = modeval.call_broadcast(mask_mod, b, h, q, kv)
-        if not torch.equal(got, want):
-            return False
-    return True
+def _stacked(parts, kv_len: int):
+    """``(lo, hi, count)`` of the parts stacked ``[len(parts), Nq, K]`` (one part: a view)."""
+    if len(parts) == 1:
+        return tuple(t[None].contiguous() for t in parts[0])
+    k = max(p[0].shape[1] for p in parts)
+    padded = [iv.pad_k(p[0], p[1], k, kv_len) for p in parts]
+    lo = torch.stack([p[0] for p in padded])
+    hi = torch.stack([p[1] for p in padded])
+    return lo, hi, torch.stack([p[2] for p in parts])
 
 
 def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device):
@@ -637,7 +637,8 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
                     host_sync=device.type == "cpu", source="from_mask_mod:lifted",
                 )  # fmt: skip
         parts = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
-        if not _probe_agrees(mask_mod, parts, q_len, kv_len, bh, device):
+        lo, hi, count = _stacked(parts, kv_len)
+        if not modeval.lifted_agrees(mask_mod, lo, hi, q_len, kv_len, bh, device):
             log.warning("lifted mask_mod disagrees with its evaluation on a probe; evaluating")
             return None
     except Unsupported as exc:
@@ -646,10 +647,6 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
     except Exception as exc:  # noqa: BLE001 - the evaluation path reports user errors
         log.info("mask_mod not lifted: %s: %s", type(exc).__name__, exc)
         return None
-    k = max(p[0].shape[1] for p in parts)
-    lo = torch.stack([iv.pad_k(p[0], p[1], k, kv_len)[0] for p in parts]).contiguous()
-    hi = torch.stack([iv.pad_k(p[0], p[1], k, kv_len)[1] for p in parts]).contiguous()
-    count = torch.stack([p[2] for p in parts]).contiguous()
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
     with built_plans():  # canonical intervals and their tiles by construction, as in compile
         return MaskPlan(

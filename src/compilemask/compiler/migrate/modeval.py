@@ -61,12 +61,77 @@ def call_vmap(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> to
     return _check_out(out, q.numel(), kv.numel())
 
 
-def _probe_points(n: int, k: int, device) -> torch.Tensor:
-    """Up to ``k`` indices in ``[0, n)``: both ends and an even spread between them."""
+def _probe_list(n: int, k: int) -> list[int]:
+    """Up to ``k`` indices in ``[0, n)``, sorted: both ends, their neighbours and an even
+    spread between them (host arithmetic: no device operation)."""
     if n <= k:
-        return torch.arange(n, device=device)
-    pts = torch.linspace(0, n - 1, k, device=device).round().long()
-    return torch.unique(torch.cat([pts, torch.tensor([1, n - 2], device=device)]))
+        return list(range(n))
+    pts = {(2 * j * (n - 1) + k - 1) // (2 * (k - 1)) for j in range(k)}  # rounded j(n-1)/(k-1)
+    return sorted(pts | {1, n - 2})
+
+
+def probe_pair(q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query and key probe indices (int64, 1-D), in one copy to ``device``."""
+    q, kv = _probe_list(q_len, _PROBE_Q), _probe_list(kv_len, _PROBE_KV)
+    both = torch.tensor(q + kv, dtype=torch.int64, device=device)
+    return both[: len(q)], both[len(q) :]
+
+
+#: the most (batch row, head) parts a lifted plan's probe calls the mask_mod on
+_PROBE_PARTS = 64
+
+
+def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool:
+    """Lifted intervals (``lo``, ``hi``: int32 ``[len(bh), Nq, K]``, canonical) against
+    FlexAttention's scalar semantics on a small probe of every (batch row, head) part up to
+    ``_PROBE_PARTS`` of them (else that many spread evenly, first and last included): a
+    lifted plan is admitted on this check alone.
+
+    The mask_mod is called on broadcast indices first (plain tensor operations, a fraction of
+    a vmapped call's host time) and under ``torch.vmap`` only for a part where that does not
+    match: every operation the lifter takes on values of both q and kv is elementwise, and
+    gathers are plain indexing of 1-D indices, where broadcast and scalar semantics give the
+    same booleans; the operations where they can differ (on values of q alone or kv alone) are
+    lifted under vmap, so a broadcast answer that differs from vmap there does not match the
+    lifted one either and the vmapped call decides. The lifted booleans of every part come
+    from one gather, and every broadcast answer is compared with them at once (one host
+    read); only when that comparison fails is each part decided on its own, as before."""
+    q, kv = probe_pair(q_len, kv_len, device)
+    n = len(bh)
+    picks = (
+        list(range(n))
+        if n <= _PROBE_PARTS
+        else sorted({j * (n - 1) // (_PROBE_PARTS - 1) for j in range(_PROBE_PARTS)})
+    )
+    if len(picks) < n:
+        rows = torch.tensor(picks, device=lo.device)[:, None]
+        lo_q, hi_q = lo[rows, q], hi[rows, q]
+    else:
+        lo_q, hi_q = lo[:, q], hi[:, q]
+    k = kv[:, None]  # [P, probe q, K, 1] against [probe kv, 1]: any over the slots
+    got = ((lo_q[..., None, :] <= k) & (k < hi_q[..., None, :])).any(-1)
+    wants: list = []
+    for i in picks:
+        b, h = bh[i]
+        try:
+            wants.append(call_broadcast(mask_mod, b, h, q, kv))
+        except Exception:  # noqa: BLE001 - broadcast refuses it: vmap decides
+            wants.append(None)
+    if all(w is not None for w in wants):
+        want = wants[0][None] if len(wants) == 1 else torch.stack(wants)
+        if torch.equal(got, want):
+            return True
+    for j, i in enumerate(picks):  # one part at a time, each with the vmapped call's say
+        b, h = bh[i]
+        if wants[j] is not None and torch.equal(got[j], wants[j]):
+            continue
+        try:
+            want = call_vmap(mask_mod, b, h, q, kv)
+        except Exception:  # noqa: BLE001 - vmap refuses it: compare with broadcast
+            want = call_broadcast(mask_mod, b, h, q, kv)
+        if not torch.equal(got[j], want):
+            return False
+    return True
 
 
 def _user_error(exc: Exception) -> CompileMaskError:
@@ -90,8 +155,7 @@ def choose_mode(mask_mod, q_len: int, kv_len: int, bh: list[tuple[int, int]], de
     Raises:
         CompileMaskError: the mask_mod fails both ways, or returns no bool tensor.
     """
-    q = _probe_points(q_len, _PROBE_Q, device)
-    kv = _probe_points(kv_len, _PROBE_KV, device)
+    q, kv = probe_pair(q_len, kv_len, device)
     probe_bh = [bh[0]] if len(bh) == 1 else [bh[0], bh[-1]]
     try:
         want = [call_vmap(mask_mod, b, h, q, kv) for b, h in probe_bh]
