@@ -705,3 +705,26 @@ def test_double_backward_raises_instead_of_dropping_the_term():
     (gk,) = torch.autograd.grad((out * w).sum(), k, create_graph=True)
     with pytest.raises(RuntimeError, match="no double backward"):
         torch.autograd.grad(gk.sum(), w)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_primed_mask_constants_equal_the_per_schedule_reads(tiled):
+    """One read for several schedules gives each exactly what its own read gives (intervals
+    only, bitmask tiles mixed in, and bits only)."""
+    from compilemask.kernels.triton import common
+
+    mask = cm.masks.clear((8, 16), 5, 20)
+    plan = cm.compile(cm.tile_grid(mask, (4, 8)) if tiled else mask, 148, device=DEVICE)
+    causal = cm.compile(cm.masks.causal(), 148, device=DEVICE)
+    tilings = [(plan, 32, 64), (plan, 64, 32), (plan, 16, 16), (causal, 32, 32)]
+    got = []
+    for p, bm, bn in tilings:
+        s = p.tiles(bm, bn)
+        got.append({"kind": s.kind, "jlo": s.jlo.clone(), "jhi": s.jhi})
+    common.prime_mask_constants(got, plan.row_lo.shape[-1])
+    for (p, bm, bn), primed in zip(tilings, got):
+        s = p.tiles(bm, bn)
+        want = common.mask_constants(s.kind, s.jlo.clone(), s.jhi, plan.row_lo.shape[-1])
+        assert common._MASK_CONSTANTS[id(primed["jlo"])][1] == want
+    modes = {common._MASK_CONSTANTS[id(s["jlo"])][1][2] for s in got}
+    assert 0 in modes and (1 in modes or 2 in modes)  # both kinds of schedule were primed

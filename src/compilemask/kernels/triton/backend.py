@@ -507,6 +507,17 @@ class TritonBackend:
             )  # fmt: skip
             bwd_schedule = plan.cached(key, lambda: _bwd_schedule(plan, bcfg))
             bwd_config = _ints(bcfg)
+            if not torch.compiler.is_compiling():  # the three kernels' constants, one read
+                from .common import prime_mask_constants
+
+                prime_mask_constants(
+                    [
+                        dict(zip(FWD_SCHEDULE_FIELDS, schedule)),
+                        dict(zip(DKDV_SCHEDULE_FIELDS, bwd_schedule[:_N_DKDV])),
+                        dict(zip(FWD_SCHEDULE_FIELDS, bwd_schedule[_N_DKDV:_N_BWD])),
+                    ],
+                    plan.row_lo.shape[-1],
+                )
         heads = plan.heads or 1
         return TritonPrepared(
             _ints(cfg), schedule, bwd_config, bwd_schedule,

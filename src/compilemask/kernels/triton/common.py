@@ -482,8 +482,6 @@ def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, int]:
     :data:`MAX_PRELOAD_SLOTS` and there is no bitmask tile, else 0. Read back once per
     schedule (one small device-to-host copy) and cached while the tensor lives.
     """
-    import weakref
-
     import torch
 
     hit = _MASK_CONSTANTS.get(id(jlo))
@@ -496,19 +494,54 @@ def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, int]:
         span, has_bits, has_ints = (
             int(x) for x in torch.stack([span, bits.to(span.dtype), ints.to(span.dtype)]).tolist()
         )
-        if has_bits and not has_ints:
-            has_bits = 2
     else:
-        span, has_bits = 0, 0
+        span, has_bits, has_ints = 0, 0, 0
+    value = _constants(span, has_bits, has_ints, n_slots)
+    _remember(jlo, value)
+    return value
+
+
+def prime_mask_constants(schedules, n_slots: int) -> None:
+    """:func:`mask_constants` of several schedules (dicts with ``kind``, ``jlo``, ``jhi``) in
+    one device-to-host copy: a training step on a new plan reads the forward's, dQ's and
+    dK/dV's constants back once instead of three times. Schedules already known are skipped."""
+    import torch
+
+    todo = []
+    for s in schedules:
+        hit = _MASK_CONSTANTS.get(id(s["jlo"]))
+        if (hit is None or hit[0]() is not s["jlo"]) and s["kind"].numel():
+            todo.append(s)
+    if len(todo) < 2:
+        return  # nothing to batch: mask_constants reads a lone schedule when launched
+    parts = []
+    for s in todo:
+        kind = s["kind"]
+        span = torch.where(kind == int(KIND_PARTIAL), s["jhi"] - s["jlo"], 0).max()
+        parts += [span, (kind == int(KIND_PARTIAL_BITS)).any().to(span.dtype)]
+        parts.append((kind == int(KIND_PARTIAL)).any().to(span.dtype))
+    values = torch.stack(parts).tolist()
+    for i, s in enumerate(todo):
+        span, has_bits, has_ints = (int(x) for x in values[3 * i : 3 * i + 3])
+        _remember(s["jlo"], _constants(span, has_bits, has_ints, n_slots))
+
+
+def _constants(span: int, has_bits: int, has_ints: int, n_slots: int) -> tuple[int, int, int]:
+    if has_bits and not has_ints:
+        has_bits = 2
     max_span = span if span <= MAX_STATIC_SPAN else -1
     slots = n_slots if (n_slots <= MAX_PRELOAD_SLOTS and not has_bits) else 0
-    value = (max_span, slots, has_bits)
+    return max_span, slots, has_bits
+
+
+def _remember(jlo, value: tuple[int, int, int]) -> None:
+    import weakref
+
     key = id(jlo)
     _MASK_CONSTANTS[key] = (
         weakref.ref(jlo, lambda _, key=key: _MASK_CONSTANTS.pop(key, None)),
         value,
     )
-    return value
 
 
 def check_bits(bits, has_bits: int, rows: int, cols: int) -> None:
