@@ -14,18 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import sys
 import time
 
 from compilemask import masks
 
-
-def commit() -> str:
-    env = os.environ.get("COMPILEMASK_COMMIT")
-    if env:
-        return env
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_from_mask_mod import commit  # noqa: E402
 
 
 def min_ms(fn, calls: int) -> float:

@@ -18,7 +18,7 @@ import argparse
 import collections
 import json
 import os
-import subprocess
+import sys
 import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -28,15 +28,10 @@ import torch  # noqa: E402
 import compilemask as cm  # noqa: E402
 from compilemask import workloads as wl  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_from_mask_mod import commit  # noqa: E402
+
 READS = ("item", "tolist", "__bool__", "__int__", "numpy")
-
-
-def commit() -> str:
-    env = os.environ.get("COMPILEMASK_COMMIT")
-    if env:
-        return env
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def count_reads(fn) -> collections.Counter:
