@@ -488,11 +488,8 @@ def mask_constants(kind, jlo, jhi, n_slots: int) -> tuple[int, int, int]:
     if hit is not None and hit[0]() is jlo:
         return hit[1]
     if kind.numel():
-        span = torch.where(kind == int(KIND_PARTIAL), jhi - jlo, 0).max()
-        bits = (kind == int(KIND_PARTIAL_BITS)).any()
-        ints = (kind == int(KIND_PARTIAL)).any()
         span, has_bits, has_ints = (
-            int(x) for x in torch.stack([span, bits.to(span.dtype), ints.to(span.dtype)]).tolist()
+            int(x) for x in torch.stack(_constant_parts(kind, jlo, jhi)).tolist()
         )
     else:
         span, has_bits, has_ints = 0, 0, 0
@@ -514,16 +511,21 @@ def prime_mask_constants(schedules, n_slots: int) -> None:
             todo.append(s)
     if len(todo) < 2:
         return  # nothing to batch: mask_constants reads a lone schedule when launched
-    parts = []
-    for s in todo:
-        kind = s["kind"]
-        span = torch.where(kind == int(KIND_PARTIAL), s["jhi"] - s["jlo"], 0).max()
-        parts += [span, (kind == int(KIND_PARTIAL_BITS)).any().to(span.dtype)]
-        parts.append((kind == int(KIND_PARTIAL)).any().to(span.dtype))
+    parts = [t for s in todo for t in _constant_parts(s["kind"], s["jlo"], s["jhi"])]
     values = torch.stack(parts).tolist()
     for i, s in enumerate(todo):
         span, has_bits, has_ints = (int(x) for x in values[3 * i : 3 * i + 3])
         _remember(s["jlo"], _constants(span, has_bits, has_ints, n_slots))
+
+
+def _constant_parts(kind, jlo, jhi) -> list:
+    """Device scalars ``[widest PARTIAL slot range, any PARTIAL_BITS tile, any PARTIAL tile]``
+    of one schedule (one dtype, to be stacked and read back)."""
+    import torch
+
+    span = torch.where(kind == int(KIND_PARTIAL), jhi - jlo, 0).max()
+    bits = (kind == int(KIND_PARTIAL_BITS)).any().to(span.dtype)
+    return [span, bits, (kind == int(KIND_PARTIAL)).any().to(span.dtype)]
 
 
 def _constants(span: int, has_bits: int, has_ints: int, n_slots: int) -> tuple[int, int, int]:
