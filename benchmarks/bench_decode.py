@@ -1,6 +1,8 @@
 """Decode-step timings on a GPU: the split-KV kernel over a paged bf16 cache, FlexAttention on
-the same keys (contiguous cache, its decoding path for short queries), and the GPU time of
-``step_plan``.
+the same keys (contiguous cache, its decoding path for short queries), FlashAttention-4 on the
+same paged cache (``flash_attn.cute.flash_attn_varlen_func`` with ``page_table`` and
+``seqused_k``; causal and sliding window, bottom-right aligned as ours; where it is installed),
+and the GPU time of ``step_plan``.
 
 Usage: ``python benchmarks/bench_decode.py [--out FILE.jsonl] [--quick]``. One JSON line per
 (mask, cache length, new queries): times in microseconds (``triton.testing.do_bench``,
@@ -55,6 +57,24 @@ def _flex(q, k, v, mask_kind, nq, window):
     return lambda: fn(q, k, v, block_mask=bm, enable_gqa=True)
 
 
+def _fa4(q, kc, vc, table, lens, mask_kind, window):
+    """FlashAttention-4 over the paged cache, or None for masks it has no form for."""
+    if mask_kind not in ("causal", "sliding_window"):
+        return None
+    from flash_attn.cute import flash_attn_varlen_func
+
+    qb = q.transpose(1, 2).contiguous()  # [B, nq, Hq, D]
+    win = (window - 1, 0) if mask_kind == "sliding_window" else (None, None)
+
+    def run():
+        out = flash_attn_varlen_func(
+            qb, kc, vc, seqused_k=lens, page_table=table, causal=True, window_size=win
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -105,11 +125,21 @@ def main(argv=None) -> int:
                     flex = triton.testing.do_bench(f, warmup=25, rep=100) * 1e3
                 except Exception as e:  # noqa: BLE001 - a peer that does not run is reported
                     flex = f"error: {type(e).__name__}: {str(e)[:120]}"
+                fa4 = fa4_err = None
+                try:
+                    f = _fa4(q, kc, vc, table, lens, kind, 4096)
+                    if f is not None:
+                        got = f().transpose(1, 2)
+                        fa4_err = float((got[:2].float() - ref.float()).abs().max())
+                        fa4 = triton.testing.do_bench(f, warmup=25, rep=100) * 1e3
+                except Exception as e:  # noqa: BLE001 - a peer that does not run is reported
+                    fa4 = f"error: {type(e).__name__}: {str(e)[:120]}"
             row = {
                 "commit": args.commit,
                 "mask": kind, "cache_len": nk, "new_queries": nq, "B": B, "Hq": HQ, "Hkv": HKV,
                 "D": D, "page_size": PAGE, "dtype": "bfloat16", "compilemask_us": ours,
-                "flex_us": flex, "step_plan_wall_us": build, "max_abs_err_vs_fp32_ref": err,
+                "flex_us": flex, "fa4_paged_us": fa4, "fa4_max_abs_err_vs_fp32_ref": fa4_err,
+                "step_plan_wall_us": build, "max_abs_err_vs_fp32_ref": err,
                 "gpu": torch.cuda.get_device_name(),
             }  # fmt: skip
             print(json.dumps(row), flush=True)

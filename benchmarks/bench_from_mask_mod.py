@@ -11,6 +11,10 @@ masks): causal, sliding_window (N/8), document (N/16 random documents, causal), 
 * ``compilemask-auto``: ``from_mask_mod(mask_mod, N, device)`` (lifted when recognised;
   ``path`` says which path was taken).
 
+With ``--gym`` the mask_mods are those of attention-gym and FlashAttention-4's tests
+(``lift_gym_masks.py``: the ones ``from_mask_mod`` lowers by its general lifting), their tables
+on ``--device``, each with the batch and heads it is written for.
+
 Median of ``--repeat`` warm runs (``time.perf_counter``, a device synchronisation on CUDA), the
 systems alternating within each repeat.
 Results go to ``benchmarks/results/<cpu|h200>-from-mask-mod-<date>.jsonl``, one JSON line per
@@ -20,6 +24,7 @@ Usage::
 
     python benchmarks/bench_from_mask_mod.py --sizes 8192
     python benchmarks/bench_from_mask_mod.py --sizes 1024 --masks causal hstu --no-write
+    python benchmarks/bench_from_mask_mod.py --device cuda --sizes 32768 --gym
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -71,12 +77,31 @@ def mask_mod_for(name: str, n: int, device) -> tuple:
     return flex_mask_mod(masks.causal(), device), n
 
 
-def systems_for(mm, n: int, device) -> dict:
+def systems_for(mm, n: int, device, kv_len=None, batch=None, heads=None) -> dict:
+    nk = n if kv_len is None else kv_len
+    kw = {"batch": batch, "heads": heads, "device": device}
     return {
-        "flex-create_block_mask": lambda: create_block_mask(mm, None, None, n, n, device=device),
-        "compilemask-evaluated": lambda: cm.from_mask_mod(mm, n, device=device, lifting=False),
-        "compilemask-auto": lambda: cm.from_mask_mod(mm, n, device=device),
+        "flex-create_block_mask": lambda: create_block_mask(mm, batch, heads, n, nk, device=device),
+        "compilemask-evaluated": lambda: cm.from_mask_mod(mm, n, nk, lifting=False, **kw),
+        "compilemask-auto": lambda: cm.from_mask_mod(mm, n, nk, **kw),
     }
+
+
+def cases(args, device):
+    """``(name, mask_mod, q_len, kv_len, batch, heads)`` per measured mask and size."""
+    if args.gym:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from lift_gym_masks import GYM, gym_mask_mod, to_device
+
+        for n0 in args.sizes:
+            for name in GYM:
+                mm, nq, nk, batch, heads = gym_mask_mod(name, n0)
+                yield name, to_device(mm, device), nq, nk, batch, heads
+        return
+    for n0 in args.sizes:
+        for name in args.masks:
+            mm, n = mask_mod_for(name, n0, device)
+            yield name, mm, n, n, None, None
 
 
 def medians_s(systems: dict, device, repeat: int) -> dict:
@@ -115,6 +140,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--gym", action="store_true", help="attention-gym / FA4 test mask_mods")
     args = ap.parse_args()
     device = torch.device(args.device)
     sha = commit()
@@ -122,31 +148,30 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     out = Path(__file__).parent / "results" / f"{host}-from-mask-mod-{date}.jsonl"
     rows = []
-    for n0 in args.sizes:
-        for name in args.masks:
-            mm, n = mask_mod_for(name, n0, device)
-            systems = systems_for(mm, n, device)
-            medians = medians_s(systems, device, args.repeat)
-            for system, fn in systems.items():
-                s = medians[system]
-                row = {
-                    "mode": "plan-from-mask-mod",
-                    "system": system,
-                    "mask": name,
-                    "N": n,
-                    "median_ms": round(s * 1e3, 3),
-                    "repeat": args.repeat,
-                    "device": torch.cuda.get_device_name(device)
-                    if device.type == "cuda"
-                    else platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(),
-                    "torch": torch.__version__,
-                    "commit": sha,
-                }
-                if system.startswith("compilemask"):
-                    row["path"] = fn().source
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    for name, mm, n, nk, batch, heads in cases(args, device):
+        systems = systems_for(mm, n, device, nk, batch, heads)
+        medians = medians_s(systems, device, args.repeat)
+        for system, fn in systems.items():
+            row = {
+                "mode": "plan-from-mask-mod",
+                "system": system,
+                "mask": name,
+                "N": n,
+                "median_ms": round(medians[system] * 1e3, 3),
+                "repeat": args.repeat,
+                "device": torch.cuda.get_device_name(device)
+                if device.type == "cuda"
+                else platform.processor() or platform.machine(),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "commit": sha,
+            }
+            if args.gym:
+                row.update(kv_len=nk, batch=batch, heads=heads, set="gym")
+            if system.startswith("compilemask"):
+                row["path"] = fn().source
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     if not args.no_write:
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:

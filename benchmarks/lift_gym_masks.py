@@ -50,6 +50,26 @@ def _hstu(n: int, g: torch.Generator):
     return fn
 
 
+def to_device(mask_mod, device):
+    """``mask_mod`` with the tensors it captures (through closures, nested mask_mods included)
+    moved to ``device`` in place, as a user builds them there for FlexAttention on a GPU."""
+    seen = set()
+
+    def walk(fn):
+        if id(fn) in seen or not callable(fn) or getattr(fn, "__closure__", None) is None:
+            return
+        seen.add(id(fn))
+        for cell in fn.__closure__:
+            value = cell.cell_contents
+            if isinstance(value, torch.Tensor):
+                cell.cell_contents = value.to(device)
+            else:
+                walk(value)
+
+    walk(mask_mod)
+    return mask_mod
+
+
 def gym_mask_mod(name: str, n: int):
     """``(mask_mod, q_len, kv_len, batch, heads)`` of ``name`` at about ``n`` tokens."""
     g = torch.Generator().manual_seed(0)

@@ -6,11 +6,21 @@ the tokens, and with the tokens kept in the tiled order) and hstu / shared_promp
     PYTHONPATH=src python benchmarks/profile_cudnn_backend.py \\
         > benchmarks/results/h200-cudnn-profile-<date>.txt
 
+With ``--host``: the 1K training step (B = 32) of shared_prompt and causal instead, host time
+per step (50 steps issued back to back, no synchronisation inside) beside the wall time per
+step, for cuDNN-frontend direct, our cudnn backend and our Triton backend, then cProfile of 50
+steps of the first two (top functions by own time).
+
 Each timed function runs within the loop iteration that defines it (hence B023 is off).
 """
 
 # ruff: noqa: B023
+import cProfile
+import io
+import pstats
 import statistics
+import sys
+import time
 import traceback
 
 import torch
@@ -67,6 +77,59 @@ def step(fn, ins, dout):
 
     return run
 
+
+def host_profile():
+    for name in ("shared_prompt", "causal"):
+        w = wl.workload(name, 1024)
+        plan = cm.compile(w.mask, w.N, device=dev)
+        qb, kb, vb = leaves(w.B, w.N, True, True)
+        cp = create_mask_plan(cudnn_endpoints(plan, w.B), qb, kb, vb, build_backward=True)
+        dob = torch.randn_like(qb)
+        q, k, v = leaves(w.B, w.N, True, False)
+        do = torch.randn_like(q)
+        fe = lambda: flex_attn_func(qb, kb, vb, mask_plan=cp)  # noqa: E731
+        steps = {
+            "cudnn-fe direct": step(fe, (qb, kb, vb), dob),
+            "cm cudnn": step(lambda: cm.attention(q, k, v, plan, backend="cudnn"), (q, k, v), do),
+            "cm triton": step(lambda: cm.attention(q, k, v, plan, backend="triton"), (q, k, v), do),
+        }
+        for label, fn in steps.items():
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            host, wall = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                host.append((t1 - t0) / 50 * 1e3)
+                wall.append((t2 - t0) / 50 * 1e3)
+            hm, wm = statistics.median(host), statistics.median(wall)
+            print(
+                f"{name:14s} N={w.N} B={w.B} fwd+bwd {label:18s} host {min(host):.3f} ms/step "
+                f"(median {hm:.3f}), wall {wm:.3f} ms/step, single call {med(fn):.3f} ms"
+            )
+        for label in ("cudnn-fe direct", "cm cudnn"):
+            fn = steps[label]
+            torch.cuda.synchronize()
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            pr.disable()
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(30)
+            print(f"=== cProfile, 50 steps: {name} {label}")
+            print("\n".join(line[:150] for line in out.getvalue().splitlines()[:48]))
+
+
+if "--host" in sys.argv:
+    host_profile()
+    sys.exit(0)
 
 for name, n0, modes, tiled in (
     ("clear", 32768, ("fwd", "fwd+bwd"), True),
