@@ -56,6 +56,10 @@ def to_device(mask_mod, device):
     seen = set()
 
     def walk(fn):
+        if isinstance(fn, (tuple, list)):  # e.g. the mask_mods of or_masks / and_masks
+            for item in fn:
+                walk(item)
+            return
         if id(fn) in seen or not callable(fn) or getattr(fn, "__closure__", None) is None:
             return
         seen.add(id(fn))
