@@ -230,6 +230,47 @@ def test_split_kv_merge(splits):
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(
+    "bad", ["page_negative", "page_past_the_cache", "length_negative", "length_past", "plan_lens"]
+)
+def test_decode_kernel_gives_nan_to_a_batch_row_with_a_bad_page_or_length(bad, splits):
+    """The check the kernel makes in place of the host read on CUDA: only the bad batch row
+    gets NaN (out and lse, every head), the others are exact."""
+    pytest.importorskip("triton")
+    from compilemask.kernels.triton.decode import decode_attention
+
+    kc, vc, table = _paged(3, 1, 64, 16, 9, torch.float32)
+    lens = torch.tensor([96, 41, 70], dtype=torch.int32, device=DEVICE)
+    plan = cm.step_plan(masks.causal(), lens, 2, kv_len=96)
+    q = torch.randn(3, 2, 2, 64).to(DEVICE)
+    ref, ref_lse = paged_reference_attention(
+        q, kc, vc, plan.row_lo, plan.row_hi, table, lens, 0.125, compute_dtype=torch.float64
+    )
+    table, call_lens, plan_lens = table.clone(), lens.clone(), None
+    if bad == "page_negative":
+        table[1, 2] = -3  # keys 32..47 of row 1: read (41 keys, causal)
+    elif bad == "page_past_the_cache":
+        table[1, 0] = kc.shape[0]
+    elif bad == "length_negative":
+        call_lens[1] = -1
+    elif bad == "length_past":
+        call_lens[1] = 97  # the plan's key axis is 96 (the cache holds 144)
+    else:
+        plan_lens = lens.clone()
+        plan_lens[1] = 40
+    table[0, 7] = 10**6  # past row 0's keys (96 = pages 0-5 of 16): never read, no effect
+    out, lse = decode_attention(
+        q, kc, vc, plan.row_lo, plan.row_hi, table, call_lens, 0.125, num_splits=splits,
+        block_n=16, plan_seqlens=plan_lens, len_limit=96,
+    )  # fmt: skip
+    assert bool(torch.isnan(out[1]).all()) and bool(torch.isnan(lse[1]).all())
+    for b in (0, 2):
+        assert torch.allclose(out[b].double(), ref[b], atol=1e-4)
+        assert torch.allclose(lse[b].double(), ref_lse[b], atol=1e-4)
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_contiguous_cache_with_mask_plan(backend):
     pytest.importorskip("triton")

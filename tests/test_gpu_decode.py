@@ -96,3 +96,34 @@ def test_paged_decode_bf16(mask, nq, page):
     ok, err, bound = check_close(out, ref64, ref_dt, q.dtype)
     assert ok, f"err {err:.3g} > bound {bound:.3g}"
     assert bool((out[1] == 0).all())
+
+
+def test_cache_calls_make_no_host_sync_and_mark_bad_rows():
+    """A paged decode call reads nothing back to the host; a bad page id gives its batch row
+    NaN (the other rows unchanged), and ``check_plan=True`` raises an InputError naming it."""
+    from compilemask.errors import InputError
+
+    B, Hkv, D, page = 4, 2, 128, 64
+    lens = torch.tensor([4000, 900, 0, 4096], device="cuda", dtype=torch.int32)
+    plan = cm.step_plan(masks.causal(), lens, 1, kv_len=4096)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.randperm(B * 64, device="cuda", generator=g).view(B, 64).to(torch.int32)
+    kc = torch.randn(B * 64, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    q = torch.randn(B, 8, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    with torch.no_grad():
+        good = cm.attention(q, kc, vc, plan, block_table=table)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = cm.attention(q, kc, vc, plan, block_table=table)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(good, again)
+        bad_table = table.clone()
+        bad_table[1, 3] = -1  # keys 192..255 of row 1 (900 keys): read
+        out = cm.attention(q, kc, vc, plan, block_table=bad_table)
+        assert bool(torch.isnan(out[1]).all())
+        assert torch.equal(out[[0, 2, 3]], good[[0, 2, 3]])
+        with pytest.raises(InputError, match=r"block_table\[1, 3\] = -1"):
+            cm.attention(q, kc, vc, plan, block_table=bad_table, check_plan=True)

@@ -104,10 +104,13 @@ def attention(
             sm90 forward, ``compilemask[cute]``). An explicit backend that is unavailable or
             does not support the call raises (never a silent fallback).
         check_plan: verify every invariant of the plan on this call (O(N*K + Tq*Tk) work and
-            one host read; also with ``COMPILEMASK_CHECK_PLAN=1``). Plans are checked where
-            they enter (constructors, copies, unpickling, ``MaskPlan.load``) and refused when
-            modified afterwards, so this is for debugging. Under ``torch.compile`` only the
-            shape checks run (call ``plan.verify()`` before compiled code sees a plan).
+            one host read; also with ``COMPILEMASK_CHECK_PLAN=1``); on a CUDA cache call, also
+            check page ids and cache lengths with a host read (an InputError naming the entry;
+            by default the decode kernel gives a batch row with a bad value NaN instead).
+            Plans are checked where they enter (constructors, copies, unpickling,
+            ``MaskPlan.load``) and refused when modified afterwards, so this is for debugging.
+            Under ``torch.compile`` only the shape checks run (call ``plan.verify()`` before
+            compiled code sees a plan).
         score_mod: a :mod:`compilemask.score_mods` modifier, or a list of them (applied left
             to right), changing the scaled scores before the mask: softcap, alibi,
             relative_bias, bias, custom (docs/score-mods.md). Gradients flow to its learnable
@@ -166,7 +169,16 @@ def attention(
             plan.verify()
         scale = validate.check_scale(scale, q.shape[-1]) if isinstance(q, torch.Tensor) else scale
         return paged.attend_cache(
-            q, k, v, plan, block_table, cache_seqlens, scale, return_lse, backend
+            q,
+            k,
+            v,
+            plan,
+            block_table,
+            cache_seqlens,
+            scale,
+            return_lse,
+            backend,
+            check_plan or os.environ.get("COMPILEMASK_CHECK_PLAN") == "1",
         )
     if forward_ad._current_level >= 0 and backend != "reference":  # inside a dual level
         backend = _backend_for_tangents(q, k, v, sinks, backend)

@@ -28,8 +28,16 @@ def _shape(t) -> str:
     return f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def attend_cache(q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, return_lse, backend):
-    """``(out, lse)`` (or out) of ``compilemask.attention`` called with caches."""
+def attend_cache(
+    q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, return_lse, backend,
+    check_values=False,
+):  # fmt: skip
+    """``(out, lse)`` (or out) of ``compilemask.attention`` called with caches.
+
+    Page ids and cache lengths are checked with one host read (an InputError naming the
+    entry) on the CPU, with ``check_values`` (``attention(check_plan=True)``), and for backends
+    whose decode does not check them; the Triton decode kernel on CUDA checks what it reads
+    and gives a bad batch row NaN instead, without synchronising."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise InputError(f"{name} must be a 4-D tensor, got {_shape(t)}")
@@ -97,12 +105,16 @@ def attend_cache(q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, r
         capacity_checked = min(capacity, plan.kv_len)
     else:
         capacity_checked = capacity
-    _check_cache_values(block_table, seqlens, page, k_pages.shape[0], capacity_checked, plan_lens)
     call = DecodeCall(
         lo, hi, block_table, seqlens.to(torch.int32), page, capacity,
         AttentionCall(B, Hq, Hkv, Nq, capacity, D, q.dtype, q.device, False, return_lse),
+        None if plan_lens is None else plan_lens.to(torch.int32), capacity_checked,
     )  # fmt: skip
     impl = _resolve(backend, call)
+    if check_values or not (q.is_cuda and getattr(impl, "checks_cache_values", False)):
+        _check_cache_values(
+            block_table, seqlens, page, k_pages.shape[0], capacity_checked, plan_lens
+        )
     scale = 1.0 / D**0.5 if scale is None else float(scale)
     out, lse = impl.decode(q, k_pages, v_pages, call, scale)
     return (out, lse) if return_lse else out

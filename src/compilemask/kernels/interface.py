@@ -94,6 +94,13 @@ class DecodeCall:
         cache_seqlens: int32 ``[B]``: keys in each batch row's cache; later keys are hidden.
         page_size: keys per page; kv_len: ``P * page_size``.
         attention: the call's sizes (``kv_len`` = the capacity per batch row).
+        plan_seqlens: int ``[B]`` or None: a ``DecodePlan``'s own cache lengths, which
+            ``cache_seqlens`` must equal.
+        len_limit: the largest valid cache length (``kv_len``, or a DecodePlan's key axis).
+
+    Page ids and cache lengths are checked by the call on the host (one read), unless the
+    backend sets ``checks_cache_values = True``: then, on CUDA, its ``decode`` checks what
+    it reads and gives NaN out and lse to a batch row with a bad value (no host read).
     """
 
     row_lo: torch.Tensor
@@ -103,6 +110,8 @@ class DecodeCall:
     page_size: int
     kv_len: int
     attention: AttentionCall
+    plan_seqlens: torch.Tensor | None = None
+    len_limit: int | None = None
 
 
 @runtime_checkable

@@ -479,6 +479,10 @@ class TritonBackend:
         calls are not kept)."""
         return None if _configs._OVERRIDE or _configs._BWD_OVERRIDE else ()
 
+    #: the decode kernel marks batch rows that read a bad page id or cache length with NaN
+    #: (``interface.DecodeCall``), so CUDA cache calls skip the host-read check
+    checks_cache_values = True
+
     def decode(self, q, k_cache, v_cache, call, scale: float):
         """``(out, lse)`` over a paged cache (``interface.DecodeCall``): the split-KV kernel
         of ``decode.py``."""
@@ -486,7 +490,7 @@ class TritonBackend:
 
         return decode_attention(
             q, k_cache, v_cache, call.row_lo, call.row_hi, call.block_table, call.cache_seqlens,
-            scale,
+            scale, plan_seqlens=call.plan_seqlens, len_limit=call.len_limit,
         )  # fmt: skip
 
     def prepare(self, plan, call: AttentionCall) -> TritonPrepared:

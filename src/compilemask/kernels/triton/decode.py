@@ -35,7 +35,7 @@ _LN2 = 0.6931471805599453
 
 @triton.jit
 def _decode_kernel(
-    Q, Kc, Vc, BlockTable, Seqlens, RowLo, RowHi, Opart, Lpart,
+    Q, Kc, Vc, BlockTable, Seqlens, PlanLens, RowLo, RowHi, Opart, Lpart,
     sq_b, sq_h, sq_m, sq_d,
     sk_p, sk_s, sk_h, sk_d,
     sv_p, sv_s, sv_h, sv_d,
@@ -43,7 +43,7 @@ def _decode_kernel(
     srow_b, srow_m,
     so_s, so_b, so_h, so_m,
     sl_s, sl_b, sl_h,
-    Hkv, Nq, R, num_pages, pages_per_row, capacity, sm_scale, SPLITS,
+    Hkv, Nq, R, num_pages, pages_per_row, capacity, len_limit, sm_scale, SPLITS,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -51,6 +51,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     SLOTS: tl.constexpr,
+    HAS_PLAN_LENS: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -66,7 +67,12 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
 
-    seqlen = tl.minimum(tl.maximum(tl.load(Seqlens + b), 0), capacity)
+    raw_len = tl.load(Seqlens + b)
+    seqlen = tl.minimum(tl.maximum(raw_len, 0), capacity)
+    # a bad cache length or page id makes the batch row's outputs NaN (``bad``): no host read
+    bad = ((raw_len < 0) | (raw_len > len_limit)).to(tl.int32)
+    if HAS_PLAN_LENS:
+        bad = bad | (tl.load(PlanLens + b) != raw_len).to(tl.int32)
     row_base = RowLo + b.to(tl.int64) * srow_b + qi * srow_m  # srow_b = 0: shared rows
     hi_base = RowHi + b.to(tl.int64) * srow_b + qi * srow_m
 
@@ -108,6 +114,7 @@ def _decode_kernel(
         key_ok = offs_n < end
         page_no = tl.minimum(offs_n // PAGE, pages_per_row - 1)
         page = tl.load(bt_row + page_no * sbt_p, mask=key_ok, other=0)
+        bad = bad | tl.max(((page < 0) | (page >= num_pages)).to(tl.int32), 0)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
         slot = offs_n % PAGE
         k = tl.load(
@@ -141,6 +148,8 @@ def _decode_kernel(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i * 0.6931471805599453 + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out = tl.where(bad != 0, float("nan"), out)
+    lse = tl.where(bad != 0, float("nan"), lse)
     o_ptrs = (
         Opart
         + pid_s.to(tl.int64) * so_s
@@ -197,6 +206,8 @@ def decode_attention(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    plan_seqlens: torch.Tensor | None = None,
+    len_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV masked attention of few query rows over a paged KV cache.
 
@@ -212,6 +223,14 @@ def decode_attention(
         num_splits: key slices S per program column (None: :func:`choose_splits`).
         block_n, block_m, num_warps, num_stages: keys per inner iteration, packed query rows
             per program, warps and pipelining stages (None: :func:`launch_config`).
+        plan_seqlens: int [B] or None: the cache lengths the plan was built for (a
+            ``DecodePlan``'s), which ``cache_seqlens`` must equal.
+        len_limit: the largest valid cache length (None: the capacity, ``P * page_size``).
+
+    A batch row whose cache length lies outside ``[0, len_limit]`` or differs from
+    ``plan_seqlens``, or that reads a page id outside ``[0, num_pages)``, gets NaN in out and
+    lse (every head; rows of other batch rows are unaffected): the kernel checks what it reads,
+    with no host read. Pages a row does not read may hold anything.
 
     Returns:
         (out, lse): out [B, Hq, Nq, D] in q's dtype; lse float32 [B, Hq, Nq] (natural log,
@@ -236,14 +255,16 @@ def decode_attention(
     lpart = torch.empty((num_splits, B, Hq, Nq), dtype=torch.float32, device=q.device)
     row_lo, row_hi = row_lo.contiguous(), row_hi.contiguous()
     grid = (num_splits, m_blocks, B * Hkv)
+    limit = capacity if len_limit is None else int(len_limit)
+    plan_lens = cache_seqlens if plan_seqlens is None else plan_seqlens
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_table, cache_seqlens, row_lo, row_hi, opart, lpart,
+        q, k_cache, v_cache, block_table, cache_seqlens, plan_lens, row_lo, row_hi, opart, lpart,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
         row_lo.stride(0) if row_lo.shape[0] > 1 else 0, row_lo.stride(1),
         *opart.stride()[:4], *lpart.stride()[:3],
-        Hkv, Nq, R, num_pages, pages_per_row, capacity, float(scale), num_splits,
+        Hkv, Nq, R, num_pages, pages_per_row, capacity, limit, float(scale), num_splits,
         G=G, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SLOTS=row_lo.shape[-1],
+        SLOTS=row_lo.shape[-1], HAS_PLAN_LENS=plan_seqlens is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits == 1:
@@ -253,12 +274,15 @@ def decode_attention(
 
 def merge_splits(opart: torch.Tensor, lpart: torch.Tensor, dtype: torch.dtype):
     """Merge partial outputs ``[S, ...]`` by their LSEs: ``lse = logsumexp_s(lse_s)``,
-    ``out = sum_s exp(lse_s - lse) * out_s`` (rows with every ``lse_s = -inf``: 0, -inf)."""
+    ``out = sum_s exp(lse_s - lse) * out_s`` (rows with every ``lse_s = -inf``: 0, -inf; rows
+    with a NaN ``lse_s``, marked bad by the kernel: NaN)."""
     lse = torch.logsumexp(lpart, dim=0)
     finite = torch.isfinite(lse)
     w = torch.exp(lpart - torch.where(finite, lse, 0.0)).nan_to_num_(0.0)
     out = (w[..., None] * opart).sum(0)
-    return out.to(dtype), torch.where(finite, lse, float("-inf"))
+    bad = torch.isnan(lse)
+    out = torch.where(bad[..., None], float("nan"), out)
+    return out.to(dtype), torch.where(finite | bad, lse, float("-inf"))
 
 
 # ------------------------------------------------------------------ one-launch decoding plans
