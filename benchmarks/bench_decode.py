@@ -1,4 +1,6 @@
-"""Decode-step timings on a GPU: the split-KV kernel over a paged bf16 cache, FlexAttention on
+"""Decode-step timings on a GPU: ``compilemask.attention`` over a paged bf16 cache
+(``backend="auto"``: ``compilemask_us``; the split-KV kernel: ``compilemask_triton_us``),
+FlexAttention on
 the same keys (contiguous cache, its decoding path for short queries), FlashAttention-4 on the
 same paged cache (``flash_attn.cute.flash_attn_varlen_func`` with ``page_table`` and
 ``seqused_k``; causal and sliding window, bottom-right aligned as ours; where it is installed),
@@ -86,6 +88,7 @@ def main(argv=None) -> int:
     cases = [
         ("causal", masks.causal(), 1),
         ("causal", masks.causal(), 4),
+        ("causal", masks.causal(), 16),
         ("causal", masks.causal(), 64),
         ("sliding_window", masks.sliding_window(4096), 1),
         ("sliding_window", masks.sliding_window(4096), 4),
@@ -111,6 +114,9 @@ def main(argv=None) -> int:
                 run = functools.partial(cm.attention, q, kc, vc, plan, block_table=table)
                 out = run()
                 ours = triton.testing.do_bench(run, warmup=25, rep=100) * 1e3
+                split = functools.partial(run, backend="triton")
+                split()
+                ours_triton = triton.testing.do_bench(split, warmup=25, rep=100) * 1e3
                 ref, _ = paged_reference_attention(
                     q[:2], kc, vc, plan.row_lo[:2], plan.row_hi[:2], table[:2], lens[:2]
                 )
@@ -138,6 +144,7 @@ def main(argv=None) -> int:
                 "commit": args.commit,
                 "mask": kind, "cache_len": nk, "new_queries": nq, "B": B, "Hq": HQ, "Hkv": HKV,
                 "D": D, "page_size": PAGE, "dtype": "bfloat16", "compilemask_us": ours,
+                "compilemask_triton_us": ours_triton,
                 "flex_us": flex, "fa4_paged_us": fa4, "fa4_max_abs_err_vs_fp32_ref": fa4_err,
                 "step_plan_wall_us": build, "max_abs_err_vs_fp32_ref": err,
                 "gpu": torch.cuda.get_device_name(),

@@ -76,7 +76,15 @@ def test_one_launch_plans_equal_the_tensor_build(monkeypatch, mask, nq):
      (masks.tree([-1, 0, 0, 1, 1, 2, 2, 3], 0), 8, 256), (masks.causal(), 64, 128)],
     ids=["causal-1", "window-4", "tree-8", "causal-64"],
 )  # fmt: skip
-def test_paged_decode_bf16(mask, nq, page):
+@pytest.mark.parametrize("backend", ["auto", "triton", "fa4"])
+def test_paged_decode_bf16(mask, nq, page, backend):
+    if backend == "fa4":
+        from compilemask.kernels.fa4 import Fa4Backend
+
+        if not Fa4Backend().available()[0]:
+            pytest.skip("flash_attn.cute is not installed")
+        if mask.name == "tree":
+            pytest.skip("FlashAttention-4 runs causal and sliding-window decode plans only")
     B, Hq, Hkv, D, cap = 6, 8, 2, 128, 8192
     per_row = cap // page
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,7 +97,7 @@ def test_paged_decode_bf16(mask, nq, page):
     lens = torch.tensor([cap, 0, nq, 3000, 777, 8000], device="cuda", dtype=torch.int32)
     plan = cm.step_plan(mask, lens, nq, kv_len=cap)
     with torch.no_grad():
-        out = cm.attention(q, kc, vc, plan, block_table=table)
+        out = cm.attention(q, kc, vc, plan, block_table=table, backend=backend)
     args = (q, kc, vc, plan.row_lo, plan.row_hi, table, lens)
     ref64, _ = paged_reference_attention(*args, compute_dtype=torch.float64)
     ref_dt, _ = paged_reference_attention(*args, compute_dtype=torch.float32, matmul_dtype=q.dtype)
@@ -98,11 +106,15 @@ def test_paged_decode_bf16(mask, nq, page):
     assert bool((out[1] == 0).all())
 
 
-def test_cache_calls_make_no_host_sync_and_mark_bad_rows():
+@pytest.mark.parametrize("backend", ["triton", "fa4"])
+def test_cache_calls_make_no_host_sync_and_mark_bad_rows(backend):
     """A paged decode call reads nothing back to the host; a bad page id gives its batch row
     NaN (the other rows unchanged), and ``check_plan=True`` raises an InputError naming it."""
     from compilemask.errors import InputError
+    from compilemask.kernels.fa4 import Fa4Backend
 
+    if backend == "fa4" and not Fa4Backend().available()[0]:
+        pytest.skip("flash_attn.cute is not installed")
     B, Hkv, D, page = 4, 2, 128, 64
     lens = torch.tensor([4000, 900, 0, 4096], device="cuda", dtype=torch.int32)
     plan = cm.step_plan(masks.causal(), lens, 1, kv_len=4096)
@@ -112,18 +124,18 @@ def test_cache_calls_make_no_host_sync_and_mark_bad_rows():
     vc = torch.randn_like(kc)
     q = torch.randn(B, 8, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
     with torch.no_grad():
-        good = cm.attention(q, kc, vc, plan, block_table=table)
+        good = cm.attention(q, kc, vc, plan, block_table=table, backend=backend)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            again = cm.attention(q, kc, vc, plan, block_table=table)
+            again = cm.attention(q, kc, vc, plan, block_table=table, backend=backend)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(good, again)
         bad_table = table.clone()
         bad_table[1, 3] = -1  # keys 192..255 of row 1 (900 keys): read
-        out = cm.attention(q, kc, vc, plan, block_table=bad_table)
+        out = cm.attention(q, kc, vc, plan, block_table=bad_table, backend=backend)
         assert bool(torch.isnan(out[1]).all())
         assert torch.equal(out[[0, 2, 3]], good[[0, 2, 3]])
         with pytest.raises(InputError, match=r"block_table\[1, 3\] = -1"):
-            cm.attention(q, kc, vc, plan, block_table=bad_table, check_plan=True)
+            cm.attention(q, kc, vc, plan, block_table=bad_table, check_plan=True, backend=backend)

@@ -20,8 +20,18 @@ from ..errors import InputError
 from ..kernels import registry
 from ..kernels.interface import SUPPORTED_HEAD_DIMS, AttentionCall, DecodeCall
 
-#: backends ``backend="auto"`` tries for cache calls, in order
-AUTO_ORDER = ("triton", "reference")
+
+def _fa4_many_rows(call) -> bool:
+    from ..kernels.fa4.paged import many_rows
+
+    return many_rows(call)
+
+
+#: backends ``backend="auto"`` tries for cache calls, in order, each with the calls it takes
+#: (None: every call it supports). H200, bf16, head_dim 128, 32 / 8 heads, batch 64, causal
+#: at 8K (h200-decode-2026-12-01.jsonl): FlashAttention-4's paged kernel is faster than the
+#: split-KV kernel for 64 new tokens, slower for 1 and 4 (docs/perf-notes.md, "Decoding").
+AUTO_ORDER = (("fa4", _fa4_many_rows), ("triton", None), ("reference", None))
 
 
 def _shape(t) -> str:
@@ -105,10 +115,12 @@ def attend_cache(
         capacity_checked = min(capacity, plan.kv_len)
     else:
         capacity_checked = capacity
+    native = plan.native_window() if isinstance(plan, DecodePlan) else None
     call = DecodeCall(
         lo, hi, block_table, seqlens.to(torch.int32), page, capacity,
         AttentionCall(B, Hq, Hkv, Nq, capacity, D, q.dtype, q.device, False, return_lse),
         None if plan_lens is None else plan_lens.to(torch.int32), capacity_checked,
+        plan.row_count.view(-1, Nq), native,
     )  # fmt: skip
     impl = _resolve(backend, call)
     if check_values or not (q.is_cuda and getattr(impl, "checks_cache_values", False)):
@@ -214,17 +226,20 @@ def _intervals(plan, B, Nq, capacity, cache_seqlens, device):
 
 
 def _resolve(name, call: DecodeCall):
-    names = AUTO_ORDER if name == "auto" else (name,)
+    order = AUTO_ORDER if name == "auto" else ((name, None),)
     reasons = []
-    for n in names:
+    for n, takes in order:
         if not isinstance(n, str):
             raise InputError(f"backend must be a str, got {type(n).__name__}")
         impl = registry.get(n)
         ok, why = impl.available()
-        if ok:
-            ok, why = impl.supports(None, call.attention)
         if ok and not hasattr(impl, "decode"):
             ok, why = False, "it has no KV-cache (decode) path"
+        if ok:
+            check = getattr(impl, "decode_supports", None)
+            ok, why = check(call) if check is not None else impl.supports(None, call.attention)
+        if ok and takes is not None and not takes(call):
+            ok, why = False, "slower than the next backend for calls of this size"
         if ok:
             return impl
         reasons.append(f"{n}: {why}")

@@ -84,6 +84,10 @@ class DecodePlan:
         source: the mask's text.
         kv_len_given: whether ``kv_len`` was passed to :func:`step_plan` (else it is the
             longest cache, and :meth:`next` infers it again from the new lengths).
+        bottom_right: built by :func:`step_plan` with ``q_offset=None`` (the new rows are the
+            last ``Nq`` keys of each cache), which lets a cache call run a kernel's own causal
+            or sliding-window mask for such plans of ``causal()`` / ``sliding_window(w)``
+            (:meth:`native_window`).
     """
 
     q_len: int
@@ -97,10 +101,31 @@ class DecodePlan:
     source: str = ""
     mask: Mask | None = None
     kv_len_given: bool = True  # False: kv_len was inferred from cache_seqlens (next() infers)
+    bottom_right: bool = False
 
     # the fields MaskPlan users read
     heads = None
     permutation = None
+
+    def __post_init__(self):
+        versions = tuple(t._version for t in (self.row_lo, self.row_hi, self.row_count))
+        object.__setattr__(self, "_versions", versions)
+
+    def native_window(self) -> int | None:
+        """0 when every row is exactly causal over its cache, ``w`` for ``sliding_window(w)``,
+        bottom-right aligned (rows ``[max(0, p - w + 1), p + 1)`` at key position ``p``, cut to
+        the cache); None otherwise, or once the row tensors were modified in place. Reads no
+        tensor data."""
+        mask = self.mask
+        if not self.bottom_right or not isinstance(mask, Builtin):
+            return None
+        if tuple(t._version for t in (self.row_lo, self.row_hi, self.row_count)) != self._versions:
+            return None
+        if mask.name == "causal":
+            return 0
+        if mask.name == "sliding_window":
+            return int(mask.args[0])
+        return None
 
     @property
     def device(self) -> torch.device:
@@ -223,8 +248,9 @@ def step_plan(
         if built is not None:
             lo, hi, count, offset, lens = built
             return DecodePlan(
-                q_len, kv_len, B, lo, hi, count, lens, offset, str(mask), mask, kv_len_given
-            )
+                q_len, kv_len, B, lo, hi, count, lens, offset, str(mask), mask, kv_len_given,
+                q_offset is None,
+            )  # fmt: skip
     offset = _offsets(q_offset, lens, q_len)
     pos = offset[:, None] + torch.arange(q_len, device=device, dtype=I32)  # [B, Nq]
     if isinstance(mask, PerBatch):
@@ -250,7 +276,7 @@ def step_plan(
     count = valid.sum(-1, dtype=I32)
     return DecodePlan(
         q_len, kv_len, B, lo.contiguous(), hi.contiguous(), count, lens, offset, str(mask), mask,
-        kv_len_given,
+        kv_len_given, q_offset is None,
     )  # fmt: skip
 
 

@@ -97,10 +97,15 @@ class DecodeCall:
         plan_seqlens: int ``[B]`` or None: a ``DecodePlan``'s own cache lengths, which
             ``cache_seqlens`` must equal.
         len_limit: the largest valid cache length (``kv_len``, or a DecodePlan's key axis).
+        row_count: int32 ``[Mb, Nq]``: intervals per row (0: the row sees no key).
+        native_window: a DecodePlan's :meth:`~compilemask.DecodePlan.native_window` (0:
+            causal, ``w``: sliding window, bottom-right), or None.
 
     Page ids and cache lengths are checked by the call on the host (one read), unless the
     backend sets ``checks_cache_values = True``: then, on CUDA, its ``decode`` checks what
     it reads and gives NaN out and lse to a batch row with a bad value (no host read).
+    A backend with a ``decode_supports(call) -> (ok, reason)`` method says which cache calls
+    it runs (else its ``supports(None, call.attention)`` does).
     """
 
     row_lo: torch.Tensor
@@ -112,6 +117,8 @@ class DecodeCall:
     attention: AttentionCall
     plan_seqlens: torch.Tensor | None = None
     len_limit: int | None = None
+    row_count: torch.Tensor | None = None
+    native_window: int | None = None
 
 
 @runtime_checkable

@@ -31,6 +31,9 @@ inside the methods). What they read and return (from the 4.0.0b36 sources):
   head dependence, no permutation) run FlashAttention-4's own ``causal`` / ``window_size``
   kernels instead, with no tile lists or ``mask_mod`` (:mod:`.native`: the compiler's name
   for the plan selects it, its intervals are checked once with one host read).
+- KV caches (decode): plans of ``causal()`` / ``sliding_window(w)`` built by ``step_plan``
+  with the new rows at the end of each cache run FlashAttention-4's paged kernel
+  (:mod:`.paged`).
 - Costs paid once: the lowering per plan (cached on the plan; two host reads, see
   :mod:`.lower`); FlashAttention JIT-compiles each kernel configuration on first use (seconds;
   cached by FlashAttention in the process).
@@ -116,6 +119,24 @@ class Fa4Backend:
         if torch.compiler.is_compiling():
             return False, UNDER_COMPILE
         return _availability()
+
+    #: the paged path checks page ids and cache lengths on the device (NaN rows, :mod:`.paged`)
+    checks_cache_values = True
+
+    def decode_supports(self, call) -> tuple[bool, str]:
+        """Whether FlashAttention-4's paged kernel runs this cache call (``DecodeCall``):
+        decode plans of ``causal()`` / ``sliding_window(w)``, bottom-right (:mod:`.paged`)."""
+        from .paged import decode_reason
+
+        why = decode_reason(call)
+        return not why, why
+
+    def decode(self, q, k_cache, v_cache, call, scale: float):
+        """``(out, lse)`` over a paged cache: FlashAttention-4's paged causal / sliding-window
+        kernel (:func:`.paged.decode`)."""
+        from .paged import decode
+
+        return decode(q, k_cache, v_cache, call, scale)
 
     def dispatch_token(self):
         """What ``supports`` and ``prepare`` read beyond the plan and the call
