@@ -8,8 +8,9 @@ the tokens, and with the tokens kept in the tiled order) and hstu / shared_promp
 
 With ``--host``: the 1K training step (B = 32) of shared_prompt and causal instead, host time
 per step (50 steps issued back to back, no synchronisation inside) beside the wall time per
-step, for cuDNN-frontend direct, our cudnn backend and our Triton backend, then cProfile of 50
-steps of the first two (top functions by own time).
+step, for cuDNN-frontend direct, our cudnn backend (on [B, H, N, D] tensors, and on views of
+BSHD storage) and our Triton backend, the kernels of one step, then cProfile of 50 steps of the
+first two (top functions by own time).
 
 Each timed function runs within the loop iteration that defines it (hence B023 is off).
 """
@@ -88,9 +89,15 @@ def host_profile():
         q, k, v = leaves(w.B, w.N, True, False)
         do = torch.randn_like(q)
         fe = lambda: flex_attn_func(qb, kb, vb, mask_plan=cp)  # noqa: E731
+        # the same call on [B, H, N, D] views of BSHD storage (cuDNN's own layout)
+        qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in leaves(w.B, w.N, False, True))
+        dos = torch.randn_like(qb).transpose(1, 2)
         steps = {
             "cudnn-fe direct": step(fe, (qb, kb, vb), dob),
             "cm cudnn": step(lambda: cm.attention(q, k, v, plan, backend="cudnn"), (q, k, v), do),
+            "cm cudnn, BSHD": step(
+                lambda: cm.attention(qs, ks, vs, plan, backend="cudnn"), (qs, ks, vs), dos
+            ),
             "cm triton": step(lambda: cm.attention(q, k, v, plan, backend="triton"), (q, k, v), do),
         }
         for label, fn in steps.items():
@@ -112,6 +119,8 @@ def host_profile():
                 f"{name:14s} N={w.N} B={w.B} fwd+bwd {label:18s} host {min(host):.3f} ms/step "
                 f"(median {hm:.3f}), wall {wm:.3f} ms/step, single call {med(fn):.3f} ms"
             )
+        for label in ("cudnn-fe direct", "cm cudnn", "cm cudnn, BSHD"):
+            kernels(steps[label], f"{name} fwd+bwd {label} (1K, B={w.B})")
         for label in ("cudnn-fe direct", "cm cudnn"):
             fn = steps[label]
             torch.cuda.synchronize()

@@ -109,12 +109,16 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = BlockTable + b.to(tl.int64) * sbt_b
+    # the page ids of [start, end), checked once (the key loop below clamps them)
+    for p0 in range(start // PAGE, tl.cdiv(end, PAGE), BLOCK_N):
+        pg = p0 + tl.arange(0, BLOCK_N)
+        ids = tl.load(bt_row + tl.minimum(pg, pages_per_row - 1) * sbt_p, mask=pg * PAGE < end)
+        bad = bad | tl.max(((ids < 0) | (ids >= num_pages)).to(tl.int32), 0)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < end
         page_no = tl.minimum(offs_n // PAGE, pages_per_row - 1)
         page = tl.load(bt_row + page_no * sbt_p, mask=key_ok, other=0)
-        bad = bad | tl.max(((page < 0) | (page >= num_pages)).to(tl.int32), 0)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
         slot = offs_n % PAGE
         k = tl.load(
