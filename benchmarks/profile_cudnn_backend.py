@@ -90,7 +90,8 @@ def host_profile():
         do = torch.randn_like(q)
         fe = lambda: flex_attn_func(qb, kb, vb, mask_plan=cp)  # noqa: E731
         # the same call on [B, H, N, D] views of BSHD storage (cuDNN's own layout)
-        qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in leaves(w.B, w.N, False, True))
+        bshd = leaves(w.B, w.N, False, True)
+        qs, ks, vs = (t.transpose(1, 2).requires_grad_() for t in bshd)
         dos = torch.randn_like(qb).transpose(1, 2)
         steps = {
             "cudnn-fe direct": step(fe, (qb, kb, vb), dob),
