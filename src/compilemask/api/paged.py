@@ -30,7 +30,7 @@ def _fa4_many_rows(call) -> bool:
 #: backends ``backend="auto"`` tries for cache calls, in order, each with the calls it takes
 #: (None: every call it supports). H200, bf16, head_dim 128, 32 / 8 heads, batch 64, causal
 #: at 8K and 32K (h200-decode-2026-12-01.jsonl): FlashAttention-4's paged kernel is faster
-#: than the split-KV kernel for 16 and 64 new tokens, slower for 1 (docs/perf-notes.md,
+#: than the split-KV kernel for 4, 16 and 64 new tokens, slower for 1 (docs/perf-notes.md,
 #: "Decoding").
 AUTO_ORDER = (("fa4", _fa4_many_rows), ("triton", None), ("reference", None))
 

@@ -12,9 +12,8 @@ and lse, as the Triton decode kernel does, with no host read. Rows that see no k
 shorter than the new rows) get out 0 and lse -inf from the plan's row counts.
 
 Measured on an H200 (``docs/perf-notes.md``, "Decoding"): faster than our split-KV kernel
-when many query rows share a kv head (16 and 64 new tokens x 4 query heads per kv head),
-slower for 1 new token; ``backend="auto"`` picks it above :data:`AUTO_MIN_ROWS` rows per kv
-head.
+for 4, 16 and 64 new tokens (x 4 query heads per kv head), slower for 1 new token;
+``backend="auto"`` picks it above :data:`AUTO_MIN_ROWS` query rows per kv head.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from ..interface import DecodeCall
 
 #: packed query rows per kv head (query heads per kv head x new tokens) above which
 #: ``backend="auto"`` runs FlashAttention-4 on native decode plans (H200 measurement)
-AUTO_MIN_ROWS = 16
+AUTO_MIN_ROWS = 4
 _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 96, 128)
 
