@@ -8,7 +8,8 @@ causal=, window_size=, return_lse=True)`` (4.0.0b36) takes our cache layout as i
 the bottom right of each row's ``seqused_k`` keys, which is the plan's. It checks no page id:
 the call passes the page table clamped to the cache and the lengths clamped to the plan's key
 axis, and gives a batch row with a bad page id (among those its keys use) or length NaN in out
-and lse, as the Triton decode kernel does, with no host read. Rows that see no key (a cache
+and lse, as the Triton decode kernel does, with no host read (one small Triton kernel before
+FlashAttention-4 and one after it). Rows that see no key (a cache
 shorter than the new rows) get out 0 and lse -inf from the plan's row counts.
 
 Measured on an H200 (``docs/perf-notes.md``, "Decoding"): faster than our split-KV kernel
@@ -17,6 +18,8 @@ for 4, 16 and 64 new tokens (x 4 query heads per kv head), slower for 1 new toke
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -32,6 +35,8 @@ _HEAD_DIMS = (64, 96, 128)
 def decode_reason(call: DecodeCall) -> str:
     """Why FlashAttention-4 does not run this cache call ("" when it does)."""
     a = call.attention
+    if importlib.util.find_spec("triton") is None:
+        return "fa4's paged path checks page ids with Triton kernels: install compilemask[triton]"
     if call.native_window is None:
         return (
             "its paged path runs decode plans of causal() or sliding_window(w) built by "
@@ -54,27 +59,24 @@ def many_rows(call: DecodeCall) -> bool:
 
 def decode(q, k_cache, v_cache, call: DecodeCall, scale: float):
     """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` of ``q [B, Hq, Nq, D]`` over the paged
-    caches ``[num_pages, page_size, Hkv, D]`` (see the module docstring)."""
+    caches ``[num_pages, page_size, Hkv, D]`` (see the module docstring). Three launches: the
+    guard of page ids and lengths, FlashAttention-4, the marking of bad and empty rows
+    (``kernels/triton/cache_guard.py``)."""
     from flash_attn.cute import flash_attn_varlen_func
 
-    table, lens, page = call.block_table, call.cache_seqlens, call.page_size
-    num_pages = k_cache.shape[0]
+    from ..triton.cache_guard import guard_pages, mark_rows
+
     limit = call.kv_len if call.len_limit is None else call.len_limit
-    bad = (lens < 0) | (lens > limit)
-    if call.plan_seqlens is not None:
-        bad = bad | (call.plan_seqlens != lens)
-    pages_used = (lens.clamp(min=0) + (page - 1)) // page
-    used = torch.arange(table.shape[1], device=table.device) < pages_used[:, None]
-    bad = bad | (used & ((table < 0) | (table >= num_pages))).any(1)
+    safe_table, safe_lens, bad = guard_pages(
+        call.block_table, call.cache_seqlens, call.plan_seqlens, call.page_size,
+        k_cache.shape[0], limit,
+    )  # fmt: skip
     window = call.native_window
     mask = {"causal": True} if window == 0 else {"causal": False, "window_size": (window - 1, 0)}
     out, lse = flash_attn_varlen_func(
-        q.transpose(1, 2), k_cache, v_cache, seqused_k=lens.clamp(0, limit),
-        page_table=table.clamp(0, num_pages - 1), softmax_scale=scale, return_lse=True, **mask,
+        q.transpose(1, 2), k_cache, v_cache, seqused_k=safe_lens, page_table=safe_table,
+        softmax_scale=scale, return_lse=True, **mask,
     )  # fmt: skip
-    out = out.transpose(1, 2)
-    empty = (call.row_count == 0)[:, None]  # [Mb, 1, Nq]
-    nan = bad[:, None, None]
-    lse = torch.where(nan, float("nan"), torch.where(empty, float("-inf"), lse))
-    out = torch.where(nan[..., None], float("nan"), torch.where(empty[..., None], 0.0, out))
-    return out.to(q.dtype), lse.float()
+    out = out.transpose(1, 2)  # [B, Hq, Nq, D], a view of FlashAttention's new output
+    mark_rows(out, lse, bad, call.row_count)
+    return out, lse
