@@ -181,10 +181,10 @@ def fake_cudnn(monkeypatch):
         calls["create"] += 1
         return _FakePlan(mask_func, q, k, build_backward)
 
-    def _flex_attention_forward(q, k, v, *, mask_plan, softmax_scale=None, return_lse=False):
+    def flex_attn_func(q, k, v, *, mask_plan, softmax_scale=None, return_lse=False):
         assert q.shape[:2] == mask_plan.shape[0][:2] and k.shape == mask_plan.shape[1]
         out, lse = _fake_attention(q, k, v, mask_plan, softmax_scale)
-        return out, lse if return_lse or q.requires_grad else None, None
+        return (out, lse) if return_lse else out
 
     def _flex_attention_backward(q, k, v, o, do, lse, *, mask_plan, softmax_scale=None):
         assert mask_plan.build_backward
@@ -198,8 +198,7 @@ def fake_cudnn(monkeypatch):
     root = types.ModuleType("cudnn")
     flex = types.ModuleType("cudnn.flex_attention")
     execution = types.ModuleType("cudnn.flex_attention.execution")
-    flex.create_mask_plan = create_mask_plan
-    execution._flex_attention_forward = _flex_attention_forward
+    flex.create_mask_plan, flex.flex_attn_func = create_mask_plan, flex_attn_func
     execution._flex_attention_backward = _flex_attention_backward
     root.flex_attention, flex.execution = flex, execution
     for name, mod in (

@@ -27,16 +27,12 @@ and returns (from the 1.32.0 sources, ``cudnn/flex_attention/``):
   itself (``Softmax.finalize``: a zero row sum gives -inf and a unit rescale of a zero
   accumulator; q-tiles without any visible key are scheduled as zero-cost work and written the
   same way), so no fix-up pass is run (the GPU test checks both exactly).
-- Calls: ``flex_attn_func`` validates the plan, the options and the tensors, then runs
-  ``FlexAttnFunc`` (an autograd Function) whose forward calls
-  ``cudnn.flex_attention.execution._flex_attention_forward(q, k, v, mask_plan=,
-  softmax_scale=, return_lse=)``, which validates them again and launches the kernel, and
-  whose backward calls ``_flex_attention_backward(q, k, v, out, dout, lse, mask_plan=,
-  softmax_scale=, deterministic=, dlse_tensor=)``. :meth:`forward` and :meth:`backward` call
-  the two functions directly (our autograd Function holds ``out`` and ``lse``): the same
-  kernels and checks, without the outer validation and the nested autograd Function (host
-  time per training step, ``h200-cudnn-profile-2026-12-01.txt``). They are not part of
-  cuDNN's ``__all__``: :meth:`available` checks that both exist.
+- Backward: ``flex_attn_func`` returns tensors with autograd (``FlexAttnFunc``), whose
+  backward calls ``cudnn.flex_attention.execution._flex_attention_backward(q, k, v, out, dout,
+  lse, mask_plan=, softmax_scale=, deterministic=, dlse_tensor=)``. :meth:`backward` calls
+  that function directly with the saved ``out`` and ``lse``: the same kernels as autograd,
+  without re-running the forward and without keeping an autograd graph alive between the
+  calls. It is not part of cuDNN's ``__all__``: :meth:`available` checks that it exists.
   ``deterministic=False`` (dQ accumulated with atomics), as in ``flex_attn_func``'s default.
   The contract's backward has no lse gradient, so none is passed (``dlse_tensor=None``).
 - Costs paid once: per (plan, call shape) the endpoints and ``create_mask_plan`` (cached on
@@ -123,10 +119,7 @@ def _availability() -> tuple[bool, str]:
         return False, f"nvidia-cudnn-frontend {version} is too old: {INSTALL_HINT}"
     try:
         import cudnn.flex_attention  # noqa: F401
-        from cudnn.flex_attention.execution import (  # noqa: F401
-            _flex_attention_backward,
-            _flex_attention_forward,
-        )
+        from cudnn.flex_attention.execution import _flex_attention_backward  # noqa: F401
     except ImportError as exc:
         return False, f"cudnn.flex_attention does not import ({exc}): {INSTALL_HINT}"
     except Exception as exc:  # CUDA / cuDNN libraries missing or broken: not available
@@ -226,14 +219,15 @@ class CudnnBackend:
         """``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])`` of q ``[B, Hq, Nq, D]``, k, v
         ``[B, Hkv, Nk, D]`` in the plan's token order. ``out`` is a transpose view of cuDNN's
         BSHD output. ``need_lse=False`` asks cuDNN for no lse (None is returned)."""
-        from cudnn.flex_attention.execution import _flex_attention_forward
+        from cudnn.flex_attention import flex_attn_func
 
         qb, kb, vb = (_native(t.transpose(1, 2)) for t in (q, k, v))
         with torch.no_grad():
-            out, lse, _ = _flex_attention_forward(
+            res = flex_attn_func(
                 qb, kb, vb, mask_plan=prepared.mask_plan, softmax_scale=scale,
                 return_lse=need_lse,
             )  # fmt: skip
+        out, lse = res if isinstance(res, tuple) else (res, None)
         return out.transpose(1, 2), (lse if need_lse else None)
 
     def backward(
