@@ -21,20 +21,6 @@ from ..kernels import registry
 from ..kernels.interface import SUPPORTED_HEAD_DIMS, AttentionCall, DecodeCall
 
 
-def _fa4_many_rows(call) -> bool:
-    from ..kernels.fa4.paged import many_rows
-
-    return many_rows(call)
-
-
-#: backends ``backend="auto"`` tries for cache calls, in order, each with the calls it takes
-#: (None: every call it supports). H200, bf16, head_dim 128, 32 / 8 heads, batch 64, causal
-#: at 8K and 32K (h200-decode-2026-12-01.jsonl): FlashAttention-4's paged kernel is faster
-#: than the split-KV kernel for 4, 16 and 64 new tokens, slower for 1 (docs/perf-notes.md,
-#: "Decoding").
-AUTO_ORDER = (("fa4", _fa4_many_rows), ("triton", None), ("reference", None))
-
-
 def _shape(t) -> str:
     return f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -227,7 +213,7 @@ def _intervals(plan, B, Nq, capacity, cache_seqlens, device):
 
 
 def _resolve(name, call: DecodeCall):
-    order = AUTO_ORDER if name == "auto" else ((name, None),)
+    order = registry.DECODE_AUTO_ORDER if name == "auto" else ((name, None),)
     reasons = []
     for n, takes in order:
         if not isinstance(n, str):

@@ -165,6 +165,20 @@ AUTO_TABLE: list[AutoRule] = [
     AutoRule("reference", why="plain PyTorch: runs everywhere"),
 ]
 
+
+def _fa4_decode_rows(call) -> bool:
+    from .fa4.paged import many_rows
+
+    return many_rows(call)
+
+
+#: What ``backend="auto"`` tries for calls over a KV cache (``interface.DecodeCall``), in
+#: order, each with the calls it takes (None: every call it supports). H200, bf16, head_dim
+#: 128, 32 / 8 heads, batch 64, causal at 8K and 32K (h200-decode-2026-12-01.jsonl):
+#: FlashAttention-4's paged kernel is faster than the split-KV kernel for 4, 16 and 64 new
+#: tokens, slower for 1 (docs/perf-notes.md, "Decoding").
+DECODE_AUTO_ORDER = (("fa4", _fa4_decode_rows), ("triton", None), ("reference", None))
+
 _BACKENDS: dict[str, Backend] = {}
 #: names of registered backends whose ``forward`` takes ``need_lse`` (backends written before
 #: the keyword existed are called without it)
