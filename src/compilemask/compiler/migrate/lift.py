@@ -629,7 +629,7 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
     try:
         gm = traced(mask_mod)
         if batch is None and heads is None:
-            mask = recognise(gm, q_len, kv_len, device)
+            mask = recognise(gm, q_len, kv_len)
             if mask is not None:
                 log.debug("mask_mod recognised as %s", mask)
                 return build_plan(
