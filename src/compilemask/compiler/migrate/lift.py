@@ -99,6 +99,7 @@ class Lifter:
         self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
         self._profiles = {}  # id(g) -> (g, (descents, ascents, min, max))
         self._consts = None
+        self._ints = []  # (tensor, int, version) of the b and h of the current run
 
     def profile_of(self, g: torch.Tensor) -> tuple[int, int, int, int]:
         """``(descents, ascents, min, max)`` of a key term ``g`` (int64 ``[Nk]``): how many
@@ -169,9 +170,12 @@ class Lifter:
         if isinstance(v, KV) and v.t.dtype == torch.bool and v.t.dim() == 1:
             lo, hi, _ = iv.from_dense_rows(v.t[None], self.nk)
             return Iv(lo, hi)
-        if isinstance(v, (bool, torch.Tensor)) and _is_bool_scalar(v):
+        if isinstance(v, bool):
             f = self.full()
-            return f if bool(v) else Iv(f.hi, f.hi.clone())
+            return f if v else Iv(f.hi, f.hi.clone())
+        if isinstance(v, torch.Tensor) and _is_bool_scalar(v):  # [0, nk) or [nk, nk): no read
+            zero, nk = self.consts()
+            return Iv(torch.where(v.to(zero.device), zero, nk).view(1, 1), nk.view(1, 1))
         raise Unsupported(f"a {type(v).__name__} value used as a boolean mask")
 
     def land(self, a: Iv, b: Iv) -> Iv:
@@ -450,10 +454,12 @@ class Lifter:
     # ------------------------------------------------------------------ graph
     def run(self, gm, b: int, h: int) -> Iv:
         env = {}
+        bt, ht = torch.tensor([b, h], device=self.device).unbind()  # one copy for both
+        self._ints = [(bt, b, bt._version), (ht, h, ht._version)]
         args = iter(
             [
-                torch.tensor(b, device=self.device),
-                torch.tensor(h, device=self.device),
+                bt,
+                ht,
                 QV(torch.arange(self.nq, device=self.device), (1, 0)),
                 KV(torch.arange(self.nk, device=self.device), (1, 0)),
             ]
@@ -488,13 +494,24 @@ class Lifter:
             if direct is not None:
                 return direct
         if name == "getitem" and not kwargs:
-            direct = _gather(*args)
+            direct = _gather(*self._known(args))
             if direct is not None:
                 return direct
         for cls in (QV, KV):
             if cls in kinds:
                 return cls(_vmapped(fn, args, kwargs, cls))
         return fn(*args, **kwargs)
+
+    def _known(self, args):
+        """``(table, index)`` with the run's own ``b`` / ``h`` tensors in the index as the ints
+        they hold (while not updated in place): indexing by them reads nothing back."""
+        table, index = args
+        items = index if isinstance(index, tuple) else (index,)
+        out = []
+        for i in items:
+            hit = [v for t, v, ver in self._ints if i is t and t._version == ver]
+            out.append(hit[0] if hit else i)
+        return table, tuple(out) if isinstance(index, tuple) else out[0]
 
     def mixed(self, name: str, args, kwargs):
         if name in ("add", "sub", "neg", "mul", "abs") and any(map(_is_bool, args)):
@@ -593,7 +610,9 @@ def traced(mask_mod):
 
 
 def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
-    """``[(lo, hi, count)]`` per (b, h) of ``bh`` (canonical, ``[Nq, K]``); ``gm``: the
+    """``(lo, hi)``: int32 ``[len(bh), Nq, K]``, the lifted intervals of every (b, h) of ``bh``
+    (per row sorted, disjoint, the empty slots ``[kv_len, kv_len)``; ``K`` not trimmed to
+    the most any row holds: :func:`finished` does that, with its one host read); ``gm``: the
     mask_mod's trace when already taken.
 
     Raises:
@@ -601,25 +620,27 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
     """
     gm = traced(mask_mod) if gm is None else gm
     lifter = Lifter(q_len, kv_len, device)
-    out = []
-    for b, h in bh:
-        ivs = lifter.run(gm, b, h)
-        lo = ivs.lo.expand(q_len, ivs.lo.shape[-1])
-        hi = ivs.hi.expand(q_len, ivs.hi.shape[-1])
-        lo, hi, count = iv.finish_compact(lo, hi, kv_len)
-        out.append((lo, hi, count))
-    return out
-
-
-def _stacked(parts, kv_len: int):
-    """``(lo, hi, count)`` of the parts stacked ``[len(parts), Nq, K]`` (one part: a view)."""
+    parts = [lifter.run(gm, b, h) for b, h in bh]
+    k = max(p.lo.shape[-1] for p in parts)
     if len(parts) == 1:
-        return tuple(t[None].contiguous() for t in parts[0])
-    k = max(p[0].shape[1] for p in parts)
-    padded = [iv.pad_k(p[0], p[1], k, kv_len) for p in parts]
-    lo = torch.stack([p[0] for p in padded])
-    hi = torch.stack([p[1] for p in padded])
-    return lo, hi, torch.stack([p[2] for p in parts])
+        return parts[0].lo.expand(1, q_len, k), parts[0].hi.expand(1, q_len, k)
+    padded = [iv.pad_k(p.lo, p.hi, k, kv_len) for p in parts]
+    lo = torch.stack([x.expand(q_len, k) for x, _ in padded])
+    hi = torch.stack([y.expand(q_len, k) for _, y in padded])
+    return lo, hi
+
+
+def finished(lo, hi, kv_len: int, k: int):
+    """Canonical ``(lo, hi, count)`` of :func:`lift_intervals`' output cut to ``k`` slots
+    (``k``: the most non-empty slots of any row, at least 1; read by the caller)."""
+    lo, hi = lo[..., :k], hi[..., :k]
+    valid = lo < hi
+    pad = torch.full((), kv_len, dtype=lo.dtype, device=lo.device)
+    return (
+        torch.where(valid, lo, pad),
+        torch.where(valid, hi, pad),
+        valid.sum(-1, dtype=torch.int32),
+    )
 
 
 def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device):
@@ -636,11 +657,14 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
                     mask, q_len, kv_len, None, None, block_m, block_n, device,
                     host_sync=device.type == "cpu", source="from_mask_mod:lifted",
                 )  # fmt: skip
-        parts = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
-        lo, hi, count = _stacked(parts, kv_len)
-        if not modeval.lifted_agrees(mask_mod, lo, hi, q_len, kv_len, bh, device):
+        lo, hi = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
+        # the most non-empty slots of a row, read with the probe's verdict (one host read)
+        most = (lo < hi).sum(-1).amax() if lo.shape[-1] > 1 else lo.new_ones(())
+        k = modeval.probe_read(mask_mod, lo, hi, q_len, kv_len, bh, device, most)
+        if k is None:
             log.warning("lifted mask_mod disagrees with its evaluation on a probe; evaluating")
             return None
+        lo, hi, count = finished(lo, hi, kv_len, max(1, k))
     except Unsupported as exc:
         log.info("mask_mod not lifted: %s", exc)
         return None
