@@ -73,7 +73,10 @@ log = logging.getLogger("compilemask.migrate")
 MAX_RUNS_PER_ROW = 64
 #: a comparison inside ``K`` slots per row over a key term of ``R`` runs takes all ``R`` runs
 #: per slot (no host read of how many it crosses) when ``R * K`` is at most this
-_RUNS_UNREAD = 4
+_RUNS_UNREAD = 16
+#: intermediate interval sets of at most this many slots per row are not trimmed to the
+#: most any row holds (a host read each); the result is trimmed once at the end
+_UNTRIMMED_SLOTS = 8
 #: the most parts of a union kept apart (``Disj``)
 _MAX_DISJ = 4
 
@@ -110,6 +113,20 @@ class Lifter:
             d = torch.stack([(g[1:] < g[:-1]).sum(), (g[1:] > g[:-1]).sum(), lo, hi])
             hit = self._profiles[id(g)] = (g, tuple(d.tolist()))
         return hit[1]
+
+    def prefetch(self, terms) -> None:
+        """The profiles of the key terms ``terms`` (int64 ``[Nk]`` tensors; others skipped)
+        not known yet, all in one host read."""
+        todo = list({id(g): g for g in terms if g.dim() == 1}.values())
+        todo = [g for g in todo if self._profiles.get(id(g), (None,))[0] is not g]
+        if len(todo) < 2:
+            return
+        rows = []
+        for g in todo:
+            lo, hi = torch.aminmax(g)
+            rows.append(torch.stack([(g[1:] < g[:-1]).sum(), (g[1:] > g[:-1]).sum(), lo, hi]))
+        for g, d in zip(todo, torch.stack(rows).tolist()):
+            self._profiles[id(g)] = (g, tuple(d))
 
     def runs_of(self, g: torch.Tensor):
         hit = self._runs.get(id(g))
@@ -151,7 +168,9 @@ class Lifter:
 
     def canon(self, lo, hi) -> Iv:
         lo, hi = iv.clip(lo, hi, self.nk)
-        lo, hi, _ = iv.compact_sorted(lo.to(torch.int32), hi.to(torch.int32), self.nk)
+        lo, hi, _ = iv.compact_sorted(
+            lo.to(torch.int32), hi.to(torch.int32), self.nk, trim=_trim(lo.shape[-1])
+        )
         return Iv(lo, hi)
 
     def to_iv(self, v) -> Iv:
@@ -181,7 +200,8 @@ class Lifter:
     def land(self, a: Iv, b: Iv) -> Iv:
         if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:  # one interval each: one interval
             return self.kept(torch.maximum(a.lo, b.lo), torch.minimum(a.hi, b.hi))
-        return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk)[:2])
+        trim = _trim(a.lo.shape[-1] + b.lo.shape[-1])
+        return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk, trim=trim)[:2])
 
     def lor(self, a: Iv, b: Iv) -> Iv:
         if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:
@@ -197,7 +217,8 @@ class Lifter:
                 [torch.where(merge, torch.maximum(x1, y1), x1), torch.where(merge, pad, y1)], -1
             )
             return Iv(lo, hi)
-        return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk)[:2])
+        trim = _trim(a.lo.shape[-1] + b.lo.shape[-1])
+        return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk, trim=trim)[:2])
 
     def kept(self, x, y) -> Iv:
         """``[x, y)`` per slot, the empty ones set to ``[nk, nk)``, compacted when there are
@@ -219,11 +240,12 @@ class Lifter:
             x, y = x.to(torch.int32), torch.maximum(y, x).to(torch.int32)
         if x.shape[-1] == 1:
             return Iv(x, y)
-        return Iv(*iv.compact_sorted(x, y, self.nk)[:2])
+        return Iv(*iv.compact_sorted(x, y, self.nk, trim=_trim(x.shape[-1]))[:2])
 
     def lnot(self, a: Iv) -> Iv:
         f = self.full()
-        return Iv(*iv.difference((f.lo, f.hi), (a.lo, a.hi), self.nk)[:2])
+        trim = _trim(1 + a.lo.shape[-1])
+        return Iv(*iv.difference((f.lo, f.hi), (a.lo, a.hi), self.nk, trim=trim)[:2])
 
     # ------------------------------------------------------------------ comparisons
     def to_sep(self, v) -> Sep:
@@ -355,6 +377,7 @@ class Lifter:
         for ga, op, t in (c for c in p.cmps if isinstance(c[0], tuple)):  # kv +- c: no search
             cur = self.within_affine(cur, ga, op, t)
         rest = [c for c in p.cmps if not isinstance(c[0], tuple)]
+        self.prefetch(g for g, _, _ in rest)
         for g, op, t in rest:  # monotone key terms: one binary search
             mono = self.sorted_of(g)
             if mono is not None:
@@ -415,11 +438,21 @@ class Lifter:
         last = run[(hi - 1).clamp(min=0, max=self.nk - 1)]
         if n_runs * lo.shape[-1] <= _RUNS_UNREAD:  # every run in every slot: no host read
             s_max = n_runs
-        else:
+        elif lo.shape[-1] == 1:
             width = torch.where(live, last - first + 1, 0)
             s_max = int(width.max()) if width.numel() else 0
             if s_max == 0:
                 return cur
+        else:  # with the most slots in use (the set may be untrimmed), in the same read
+            width = torch.where(live, last - first + 1, 0)
+            s_max, used = torch.stack([width.amax(), live.sum(-1).amax()]).tolist()
+            if s_max == 0:
+                return cur
+            if used < lo.shape[-1]:  # the slots past ``used`` are empty in every row
+                k = max(1, used)
+                cur = Iv(cur.lo[..., :k], cur.hi[..., :k])
+                lo, hi, live = lo[..., :k], hi[..., :k], live[..., :k]
+                first, last = first[..., :k], last[..., :k]
         if s_max * lo.shape[-1] > MAX_RUNS_PER_ROW:
             raise Unsupported(
                 f"a comparison crosses {s_max} monotone runs of its key term in one row"
@@ -448,7 +481,8 @@ class Lifter:
         y = torch.where(ok & (x < self.nk), y, self.nk)
         # within [0, nk], sorted and disjoint by construction (runs ordered inside each sorted
         # slot, empties at nk): compacted without clipping
-        lo, hi, _ = iv.compact_sorted(x.flatten(-2), y.flatten(-2), self.nk)
+        x, y = x.flatten(-2), y.flatten(-2)
+        lo, hi, _ = iv.compact_sorted(x, y, self.nk, trim=_trim(x.shape[-1]))
         return Iv(lo.to(torch.int32), hi.to(torch.int32))
 
     # ------------------------------------------------------------------ graph
@@ -572,6 +606,11 @@ def _runs(g: torch.Tensor, profile):
     counts = torch.bincount(run, minlength=n_runs)
     run_end = torch.cumsum(counts, 0)
     return key, run, n_runs, run_end - counts, run_end, gmin, span, sign
+
+
+def _trim(k: int) -> bool:
+    """Whether an intermediate set of ``k`` slots per row is trimmed (one host read)."""
+    return k > _UNTRIMMED_SLOTS
 
 
 def _isqrt(n: int) -> int:
