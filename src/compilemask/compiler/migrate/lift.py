@@ -263,7 +263,12 @@ class Lifter:
                 return Sep(t, zero, (0, 0))
             return Sep(zero, t, v.aff if v.t.dtype == torch.int64 else None)
         if isinstance(v, (int, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
-            c = torch.as_tensor(v, device=self.device)
+            # a Python scalar by a fill (a launch, no copy from the host's pageable memory)
+            c = (
+                v.to(self.device)
+                if isinstance(v, torch.Tensor)
+                else torch.full((), v, device=self.device)
+            )
             if c.dtype not in _SEP_DTYPES:
                 raise Unsupported(f"a {c.dtype} constant in a q/kv comparison")
             return Sep(c.to(torch.int64), zero, (0, 0))
@@ -275,7 +280,7 @@ class Lifter:
             return s.g
         a, c = s.ga
         if a == 0:
-            return torch.tensor(c, device=self.device)
+            return torch.full((), c, dtype=torch.int64, device=self.device)
         return torch.arange(c, c + a * self.nk, a, device=self.device)[: self.nk]
 
     def lin(self, x: Sep, y: Sep | None, cy: int, cx: int = 1) -> Sep:
@@ -313,7 +318,9 @@ class Lifter:
         t = -d.f
         if d.ga is not None and d.ga[0] == 0:
             return QV(
-                getattr(torch, op)(torch.tensor(d.ga[1], device=self.device), t).expand(self.nq)
+                getattr(torch, op)(
+                    torch.full((), d.ga[1], dtype=torch.int64, device=self.device), t
+                ).expand(self.nq)
             )
         if d.ga is not None and abs(d.ga[0]) == 1:
             key = d.ga  # +-kv + c: compared by clamping (``within_affine``)

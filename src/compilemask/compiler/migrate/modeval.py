@@ -38,8 +38,7 @@ def _check_out(out, rows: int, cols: int) -> torch.Tensor:
 def call_broadcast(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """``mask_mod`` on broadcast indices: bool ``[len(q), len(kv)]`` (possibly a broadcast
     view). ``q``, ``kv``: int64 1-D."""
-    bt = torch.tensor(b, device=q.device)
-    ht = torch.tensor(h, device=q.device)
+    bt, ht = torch.tensor([b, h], device=q.device).unbind()  # one copy for both
     return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
 
 
