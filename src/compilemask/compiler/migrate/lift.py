@@ -676,17 +676,13 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
     return lo, hi
 
 
-def finished(lo, hi, kv_len: int, k: int):
-    """Canonical ``(lo, hi, count)`` of :func:`lift_intervals`' output cut to ``k`` slots
-    (``k``: the most non-empty slots of any row, at least 1; read by the caller)."""
+def finished(lo, hi, k: int, kv_len: int):
+    """Canonical ``(lo, hi)`` of :func:`lift_intervals`' output cut to ``k`` slots (``k``: the
+    most non-empty slots of any row, at least 1; read by the caller)."""
     lo, hi = lo[..., :k], hi[..., :k]
     valid = lo < hi
     pad = torch.full((), kv_len, dtype=lo.dtype, device=lo.device)
-    return (
-        torch.where(valid, lo, pad),
-        torch.where(valid, hi, pad),
-        valid.sum(-1, dtype=torch.int32),
-    )
+    return torch.where(valid, lo, pad), torch.where(valid, hi, pad)
 
 
 def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device):
@@ -704,13 +700,14 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
                     host_sync=device.type == "cpu", source="from_mask_mod:lifted",
                 )  # fmt: skip
         lo, hi = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
+        count = (lo < hi).sum(-1, dtype=torch.int32)  # the same once cut: the rest is empty
         # the most non-empty slots of a row, read with the probe's verdict (one host read)
-        most = (lo < hi).sum(-1).amax() if lo.shape[-1] > 1 else lo.new_ones(())
+        most = count.amax() if lo.shape[-1] > 1 else None
         k = modeval.probe_read(mask_mod, lo, hi, q_len, kv_len, bh, device, most)
         if k is None:
             log.warning("lifted mask_mod disagrees with its evaluation on a probe; evaluating")
             return None
-        lo, hi, count = finished(lo, hi, kv_len, max(1, k))
+        lo, hi = finished(lo, hi, max(1, k), kv_len)
     except Unsupported as exc:
         log.info("mask_mod not lifted: %s", exc)
         return None

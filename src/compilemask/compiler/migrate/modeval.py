@@ -82,11 +82,11 @@ _PROBE_PARTS = 64
 
 def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool:
     """Whether lifted intervals agree with the mask_mod on the probe (:func:`probe_read`)."""
-    return probe_read(mask_mod, lo, hi, q_len, kv_len, bh, device, lo.new_zeros(())) is not None
+    return probe_read(mask_mod, lo, hi, q_len, kv_len, bh, device) is not None
 
 
-def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value) -> int | None:
-    """``int(value)`` (a 0-d integer tensor) when lifted intervals (``lo``, ``hi``: int32
+def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None) -> int | None:
+    """``int(value)`` (a 0-d int32 tensor; None: 0) when lifted intervals (``lo``, ``hi``: int32
     ``[len(bh), Nq, K]``, empty slots ``lo >= hi``) agree with FlexAttention's scalar semantics
     on a small probe of every (batch row, head) part up to ``_PROBE_PARTS`` of them (else that
     many spread evenly, first and last included), else None: a lifted plan is admitted on
@@ -127,9 +127,13 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value) -> 
     if all(w is not None for w in wants):
         want = wants[0][None] if len(wants) == 1 else torch.stack(wants)
         same = (got == want.to(got.device)).all()
-        ok, read = torch.stack([same.to(torch.int64), value.to(same.device, torch.int64)]).tolist()
-        if ok:
-            return read
+        if value is None:
+            if same.item():
+                return 0
+        else:
+            ok, read = torch.stack([same.to(torch.int32), value.to(same.device)]).tolist()
+            if ok:
+                return read
     for j, i in enumerate(picks):  # one part at a time, each with the vmapped call's say
         b, h = bh[i]
         if wants[j] is not None and torch.equal(got[j], wants[j]):
@@ -140,7 +144,7 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value) -> 
             want = call_broadcast(mask_mod, b, h, q, kv)
         if not torch.equal(got[j], want):
             return None
-    return int(value)
+    return 0 if value is None else int(value)
 
 
 def _user_error(exc: Exception) -> CompileMaskError:
