@@ -145,7 +145,7 @@ def gym(names, sizes, calls: int, out: str, base: dict) -> None:
         for n in sizes:
             for name in names:
                 mm, nq, nk, batch, heads = gym_mask_mod(name, n)
-                got = recognise(lift.traced(mm), nq, nk, torch.device("cpu"))
+                got = recognise(lift.traced(mm), nq, nk)
                 row = {"mask": name, "n": nq, "kv_len": nk, "batch": batch, "heads": heads,
                        "system": "compilemask-auto", **base,
                        "recognised": None if got is None else str(got).split("\n")[0]}  # fmt: skip

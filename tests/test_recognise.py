@@ -14,7 +14,7 @@ from compilemask.compiler.migrate.recognise import recognise
 
 
 def recognised(mm, nq, nk):
-    return recognise(lift.traced(mm), nq, nk, torch.device("cpu"))
+    return recognise(lift.traced(mm), nq, nk)
 
 
 def check(mm, nq, nk, *, expect_recognised=True):

@@ -18,7 +18,7 @@ INT_DTYPES = [torch.int64, torch.int32]
 
 
 def recognised(mm, n):
-    return recognise(lift.traced(mm), n, n, torch.device("cpu"))
+    return recognise(lift.traced(mm), n, n)
 
 
 def check(mm, n, expect=None):
@@ -211,3 +211,54 @@ def test_tables_read_on_every_call():
     check(mm, len(g), "shared_prompt")
     p[0] = 3  # not one prompt end per group: lifted
     check(mm, len(g), "")
+
+
+def _seed_mods(device):
+    """The seed mask_mods with tables (``tools.peers.flex_mask_mod``) built on ``device``."""
+    from compilemask.tools.peers import flex_mask_mod
+
+    return {  # name -> (mask_mod, its length)
+        "document": (flex_mask_mod(cm.masks.document([5, 9, 2, 8]), device), 24),
+        "hstu": (flex_mask_mod(cm.masks.hstu([9, 6, 9], [2, 1, 3], contextual=2), device), 24),
+        "shared_prompt": (
+            flex_mask_mod(cm.masks.shared_prompt([3, 2, 1], [[4, 2], [3], [2, 1, 3]]), device),
+            21,
+        ),
+    }
+
+
+def _no_general_lifting(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the general lifting ran: the form was not recognised")
+
+    monkeypatch.setattr(lift, "lift_intervals", refuse)
+
+
+@pytest.mark.parametrize("name", ["document", "hstu", "shared_prompt"])
+def test_recognised_whatever_the_device_is_called(name, monkeypatch):
+    """Recognition does not compare the tables' device with the plan's: a plan asked on
+    ``cpu:0`` with tables on ``cpu`` (as ``cuda`` against ``cuda:0``) is still recognised."""
+    mm, n = _seed_mods("cpu")[name]
+    want = create_mask(mm, None, None, n, n, device="cpu")[0, 0]
+    _no_general_lifting(monkeypatch)
+    plan = cm.from_mask_mod(mm, n, block_m=16, block_n=16, device=torch.device("cpu", 0))
+    assert plan.source == "from_mask_mod:lifted"
+    assert torch.equal(plan.to_dense().cpu(), want)
+
+
+def test_tables_on_two_devices_not_recognised():
+    u, he, ce = hstu_tables([3, 4], [1, 1], 1)
+    he = he.to("meta")  # no data: never read
+    assert recognised(hstu_mods(u, he, ce)[0], len(u)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["document", "hstu", "shared_prompt"])
+def test_recognised_with_tables_on_cuda(name, monkeypatch):
+    """Tables on ``cuda`` (``cuda:0``) and a plan on ``"cuda"``: recognised, one host copy."""
+    mm, n = _seed_mods("cuda")[name]
+    want = create_mask(mm, None, None, n, n, device="cuda")[0, 0]
+    _no_general_lifting(monkeypatch)
+    plan = cm.from_mask_mod(mm, n, block_m=16, block_n=16, device="cuda")
+    assert torch.equal(plan.to_dense(), want)

@@ -22,8 +22,10 @@ mask gives (``hstu``: the first ``min(C, h - s)`` rows see ``[s, h)``, later his
 the first target ``[s, q + 1)``, later targets ``[s, h)`` and ``q``; ``shared_prompt``: prompt
 rows ``[s, q + 1)``, a response row ``[s, pe)`` and ``[its response's start, q + 1)``);
 ``tests/test_recognise.py`` checks against ``create_mask``. Every table is read in one
-device-to-host copy; a table that is not 1-D integer on the plan's device covering ``N``, or
-values that break a condition, give no form and the general lifting runs.
+device-to-host copy, on whatever one device the tables live (the catalogue mask holds their
+values, built on the plan's device: ``"cuda"`` and ``"cuda:0"`` are never told apart); a table
+that is not 1-D integer covering ``N``, tables on two devices, or values that break a
+condition give no form and the general lifting runs.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def has_rows(f) -> bool:
     return any(has_rows(p) for p in getattr(f, "parts", ()))
 
 
-def packed_mask(f, nq: int, nk: int, device, kinds) -> Mask:
+def packed_mask(f, nq: int, nk: int, kinds) -> Mask:
     """The catalogue mask of formula ``f`` (``kinds``: recognise's ``(And, Or, Band, Doc)``).
 
     Raises:
@@ -76,7 +78,7 @@ def packed_mask(f, nq: int, nk: int, device, kinds) -> Mask:
     for match in (_hstu, _shared_prompt):
         got = match(f, kinds)
         if got is not None:
-            return got[0](_read(got[1], nq, device))
+            return got[0](_read(got[1], nq))
     raise NoForm("row tables outside the hstu and shared_prompt forms")
 
 
@@ -193,12 +195,21 @@ def _shared_prompt(f, kinds):
 # ------------------------------------------------------------------ tables
 
 
-def _read(tables: list, n: int, device) -> list:
-    """The first ``n`` values of each table as int64 numpy arrays: one device-to-host copy."""
+def readable(t: torch.Tensor, n: int) -> bool:
+    """Whether ``t`` is a table whose first ``n`` values can be read: a 1-D integer tensor
+    holding data (not ``meta``) of at least ``n`` values. Its device does not matter: the
+    values are read to the host and the plan is built from them on its own device."""
+    return t.dim() == 1 and t.dtype in _INT_DTYPES and t.device.type != "meta" and t.numel() >= n
+
+
+def _read(tables: list, n: int) -> list:
+    """The first ``n`` values of each table as int64 numpy arrays: one device-to-host copy
+    (the tables on one device, any)."""
     uniq = list({id(t): t for t in tables}.values())
-    for t in uniq:
-        if t.dim() != 1 or t.dtype not in _INT_DTYPES or t.device != device or t.numel() < n:
-            raise NoForm("a table not 1-D integer on the plan's device covering the length")
+    if not all(readable(t, n) for t in uniq):
+        raise NoForm("a table not 1-D integer covering the length")
+    if len({t.device for t in uniq}) != 1:
+        raise NoForm("tables on two devices")
     host = torch.cat([t[:n].to(torch.int64) for t in uniq]).cpu().numpy()  # the one host read
     by_id = {id(t): host[i * n : (i + 1) * n] for i, t in enumerate(uniq)}
     return [by_id[id(t)] for t in tables]

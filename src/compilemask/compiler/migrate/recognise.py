@@ -9,9 +9,9 @@ lowering of the catalogue masks, no per-row interval arithmetic and no probe). R
 * ``kv < p`` (``kv <= c``) only in a union with ``kv <= q``: ``prefix_lm(p)``;
 * ``q // c == kv // c`` (a ``chunk(c)`` rule; with ``kv <= q``: ``chunked(c)``) and
   ``kv // c <= q // c`` (``block_causal(c)``), ``c`` a positive int;
-* ``doc[q] == doc[kv]`` with ``doc`` a captured 1-D integer tensor on the plan's device whose
-  first ``N`` ids are non-decreasing (``q_len == kv_len == N``): ``document(lengths, causal)``
-  with the run lengths (one host read of ``doc[:N]``);
+* ``doc[q] == doc[kv]`` with ``doc`` a captured 1-D integer tensor (on any device: its values
+  are read) whose first ``N`` ids are non-decreasing (``q_len == kv_len == N``):
+  ``document(lengths, causal)`` with the run lengths (one host read of ``doc[:N]``);
 * a 2-D local disc with text (CLEAR): ``(q < T) | (k < T) | (dy * dy + dx * dx < r * r)``
   with ``qi, ki = q - T, k - T``, ``dy = qi // w - ki // w``, ``dx = qi % w - ki % w`` (either
   sign order, ``dy ** 2`` for ``dy * dy``, ``<= r * r - 1`` for ``< r * r``; ``r >= 1`` and
@@ -60,7 +60,6 @@ _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
 _AND = {"and", "logical_and", "bitwise_and"}
 _OR = {"or", "logical_or", "bitwise_or"}
 _NOT = {"invert", "logical_not", "bitwise_not"}
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 class _No(Exception):
@@ -409,9 +408,9 @@ def _rule(relation: str) -> Mask:
     return parse(f"{{ layout all:* ; * -> * : {relation} }}")
 
 
-def _doc_lengths(t: torch.Tensor, n: int, device) -> list[int]:
-    if t.dim() != 1 or t.dtype not in _INT_DTYPES or t.device != device or t.numel() < n:
-        raise _No("doc is not a 1-D integer tensor on the plan's device covering the length")
+def _doc_lengths(t: torch.Tensor, n: int) -> list[int]:
+    if not packed.readable(t, n):
+        raise _No("doc is not a 1-D integer tensor covering the length")
     d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
     try:
         s, e, _ = packed.runs(d)
@@ -424,7 +423,7 @@ def _is_causal(b: _Band) -> bool:
     return b.lo is None and b.hi == 0
 
 
-def _conj(parts: list, nq: int, nk: int, device) -> Mask:
+def _conj(parts: list, nq: int, nk: int) -> Mask:
     band = _Band(None, None)
     chunks, blocks, docs, ors, discs = set(), set(), [], [], []
     for p in parts:
@@ -453,7 +452,7 @@ def _conj(parts: list, nq: int, nk: int, device) -> Mask:
     if docs:
         if nq != nk:
             raise _No("doc[q] == doc[kv] with q_len != kv_len")
-        out.append(masks.document(_doc_lengths(docs[0].t, nq, device), causal=causal_left))
+        out.append(masks.document(_doc_lengths(docs[0].t, nq), causal=causal_left))
         if causal_left:
             band = _Band(None, None)
     if len(chunks) == 1 and causal_left and not docs:
@@ -471,7 +470,7 @@ def _conj(parts: list, nq: int, nk: int, device) -> Mask:
         if lo > hi:
             raise _No("an empty band")
         out.append(_rule(f"band({lo}, {hi})"))
-    out += [_disj(o.parts, nq, nk, device) for o in ors]
+    out += [_disj(o.parts, nq, nk) for o in ors]
     if not out:
         raise _No("a mask that is always true")
     m = out[0]
@@ -491,7 +490,7 @@ def _clear(d: _Disc, qs: list, kvs: list, nq: int, nk: int) -> Mask:
     return masks.clear(((nq - d.text) // d.w, d.w), d.r, d.text)
 
 
-def _disj(parts: list, nq: int, nk: int, device) -> Mask:
+def _disj(parts: list, nq: int, nk: int) -> Mask:
     out = []
     discs = [p for p in parts if isinstance(p, _Disc)]
     if discs or any(isinstance(p, _QBound) for p in parts):
@@ -509,28 +508,29 @@ def _disj(parts: list, nq: int, nk: int, device) -> Mask:
             raise _No("kv against a constant outside a union with kv <= q")
         rest.remove(causal[0])
         out.append(masks.prefix_lm(min(max(0, bounds[0].hi + 1), _LIMIT)))
-    out += [_mask(p, nq, nk, device) for p in rest]
+    out += [_mask(p, nq, nk) for p in rest]
     m = out[0]
     for x in out[1:]:
         m = m | x
     return m
 
 
-def _mask(f, nq: int, nk: int, device) -> Mask:
+def _mask(f, nq: int, nk: int) -> Mask:
     if isinstance(f, _Or):
-        return _disj(f.parts, nq, nk, device)
-    return _conj(f.parts if isinstance(f, _And) else [f], nq, nk, device)
+        return _disj(f.parts, nq, nk)
+    return _conj(f.parts if isinstance(f, _And) else [f], nq, nk)
 
 
-def recognise(gm, q_len: int, kv_len: int, device) -> Mask | None:
+def recognise(gm, q_len: int, kv_len: int) -> Mask | None:
     """The region-language mask equal to the traced mask_mod ``gm`` (a ``torch.fx``
     GraphModule) at ``(q_len, kv_len)``, or None (the reason is logged at DEBUG on
-    ``compilemask.migrate``)."""
+    ``compilemask.migrate``). Captured tables are read on whatever device they live (one
+    host copy); the mask holds their values, not the tensors."""
     try:
-        f, device = formula(gm), torch.device(device)
+        f = formula(gm)
         if packed.has_rows(f):
-            return packed.packed_mask(f, q_len, kv_len, device, (_And, _Or, _Band, _Doc))
-        return _mask(f, q_len, kv_len, device)
+            return packed.packed_mask(f, q_len, kv_len, (_And, _Or, _Band, _Doc))
+        return _mask(f, q_len, kv_len)
     except (_No, packed.NoForm) as exc:
         log.debug("mask_mod not a recognised form: %s", exc)
     except Exception as exc:  # noqa: BLE001 - the lifted / evaluated paths report errors
