@@ -345,6 +345,8 @@ def check_gpu_case(name: str, head_dim: int = 128, dtype: torch.dtype = DT) -> s
     be = CuteBackend()
     assert be.supports(plan, call) == (True, "")
     prepared = be.prepare(plan, call)
+    if name.startswith("clear"):  # the kernel's bitmask path runs
+        assert bool((prepared.bits_index >= 0).any())
     out, lse = be.forward(q, k, v, plan, prepared, scale)
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)
