@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask.compiler.tiles import FULL
+from compilemask.compiler.tiles import FULL, PARTIAL_BITS
 from compilemask.errors import CompileMaskError
 from compilemask.kernels.cute.backend import CuteBackend
-from compilemask.kernels.cute.lower import dense_from_lowered, lower
+from compilemask.kernels.cute.lower import dense_from_lowered, lower, seen_from_word
 
 M = cm.masks
 
@@ -33,6 +33,7 @@ def _catalogue():
         ("hstu", cm.compile(M.hstu([200, 140], [30, 20], contextual=2)), 2, 2, 1),
         ("clear", cm.compile(M.clear((6, 8), 3, 50)), 1, 2, 2),
         ("clear_tile_grid", cm.compile(M.tile_grid(M.clear((24, 40), 8, 64))), 1, 1, 1),
+        ("clear_tiles_64", cm.compile(M.clear((24, 40), 8, 64), block_m=64, block_n=64), 1, 2, 1),
         (
             "per_head",
             cm.compile(M.per_head([M.causal(), M.sliding_window(30), M.chunked(80)]), 300, heads=3),
@@ -102,6 +103,90 @@ def test_work_list_covers_every_q_tile_heaviest_first(name, plan, batch, hq, hkv
         (b0, h0, t0, _), (b1, h1, t1, _) = work[i], work[i + 1]
         if weights[i] == weights[i + 1] and (b0, h0 // group, t0) == (b1, h1 // group, t1):
             assert h1 == h0 + 1
+
+
+#: plans whose rows hold many intervals: their wide PARTIAL tiles are lowered as bitmasks
+BITMASK_PLANS = ("clear", "clear_tile_grid", "clear_tiles_64")
+
+
+@pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
+def test_bitmask_tiles_are_the_wide_partial_tiles_of_the_128_schedule(name, plan, batch, hq, hkv):
+    from compilemask.kernels.cute.lower import schedule_for_kernel
+
+    low = lower(plan, batch, hq, hkv)
+    kind = schedule_for_kernel(plan).kind
+    assert low.bits.dtype == torch.int32 and low.bits_index.dtype == torch.int32
+    assert low.bits_index.shape == low.kv_list.shape
+    assert low.bits.shape[1:] == (128, 4) and low.bits.shape[0] >= 1 and low.bits.is_contiguous()
+    has = low.bits_index >= 0
+    assert torch.equal(has, kind == PARTIAL_BITS)
+    pages = low.bits_index[has]
+    assert torch.equal(pages.sort().values, torch.arange(pages.numel(), dtype=torch.int32))
+    if name in BITMASK_PLANS:
+        assert int(has.sum()) > 0, "a many-interval plan lowers some tiles as bitmasks"
+        assert low.bits.shape[0] == int(has.sum())
+    elif not bool(has.any()):
+        assert low.bits.shape[0] == 1 and not bool(low.bits.any())  # the zero page
+    # rows past q_len of the last q-tile are zero in every page (the kernel reads them)
+    tail = plan.q_len - (low.kv_list.shape[1] - 1) * 128
+    last = low.bits_index[:, -1][low.bits_index[:, -1] >= 0].long()
+    assert not bool(low.bits[last, tail:].any())
+
+
+def _thread_columns(t: int) -> list[int]:
+    """Tile columns of a consumer thread's 32 accumulator columns (``mn_layout``), for
+    ``t = lane % 4``."""
+    return [8 * (c // 2) + 2 * t + c % 2 for c in range(32)]
+
+
+def test_seen_from_word_maps_word_bits_to_the_thread_columns():
+    # every word bit alone, the sign bit included (the kernel shifts int32: arithmetic)
+    for t in range(4):
+        cols = _thread_columns(t)
+        for w in range(4):
+            for b in range(32):
+                word = (1 << b) - (1 << 32 if b == 31 else 0)  # int32 value of the word
+                seen = seen_from_word(word >> (2 * t), w) & 0xFFFFFFFF
+                want = sum(1 << c for c in range(32) if cols[c] == 32 * w + b)
+                assert seen == want, (t, w, b)
+    # random rows: the OR over the 4 words is the thread's 32 columns of the row
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(-(2**31), 2**31, (64, 4), generator=g, dtype=torch.int64)
+    for row in rows.tolist():
+        visible = [(row[c // 32] >> (c % 32)) & 1 for c in range(128)]
+        for t in range(4):
+            seen = 0
+            for w in range(4):
+                seen |= seen_from_word(row[w] >> (2 * t), w)
+            got = [(seen >> c) & 1 for c in range(32)]
+            assert got == [visible[col] for col in _thread_columns(t)]
+
+
+@pytest.mark.parametrize("name", BITMASK_PLANS)
+def test_kernel_reading_of_bitmask_pages_rebuilds_the_dense_mask(name):
+    """The rows and columns ``apply_mask`` reads from a page (row ``cw*64 + warp*16 + lane//4
+    + 8r`` of the tile; 4 words through ``seen_from_word``), for all 256 consumer threads,
+    against the dense mask."""
+    plan = dict((c[0], c[1]) for c in CATALOGUE)[name]
+    low = lower(plan, 1, plan.heads or 1, 1)
+    dense = plan.to_dense().view(-1, plan.q_len, plan.kv_len)
+    for m, qt, kt in (low.bits_index >= 0).nonzero().tolist():
+        page = low.bits[int(low.bits_index[m, qt, kt])].tolist()
+        got = torch.zeros(128, 128, dtype=torch.bool)
+        for tid in range(256):
+            cw, warp, lane = tid // 128, tid % 128 // 32, tid % 32
+            t = lane % 4
+            for r in range(2):
+                row = cw * 64 + warp * 16 + lane // 4 + 8 * r
+                seen = 0
+                for w in range(4):
+                    seen |= seen_from_word(page[row][w] >> (2 * t), w)
+                for c, col in enumerate(_thread_columns(t)):
+                    got[row, col] = bool((seen >> c) & 1)
+        want = torch.zeros(128, 128, dtype=torch.bool)
+        part = dense[m, qt * 128 : qt * 128 + 128, kt * 128 : kt * 128 + 128]
+        want[: part.shape[0], : part.shape[1]] = part
+        assert torch.equal(got, want), (m, qt, kt)
 
 
 def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
@@ -260,6 +345,8 @@ def check_gpu_case(name: str, head_dim: int = 128, dtype: torch.dtype = DT) -> s
     be = CuteBackend()
     assert be.supports(plan, call) == (True, "")
     prepared = be.prepare(plan, call)
+    if name.startswith("clear"):  # the kernel's bitmask path runs
+        assert bool((prepared.bits_index >= 0).any())
     out, lse = be.forward(q, k, v, plan, prepared, scale)
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)

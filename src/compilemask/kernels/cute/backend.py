@@ -7,8 +7,9 @@ bitmasks is refused). ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
 ``compilemask[cute]``) is imported on first use only.
 
 Costs paid once: per (plan, call shape) the lowering (:func:`.lower.lower`, cached on the
-plan, no host synchronisation); per ``(head_dim, dtype)`` the ``cute.compile`` of the kernel
-(seconds), once per machine: the compiled kernel is written to a disk cache
+plan; one host read per plan when it holds bitmask tiles, none otherwise); per
+``(head_dim, dtype)`` the ``cute.compile`` of the kernel (seconds), once per machine: the
+compiled kernel is written to a disk cache
 (:mod:`.disk_cache`, ``$COMPILEMASK_CACHE_DIR/cute`` or ``~/.cache/compilemask/cute``) and a
 later process loads it from there (milliseconds). :func:`compile_seconds` and
 :func:`kernel_origins` report the time and where each kernel came from; :func:`precompile`

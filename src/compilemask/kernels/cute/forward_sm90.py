@@ -12,7 +12,9 @@ stages, then K and V of every kv-tile of ``kv_list[m, qt]`` into one shared-memo
 bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
 registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask arithmetic;
-PARTIAL ones hide every key outside the row's intervals, read through :func:`row_bounds`.
+PARTIAL ones hide every key the tile's bitmask does not show (tiles with ``bits_index >= 0``,
+:func:`bits_seen`) or, for the others, every key outside the row's intervals, read through
+:func:`row_bounds`.
 A row that sees no key ends with a zero sum: out 0, lse -inf. O leaves through shared
 memory: ``stmatrix`` into the warpgroup's 64 x D tile, then one TMA store (lse: per element).
 
@@ -45,7 +47,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .lower import BLOCK_M, BLOCK_N
+from .lower import BLOCK_M, BLOCK_N, seen_from_word
 
 WG_THREADS = 128
 ROWS_PER_WG = 64
@@ -67,6 +69,17 @@ def row_bounds(row_lo: cute.Tensor, row_hi: cute.Tensor, m: Int32, row: Int32, s
     ``lo >= hi``). The one place the kernel reads the row descriptor: PARTIAL tiles ask for
     the slots ``[jlo, jhi)`` of their tile."""
     return row_lo[m, row, slot], row_hi[m, row, slot]
+
+
+@cute.jit
+def bits_seen(bits: cute.Tensor, page: Int32, row: Int32, lane: Int32):
+    """The ``seen`` word (bit ``c``: the thread's column ``c`` is visible) of tile row ``row``
+    (0..127) of bitmask page ``page``: one load per word of the row (4 per row)."""
+    shift = 2 * (lane % 4)
+    seen = Int32(0)
+    for w in cutlass.range_constexpr(BLOCK_N // 32):
+        seen = seen | seen_from_word(bits[page, row, w] >> shift, w)
+    return Uint32(seen)
 
 
 class FlashFwdSm90:
@@ -96,6 +109,8 @@ class FlashFwdSm90:
         jhi: cute.Tensor,
         row_lo: cute.Tensor,
         row_hi: cute.Tensor,
+        bits_index: cute.Tensor,
+        bits: cute.Tensor,
         scale_log2: Float32,
         num_ctas: Int32,
         stream: cuda.CUstream,
@@ -152,7 +167,7 @@ class FlashFwdSm90:
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
-            work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi,
+            work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi, bits_index, bits,
             scale_log2, sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream
@@ -181,6 +196,8 @@ class FlashFwdSm90:
         jhi: cute.Tensor,
         row_lo: cute.Tensor,
         row_hi: cute.Tensor,
+        bits_index: cute.Tensor,
+        bits: cute.Tensor,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -287,7 +304,8 @@ class FlashFwdSm90:
                 b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
                 n = kv_count[m, qt]
                 nf = full_count[m, qt]
-                row0 = qt * (2 * ROWS_PER_WG) + cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4
+                tile_row0 = cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4  # in the q-tile
+                row0 = qt * (2 * ROWS_PER_WG) + tile_row0
                 if cw == 1:
                     q_cons.advance()
                 qh = q_cons.wait()
@@ -309,8 +327,9 @@ class FlashFwdSm90:
                     qh=qh, qk_mma=qk_mma, qk_mma_acc=qk_mma_acc, pv_mma=pv_mma, tSrQ=tSrQ,
                     tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
                     row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, kv_list=kv_list,
-                    jlo=jlo, jhi=jhi, row_lo=row_lo, row_hi=row_hi, m=m, qt=qt, row0=row0,
-                    q_len=q_len, lane=lane, cw=cw,
+                    jlo=jlo, jhi=jhi, row_lo=row_lo, row_hi=row_hi, bits_index=bits_index,
+                    bits=bits, m=m, qt=qt, row0=row0, tile_row0=tile_row0, q_len=q_len,
+                    lane=lane, cw=cw,
                 )  # fmt: skip
                 if n > 0:
                     kv_cons = self.first_tile(kv_cons, nf, ts)
@@ -359,8 +378,9 @@ class FlashFwdSm90:
         if cutlass.const_expr(masked):
             kt = ts.kv_list[ts.m, ts.qt, i]
             self.apply_mask(
-                s_mn, kt, ts.jlo[ts.m, ts.qt, kt], ts.jhi[ts.m, ts.qt, kt], ts.row_lo,
-                ts.row_hi, ts.m, ts.row0, ts.q_len, ts.lane,
+                s_mn, kt, ts.jlo[ts.m, ts.qt, kt], ts.jhi[ts.m, ts.qt, kt],
+                ts.bits_index[ts.m, ts.qt, kt], ts.row_lo, ts.row_hi, ts.bits, ts.m, ts.row0,
+                ts.tile_row0, ts.q_len, ts.lane,
             )  # fmt: skip
         for r in cutlass.range_constexpr(2):
             mx = ts.row_max[r]
@@ -462,21 +482,29 @@ class FlashFwdSm90:
         return cute.make_layout(((2, 2, 2), 1, n // 16), stride=((1, 2, 4), 0, 8))
 
     @cute.jit
-    def apply_mask(self, s_mn, kt, j0, j1, row_lo, row_hi, m, row0, q_len, lane):
-        """Hide (-inf) every key of kv-tile ``kt`` outside the intervals of each row. The keys a
-        thread holds in a row (N/4 = 32) are one bit each of a 32-bit word while the row's
-        interval slots are read: one register, not a row of saved scores."""
+    def apply_mask(
+        self, s_mn, kt, j0, j1, page, row_lo, row_hi, bits, m, row0, tile_row0, q_len, lane
+    ):
+        """Hide (-inf) every key of kv-tile ``kt`` that each row does not see. The keys a
+        thread holds in a row (N/4 = 32) are one bit each of a 32-bit word ``seen``: from the
+        tile's bitmask when it has one (``page >= 0``: 4 word loads per row, rows past
+        ``q_len`` read their zero rows of the page), else from the row's interval slots
+        ``[j0, j1)`` (the row clamped to ``q_len - 1``): one register, not a row of saved
+        scores."""
         N = self.block_n
         col0 = kt * N + 2 * (lane % 4)
         for r in cutlass.range_constexpr(2):
-            row = cutlass.min(row0 + 8 * r, q_len - 1)
             seen = Uint32(0)
-            for slot in cutlass.range(j0, j1, unroll=1):
-                lo, hi = row_bounds(row_lo, row_hi, m, row, slot)
-                for c in cutlass.range_constexpr(N // 4):
-                    col = col0 + 8 * (c // 2) + c % 2
-                    if col >= lo and col < hi:
-                        seen = seen | Uint32(1 << c)
+            if page >= 0:
+                seen = bits_seen(bits, page, tile_row0 + 8 * r, lane)
+            else:
+                row = cutlass.min(row0 + 8 * r, q_len - 1)
+                for slot in cutlass.range(j0, j1, unroll=1):
+                    lo, hi = row_bounds(row_lo, row_hi, m, row, slot)
+                    for c in cutlass.range_constexpr(N // 4):
+                        col = col0 + 8 * (c // 2) + c % 2
+                        if col >= lo and col < hi:
+                            seen = seen | Uint32(1 << c)
             for c in cutlass.range_constexpr(N // 4):
                 if (seen & Uint32(1 << c)) == Uint32(0):
                     s_mn[r, c] = -Float32.inf
@@ -549,7 +577,7 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
         plan_views = low.kernel_views["ints"] = tuple(
             ints(t)
             for t in (low.work, low.kv_list, low.kv_count, low.full_count, low.jlo, low.jhi,
-                      low.row_lo, low.row_hi)
+                      low.row_lo, low.row_hi, low.bits_index, low.bits)
         )  # fmt: skip
     return (
         dyn(q.permute(2, 3, 1, 0), 1),
@@ -581,7 +609,8 @@ def example_args(head_dim: int, dtype_name: str, device) -> tuple:
     low = CuteLowered(
         work=ints(2, 4), kv_list=ints(2, 2, 2), kv_count=ints(2, 2), full_count=ints(2, 2),
         jlo=ints(2, 2, 2), jhi=ints(2, 2, 2), row_lo=ints(2, BLOCK_M, 2),
-        row_hi=ints(2, BLOCK_M, 2), block_m=BLOCK_M, block_n=BLOCK_N,
+        row_hi=ints(2, BLOCK_M, 2), bits_index=ints(2, 2, 2), bits=ints(1, BLOCK_M, BLOCK_N // 32),
+        block_m=BLOCK_M, block_n=BLOCK_N,
     )  # fmt: skip
     return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1)
 

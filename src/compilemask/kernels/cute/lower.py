@@ -14,10 +14,19 @@ rows share one kv-tile list). Per plan and call shape it reads:
   ``row_hi`` whose intervals can meet a PARTIAL tile (the plan's own, see
   ``compiler.tiles``); the kernel's ``row_bounds`` reads the intervals of one row from them.
 - ``row_lo`` / ``row_hi``: the plan's int32 ``[M, Nq, K]`` row intervals.
+- ``bits_index``: int32 ``[M, Tq, Tk]``: the page of ``bits`` of a PARTIAL tile stored as a
+  bitmask (PARTIAL_BITS in ``compiler.tiles``: a wide slot range in a plan with more than
+  ``BITS_MIN_SLOTS`` slots per row), else -1. ``bits``: int32 ``[P, 128, 4]``: bit ``c % 32``
+  of word ``c // 32`` of page row ``r`` says key ``kt * 128 + c`` is visible to query
+  ``qt * 128 + r`` (rows past ``Nq`` are zero); at least one page (a zero page when the
+  schedule has none), so the tensor is never empty. The kernel masks such a tile from its
+  bitmask, every other PARTIAL tile from the intervals.
 
-Everything is built with tensor operations of static shapes on the plan's device: no host
-synchronisation (a plan whose tiling is not 128 x 128 gets one derived with
-``build_tiles(use_bits=False)``, which reads nothing back either).
+The schedule is the plan's ``plan.tiles(128, 128, bits=True)``: the plan's own when it holds
+its bitmasks, else built once and cached on the plan; building bitmask tiles reads one value
+back to the host (their number), once per plan. Plans with at most ``BITS_MIN_SLOTS`` slots per
+row have no bitmask tiles and read nothing back. The rest is tensor operations of static shapes
+on the plan's device.
 
 Example::
 
@@ -37,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...compiler.plan import MaskPlan
-from ...compiler.tiles import FULL, build_tiles
+from ...compiler.tiles import FULL, unpack_bits
 from ...errors import CompileMaskError
 from ..triton.schedule import split_full_first
 
@@ -58,6 +67,8 @@ class CuteLowered:
     jhi: torch.Tensor
     row_lo: torch.Tensor
     row_hi: torch.Tensor
+    bits_index: torch.Tensor
+    bits: torch.Tensor
     block_m: int
     block_n: int
     #: the kernel's views of the tensors above, made on the first launch and reused (making
@@ -66,16 +77,18 @@ class CuteLowered:
 
 
 def schedule_for_kernel(plan: MaskPlan, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
-    """The plan's tile schedule at ``block_m x block_n``: its own when the tiling matches,
-    else one derived from the intervals without bitmask tiles (no host read). The kernel
-    masks every non-FULL tile with the row intervals, so PARTIAL_BITS tiles are read as
-    PARTIAL ones (their ``jlo`` / ``jhi`` are kept)."""
-    if (plan.block_m, plan.block_n) == (block_m, block_n):
-        return plan.schedule
-    return build_tiles(
-        plan.row_lo, plan.row_hi, plan.row_count, plan.q_len, plan.kv_len, block_m, block_n,
-        use_bits=False,
-    )  # fmt: skip
+    """The plan's tile schedule at ``block_m x block_n`` with its bitmask tiles
+    (``plan.tiles(..., bits=True)``, cached on the plan; see the module docstring)."""
+    return plan.tiles(block_m, block_n, bits=True)
+
+
+def bitmask_pages(s) -> torch.Tensor:
+    """The schedule's ``bits`` ``[P, block_m, ceil(block_n / 32)]`` as the kernel reads them:
+    int32, contiguous, at least one page (a zero page when ``P == 0``)."""
+    bits = s.bits
+    if bits.shape[0] == 0:
+        bits = torch.zeros((1, *bits.shape[1:]), dtype=torch.int32, device=bits.device)
+    return bits.to(torch.int32).contiguous()
 
 
 def work_order(
@@ -134,19 +147,36 @@ def lower(plan: MaskPlan, batch: int, heads_q: int, heads_kv: int) -> CuteLowere
         jhi=s.jhi.contiguous(),
         row_lo=plan.row_lo,
         row_hi=plan.row_hi,
+        bits_index=s.bits_index.to(torch.int32).contiguous(),
+        bits=bitmask_pages(s),
         block_m=s.block_m,
         block_n=s.block_n,
     )
 
 
+def seen_from_word(x, w: int):
+    """The bits of word ``w`` of a bitmask row that one thread holds, as bits ``8 w .. 8 w + 7``
+    of its ``seen`` word in the kernel's ``apply_mask``; ``x`` is the word shifted right by
+    ``2 (lane % 4)``.
+
+    The thread's column ``c`` (0..31, ``FlashFwdSm90.mn_layout``) is tile column
+    ``8 (c // 2) + 2 (lane % 4) + c % 2``; those in word ``w`` are ``c = 8 w + 2 j + e``
+    (j 0..3, e 0..1) at bit ``8 j + 2 (lane % 4) + e`` of the word, i.e. bit ``8 j + e`` of
+    ``x``. Plain integer operators: the kernel passes DSL integers, tests Python ints or tensors.
+    Bits of ``x`` above 25 are never read, so ``x`` may come from an arithmetic shift."""
+    return ((x & 0x3) | ((x >> 6) & 0xC) | ((x >> 12) & 0x30) | ((x >> 18) & 0xC0)) << (8 * w)
+
+
 def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> torch.Tensor:
     """Boolean ``[Nq, Nk]`` of mask ``m`` as the kernel sees it: FULL tiles whole, PARTIAL
-    tiles through the rows' intervals in slots ``[jlo, jhi)``, untouched tiles hidden (the
-    kernel's rule, for tests). O(Nq * Nk * K)."""
+    tiles with a bitmask (``bits_index >= 0``) through it, other PARTIAL tiles through the
+    rows' intervals in slots ``[jlo, jhi)``, untouched tiles hidden (the kernel's rule, for
+    tests). O(Nq * Nk * K)."""
     bm, bn = low.block_m, low.block_n
     dense = torch.zeros(q_len, kv_len, dtype=torch.bool)
     kv_list, count, full = (t.cpu() for t in (low.kv_list, low.kv_count, low.full_count))
     jlo, jhi, lo, hi = (t.cpu() for t in (low.jlo, low.jhi, low.row_lo, low.row_hi))
+    bits_index, bits = low.bits_index.cpu(), low.bits.cpu()
     key = torch.arange(kv_len)
     for qt in range(count.shape[1]):
         r0, r1 = qt * bm, min(q_len, qt * bm + bm)
@@ -156,6 +186,11 @@ def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> tor
             if i < int(full[m, qt]):
                 dense[r0:r1, c0:c1] = True
                 continue
+            page = int(bits_index[m, qt, kt])
+            if page >= 0:
+                vis = unpack_bits(bits[page])[: r1 - r0, : c1 - c0]
+                dense[r0:r1, c0:c1] = vis
+                continue
             for r in range(r0, r1):
                 for j in range(int(jlo[m, qt, kt]), int(jhi[m, qt, kt])):
                     l_, h_ = int(lo[m, r, j]), int(hi[m, r, j])
@@ -164,4 +199,7 @@ def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> tor
     return dense
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "lower", "work_order"]
+__all__ = [
+    "BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "bitmask_pages", "lower", "schedule_for_kernel",
+    "seen_from_word", "work_order",
+]  # fmt: skip
