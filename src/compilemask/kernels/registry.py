@@ -175,8 +175,8 @@ def _fa4_decode_rows(call) -> bool:
 #: What ``backend="auto"`` tries for calls over a KV cache (``interface.DecodeCall``), in
 #: order, each with the calls it takes (None: every call it supports). H200, bf16, head_dim
 #: 128, 32 / 8 heads, batch 64, causal at 8K and 32K (h200-decode-2026-12-01.jsonl):
-#: FlashAttention-4's paged kernel is faster than the split-KV kernel for 4, 16 and 64 new
-#: tokens, slower for 1 (docs/perf-notes.md, "Decoding").
+#: FlashAttention-4's paged kernel is faster than the split-KV kernel for 16 and 64 new
+#: tokens, slower for 1 and 4 (docs/perf-notes.md, "Decoding").
 DECODE_AUTO_ORDER = (("fa4", _fa4_decode_rows), ("triton", None), ("reference", None))
 
 _BACKENDS: dict[str, Backend] = {}

@@ -13,7 +13,7 @@ FlashAttention-4 and one after it). Rows that see no key (a cache
 shorter than the new rows) get out 0 and lse -inf from the plan's row counts.
 
 Measured on an H200 (``docs/perf-notes.md``, "Decoding"): faster than our split-KV kernel
-for 4, 16 and 64 new tokens (x 4 query heads per kv head), slower for 1 new token;
+for 16 and 64 new tokens (x 4 query heads per kv head), slower for 1 and 4;
 ``backend="auto"`` picks it above :data:`AUTO_MIN_ROWS` query rows per kv head.
 """
 
@@ -27,7 +27,7 @@ from ..interface import DecodeCall
 
 #: packed query rows per kv head (query heads per kv head x new tokens) above which
 #: ``backend="auto"`` runs FlashAttention-4 on native decode plans (H200 measurement)
-AUTO_MIN_ROWS = 4
+AUTO_MIN_ROWS = 16
 _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 96, 128)
 
@@ -72,7 +72,7 @@ def decode(q, k_cache, v_cache, call: DecodeCall, scale: float):
         k_cache.shape[0], limit,
     )  # fmt: skip
     window = call.native_window
-    mask = {"causal": True} if window == 0 else {"causal": False, "window_size": (window - 1, 0)}
+    mask = {"causal": True} if window == 0 else {"causal": True, "window_size": (window - 1, 0)}
     out, lse = flash_attn_varlen_func(
         q.transpose(1, 2), k_cache, v_cache, seqused_k=safe_lens, page_table=safe_table,
         softmax_scale=scale, return_lse=True, **mask,
