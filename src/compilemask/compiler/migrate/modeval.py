@@ -38,7 +38,8 @@ def _check_out(out, rows: int, cols: int) -> torch.Tensor:
 def call_broadcast(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """``mask_mod`` on broadcast indices: bool ``[len(q), len(kv)]`` (possibly a broadcast
     view). ``q``, ``kv``: int64 1-D."""
-    bt, ht = torch.tensor([b, h], device=q.device).unbind()  # one copy for both
+    bt = torch.tensor(b, device=q.device)
+    ht = torch.tensor(h, device=q.device)
     return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
 
 
@@ -81,17 +82,10 @@ _PROBE_PARTS = 64
 
 
 def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool:
-    """Whether lifted intervals agree with the mask_mod on the probe (:func:`probe_read`)."""
-    return probe_read(mask_mod, lo, hi, q_len, kv_len, bh, device) is not None
-
-
-def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None) -> int | None:
-    """``int(value)`` (a 0-d int32 tensor; None: 0) when lifted intervals (``lo``, ``hi``: int32
-    ``[len(bh), Nq, K]``, empty slots ``lo >= hi``) agree with FlexAttention's scalar semantics
-    on a small probe of every (batch row, head) part up to ``_PROBE_PARTS`` of them (else that
-    many spread evenly, first and last included), else None: a lifted plan is admitted on
-    this check alone. ``value`` is read in the host copy of the agreement (one read in all
-    when the probe passes on broadcast indices).
+    """Lifted intervals (``lo``, ``hi``: int32 ``[len(bh), Nq, K]``, canonical) against
+    FlexAttention's scalar semantics on a small probe of every (batch row, head) part up to
+    ``_PROBE_PARTS`` of them (else that many spread evenly, first and last included): a
+    lifted plan is admitted on this check alone.
 
     The mask_mod is called on broadcast indices first (plain tensor operations, a fraction of
     a vmapped call's host time) and under ``torch.vmap`` only for a part where that does not
@@ -101,8 +95,7 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None
     lifted under vmap, so a broadcast answer that differs from vmap there does not match the
     lifted one either and the vmapped call decides. The lifted booleans of every part come
     from one gather, and every broadcast answer is compared with them at once (one host
-    read, with ``value``); only when that comparison fails is each part decided on its own,
-    as before."""
+    read); only when that comparison fails is each part decided on its own, as before."""
     q, kv = probe_pair(q_len, kv_len, device)
     n = len(bh)
     picks = (
@@ -126,14 +119,8 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None
             wants.append(None)
     if all(w is not None for w in wants):
         want = wants[0][None] if len(wants) == 1 else torch.stack(wants)
-        same = (got == want.to(got.device)).all()
-        if value is None:
-            if same.item():
-                return 0
-        else:
-            ok, read = torch.stack([same.to(torch.int32), value.to(same.device)]).tolist()
-            if ok:
-                return read
+        if torch.equal(got, want):
+            return True
     for j, i in enumerate(picks):  # one part at a time, each with the vmapped call's say
         b, h = bh[i]
         if wants[j] is not None and torch.equal(got[j], wants[j]):
@@ -143,8 +130,8 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None
         except Exception:  # noqa: BLE001 - vmap refuses it: compare with broadcast
             want = call_broadcast(mask_mod, b, h, q, kv)
         if not torch.equal(got[j], want):
-            return None
-    return 0 if value is None else int(value)
+            return False
+    return True
 
 
 def _user_error(exc: Exception) -> CompileMaskError:
