@@ -309,6 +309,61 @@ def test_cache_calls_refuse_bad_input():
         cm.attention(q, kc, vc, plan, block_table=table, cache_seqlens=lens[:1])
 
 
+def test_step_plan_keeps_lengths_of_its_own():
+    """A serving loop that updates its int32 lengths in place for the next step: the old plan
+    still holds the lengths it was built for, so the call with the new lengths is refused."""
+    kc, vc, table = _paged(2, 1, 32, 16, 2, torch.float32)
+    lens = torch.tensor([20, 5], dtype=torch.int32, device=DEVICE)
+    offset = torch.tensor([19, 4], dtype=torch.int32, device=DEVICE)
+    plan = cm.step_plan(masks.dilated(4, 2), lens, 1, kv_len=32, q_offset=offset)
+    lens += 1
+    offset += 1
+    assert plan.cache_seqlens.tolist() == [20, 5] and plan.q_offset.tolist() == [19, 4]
+    q = torch.randn(2, 2, 1, 32, device=DEVICE)
+    with pytest.raises(InputError, match="built for 20 keys"):
+        cm.attention(q, kc, vc, plan, block_table=table, cache_seqlens=lens)
+
+
+def test_cache_ids_and_lengths_past_int32_are_bad_not_wrapped(monkeypatch):
+    """int64 page ids and lengths past int32 are refused with their own value on the host, and
+    reach a backend's decode as bad values (not wrapped onto a real page or length)."""
+    from compilemask.api import paged
+
+    kc, vc, table = _paged(2, 1, 32, 16, 2, torch.float32)
+    lens = torch.tensor([20, 5], device=DEVICE)
+    plan = cm.compile(masks.causal(), 1, 32, q_offset=[19, 4], device=DEVICE)
+    q = torch.randn(2, 2, 1, 32, device=DEVICE)
+    with torch.no_grad():
+        out = cm.attention(q, kc, vc, plan, block_table=table, cache_seqlens=lens)
+        wide = table.long()
+        wide[1, 1] = 2**40  # unused by row 1 (5 keys): accepted
+        assert torch.equal(cm.attention(q, kc, vc, plan, block_table=wide, cache_seqlens=lens), out)
+        wide[0, 0] = 2**32 + int(table[0, 0])  # wraps onto row 0's own first page
+        with pytest.raises(InputError, match=rf"block_table\[0, 0\] = {2**32 + int(table[0, 0])}"):
+            cm.attention(q, kc, vc, plan, block_table=wide, cache_seqlens=lens)
+        long_lens = lens.clone()
+        long_lens[1] = 2**32 + 5
+        with pytest.raises(InputError, match=rf"cache_seqlens\[1\] = {2**32 + 5}"):
+            cm.attention(q, kc, vc, plan, block_table=table, cache_seqlens=long_lens)
+        seen = []
+        monkeypatch.setattr(paged, "_check_cache_values", lambda *a: None)
+        monkeypatch.setattr(paged, "_resolve", lambda name, call: _Spy(seen, call))
+        cm.attention(q, kc, vc, plan, block_table=wide, cache_seqlens=long_lens)
+    call = seen[0]
+    assert call.block_table.dtype == torch.int32 and call.cache_seqlens.dtype == torch.int32
+    assert not 0 <= int(call.block_table[0, 0]) < kc.shape[0]
+    assert int(call.cache_seqlens[1]) > call.len_limit
+
+
+class _Spy:
+    def __init__(self, seen, call):
+        self.seen, self.call = seen, call
+
+    def decode(self, q, k, v, call, scale):
+        self.seen.append(call)
+        return torch.zeros_like(q), torch.zeros(q.shape[:3], device=q.device)
+
+
 @pytest.mark.kernel
 def test_generation_example(capsys):
     """examples/generate_paged.py: greedy tokens over a paged cache equal full recomputation,

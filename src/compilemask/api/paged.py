@@ -72,6 +72,7 @@ def attend_cache(
             )
         k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [B, Nk, Hkv, D]
         block_table = torch.arange(B, device=q.device, dtype=torch.int32)[:, None]
+        given_table = block_table
     else:
         if k_cache.shape[3] != D:
             raise InputError(
@@ -89,6 +90,9 @@ def attend_cache(
                 f"{_shape(block_table)}"
             )
         k_pages, v_pages = k_cache, v_cache
+        given_table = block_table  # checked on the host with its own values
+        if block_table.dtype == torch.int64:  # an id past int32 would wrap onto a real page
+            block_table = block_table.clamp(-1, 2**31 - 1)
         block_table = block_table.to(torch.int32)
     Hkv, page = k_pages.shape[2], k_pages.shape[1]
     if Hq % Hkv:
@@ -103,8 +107,12 @@ def attend_cache(
     else:
         capacity_checked = capacity
     native = plan.native_window() if isinstance(plan, DecodePlan) else None
+    if seqlens.dtype == torch.int64:  # a length past int32 would wrap into the cache
+        seqlens_call = seqlens.clamp(-1, 2**31 - 1).to(torch.int32)
+    else:
+        seqlens_call = seqlens.to(torch.int32)
     call = DecodeCall(
-        lo, hi, block_table, seqlens.to(torch.int32), page, capacity,
+        lo, hi, block_table, seqlens_call, page, capacity,
         AttentionCall(B, Hq, Hkv, Nq, capacity, D, q.dtype, q.device, False, return_lse),
         None if plan_lens is None else plan_lens.to(torch.int32), capacity_checked,
         plan.row_count.view(-1, Nq), native,
@@ -112,7 +120,7 @@ def attend_cache(
     impl = _resolve(backend, call)
     if check_values or not (q.is_cuda and getattr(impl, "checks_cache_values", False)):
         _check_cache_values(
-            block_table, seqlens, page, k_pages.shape[0], capacity_checked, plan_lens
+            given_table, seqlens, page, k_pages.shape[0], capacity_checked, plan_lens
         )
     scale = 1.0 / D**0.5 if scale is None else float(scale)
     out, lse = impl.decode(q, k_pages, v_pages, call, scale)

@@ -274,6 +274,12 @@ def step_plan(
     pad = torch.full((), kv_len, dtype=I32, device=device)
     lo, hi = torch.where(valid, lo, pad), torch.where(valid, hi, pad)
     count = valid.sum(-1, dtype=I32)
+    # the plan keeps lengths of its own: the caller's int32 tensors, updated in place for the
+    # next step, would otherwise change the lengths a cache call checks against the intervals
+    if lens is cache_seqlens:
+        lens = lens.clone()
+    if offset is q_offset:
+        offset = offset.clone()
     return DecodePlan(
         q_len, kv_len, B, lo.contiguous(), hi.contiguous(), count, lens, offset, str(mask), mask,
         kv_len_given, q_offset is None,
