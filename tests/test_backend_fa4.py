@@ -4,6 +4,7 @@ suite of every backend is ``test_backends_gpu.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -196,6 +197,15 @@ def test_decode_plans_name_their_native_window():
     assert plan.next(lens + 1).native_window() == 0
     plan.row_hi[0, 0, 0] = 3  # modified in place: its rows are no longer the mask's
     assert plan.native_window() is None
+    plan = cm.step_plan(M.causal(), lens, 2, kv_len=32)
+    plan.cache_seqlens[0] = 5  # lengths modified in place
+    assert plan.native_window() is None
+    plan = cm.step_plan(M.sliding_window(5), lens, 1, kv_len=32)
+    # a plan made from a step plan with other rows is not the mask's: its rows are run
+    narrow = dataclasses.replace(plan, row_hi=plan.row_hi.clamp(max=4))
+    assert narrow.native_window() is None
+    assert dataclasses.replace(plan, cache_seqlens=lens - 1).native_window() is None
+    assert plan.native_window() == 5
 
 
 def _fake_varlen(calls):

@@ -108,18 +108,25 @@ class DecodePlan:
     permutation = None
 
     def __post_init__(self):
-        versions = tuple(t._version for t in (self.row_lo, self.row_hi, self.row_count))
-        object.__setattr__(self, "_versions", versions)
+        # what native_window trusts: set by step_plan only (_sealed), so a plan made by
+        # dataclasses.replace or by hand never runs a kernel's own mask instead of its rows
+        object.__setattr__(self, "_versions", None)
+
+    def _tensor_versions(self) -> tuple[int, ...]:
+        return tuple(
+            t._version for t in (self.row_lo, self.row_hi, self.row_count, self.cache_seqlens)
+        )
 
     def native_window(self) -> int | None:
         """0 when every row is exactly causal over its cache, ``w`` for ``sliding_window(w)``,
         bottom-right aligned (rows ``[max(0, p - w + 1), p + 1)`` at key position ``p``, cut to
-        the cache); None otherwise, or once the row tensors were modified in place. Reads no
+        the cache); None otherwise, once the row tensors or lengths were modified in place, and
+        for plans not built by :func:`step_plan` (e.g. by ``dataclasses.replace``). Reads no
         tensor data."""
         mask = self.mask
         if not self.bottom_right or not isinstance(mask, Builtin):
             return None
-        if tuple(t._version for t in (self.row_lo, self.row_hi, self.row_count)) != self._versions:
+        if self._versions is None or self._tensor_versions() != self._versions:
             return None
         if mask.name == "causal":
             return 0
@@ -247,10 +254,10 @@ def step_plan(
         built = _STEP_BUILDER(mask.name, param, cache_seqlens, q_offset, q_len, kv_len)
         if built is not None:
             lo, hi, count, offset, lens = built
-            return DecodePlan(
+            return _sealed(DecodePlan(
                 q_len, kv_len, B, lo, hi, count, lens, offset, str(mask), mask, kv_len_given,
                 q_offset is None,
-            )  # fmt: skip
+            ))  # fmt: skip
     offset = _offsets(q_offset, lens, q_len)
     pos = offset[:, None] + torch.arange(q_len, device=device, dtype=I32)  # [B, Nq]
     if isinstance(mask, PerBatch):
@@ -280,10 +287,17 @@ def step_plan(
         lens = lens.clone()
     if offset is q_offset:
         offset = offset.clone()
-    return DecodePlan(
+    return _sealed(DecodePlan(
         q_len, kv_len, B, lo.contiguous(), hi.contiguous(), count, lens, offset, str(mask), mask,
         kv_len_given, q_offset is None,
-    )  # fmt: skip
+    ))  # fmt: skip
+
+
+def _sealed(plan: DecodePlan) -> DecodePlan:
+    """``plan`` as step_plan built it: :meth:`DecodePlan.native_window` may name its mask
+    while its tensors keep these versions."""
+    object.__setattr__(plan, "_versions", plan._tensor_versions())
+    return plan
 
 
 def _lengths(cache_seqlens) -> torch.Tensor:
