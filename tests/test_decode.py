@@ -307,6 +307,8 @@ def test_cache_calls_refuse_bad_input():
         cm.attention(q, kc, vc, per_head, block_table=table, cache_seqlens=lens)
     with pytest.raises(InputError, match="cache_seqlens"):
         cm.attention(q, kc, vc, plan, block_table=table, cache_seqlens=lens[:1])
+    with pytest.raises(InputError, match="cache_seqlens .* on meta"):
+        cm.attention(q, kc, vc, plan, block_table=table, cache_seqlens=lens.to("meta"))
 
 
 def test_step_plan_keeps_lengths_of_its_own():

@@ -22,7 +22,9 @@ from ..kernels.interface import SUPPORTED_HEAD_DIMS, AttentionCall, DecodeCall
 
 
 def _shape(t) -> str:
-    return f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{list(t.shape)} {t.dtype} on {t.device}"
 
 
 def attend_cache(
