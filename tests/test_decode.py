@@ -655,3 +655,34 @@ def test_step_plan_refuses_offsets_past_int32():
             cm.step_plan(cm.masks.causal(), lens, 2, kv_len=16, q_offset=q_offset)
     plan = cm.step_plan(cm.masks.causal(), lens, 2, kv_len=16, q_offset=2**31 - 3)
     assert plan.row_hi[..., 0].tolist() == [[9, 9]]  # rows past the cache see all of it
+
+
+@pytest.mark.parametrize(
+    "mask,nq,offset",
+    [(masks.causal(), 3, None), (masks.sliding_window(5), 2, None),
+     (masks.tree([-1, 0, 0, 1], 0), 4, None), (masks.document([7, 9]), 2, None),
+     (masks.prefix_lm(4), 3, torch.tensor([-2, 30, 5])), (masks.causal(), 40, None)],
+)  # fmt: skip
+def test_step_plans_pass_their_own_verify(mask, nq, offset):
+    lens = torch.tensor([0, 17, 32])
+    cm.step_plan(mask, lens, nq, kv_len=32, q_offset=offset).verify()
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [(lambda p: p.row_hi.__setitem__((1, 0, 0), 1000), "slot 0"),
+     (lambda p: p.row_lo.__setitem__((2, 1, 0), -50), "row 1 of batch row 2"),
+     (lambda p: p.row_count.__setitem__((1, 0), 2), "row_count 2")],
+)  # fmt: skip
+def test_edited_decode_plans_fail_verify_and_check_plan(edit, match):
+    from compilemask.errors import PlanError
+
+    lens = torch.tensor([9, 17, 30])
+    plan = cm.step_plan(masks.causal(), lens, 2, kv_len=32)
+    edit(plan)
+    with pytest.raises(PlanError, match=match):
+        plan.verify()
+    q = torch.randn(3, 2, 2, 32)
+    cache = torch.randn(3, 2, 32, 32)
+    with pytest.raises(PlanError, match=match):
+        cm.attention(q, cache, cache, plan, check_plan=True, backend="reference")

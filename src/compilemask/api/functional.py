@@ -165,8 +165,9 @@ def attention(
                 "score_mod and sinks are not supported with KV caches (block_table / "
                 "cache_seqlens / a DecodePlan) yet"
             )
-        if check_plan and isinstance(plan, MaskPlan):
-            plan.verify()
+        if check_plan or os.environ.get("COMPILEMASK_CHECK_PLAN") == "1":
+            if isinstance(plan, (MaskPlan, DecodePlan)):
+                plan.verify()
         scale = validate.check_scale(scale, q.shape[-1]) if isinstance(q, torch.Tensor) else scale
         return paged.attend_cache(
             q,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CompileMaskError
+from ..errors import CompileMaskError, PlanError
 from ..language.ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask, TiledGrid
 from . import intervals as iv
 from .lower import _Ctx
@@ -141,6 +141,46 @@ class DecodePlan:
     @property
     def num_masks(self) -> int:
         return self.batch
+
+    def verify(self) -> None:
+        """Check the invariants of the attributes above (shapes, dtypes, each row's first
+        ``row_count`` slots sorted, disjoint, not touching and inside ``[0, min(kv_len,
+        cache_seqlens[b]))``, the other slots ``kv_len``): O(B * Nq * K) work and one host
+        read. ``compilemask.attention(..., check_plan=True)`` calls it.
+
+        Raises:
+            PlanError: naming the first entry that breaks one.
+        """
+        B, nq, kv = self.batch, self.q_len, self.kv_len
+        for name, t, shape in (("row_lo", self.row_lo, None), ("row_hi", self.row_hi, None),
+                               ("row_count", self.row_count, (B, nq)),
+                               ("cache_seqlens", self.cache_seqlens, (B,)),
+                               ("q_offset", self.q_offset, (B,))):  # fmt: skip
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+                raise PlanError(f"DecodePlan.{name} must be an int32 tensor")
+            if shape is not None and tuple(t.shape) != shape:
+                raise PlanError(f"DecodePlan.{name} must be {list(shape)}, got {list(t.shape)}")
+        lo, hi = self.row_lo.long(), self.row_hi.long()
+        if lo.dim() != 3 or tuple(lo.shape[:2]) != (B, nq) or hi.shape != lo.shape:
+            raise PlanError(f"DecodePlan.row_lo / row_hi must be [{B}, {nq}, K], got "
+                            f"{list(self.row_lo.shape)} / {list(self.row_hi.shape)}")  # fmt: skip
+        k = lo.shape[-1]
+        count = self.row_count.long()
+        live = torch.arange(k, device=lo.device) < count[..., None]
+        end = self.cache_seqlens.long().clamp(0, kv)[:, None, None]
+        ok_live = (lo >= 0) & (lo < hi) & (hi <= end)
+        ok_next = torch.ones_like(live)
+        ok_next[..., :-1] = ~live[..., 1:] | (hi[..., :-1] < lo[..., 1:])
+        good = torch.where(live, ok_live & ok_next, (lo == kv) & (hi == kv))
+        good = good & ((count >= 0) & (count <= k))[..., None]
+        bad = (~good).nonzero()
+        if bad.numel():
+            b, i, j = (int(x) for x in bad[0].tolist())
+            raise PlanError(
+                f"DecodePlan row {i} of batch row {b}, slot {j}: [{int(lo[b, i, j])}, "
+                f"{int(hi[b, i, j])}) with row_count {int(count[b, i])} breaks the plan's "
+                f"invariants (cache length {int(self.cache_seqlens[b])}, kv_len {kv})"
+            )
 
     def to_dense(self) -> torch.Tensor:
         """bool ``[B, 1, Nq, Nk]`` (for tests and pictures: O(B * Nq * Nk))."""
