@@ -509,3 +509,9 @@ def test_lifted_probe_catches_one_wrong_part(bad_part):
     hi = hi.clone()
     hi[bad_part, 39] = lo[bad_part, 39]  # the last row (a probe row) left empty
     assert not modeval.lifted_agrees(mm, lo, hi, 40, 40, bh, torch.device("cpu"))
+
+
+def test_a_mask_mod_answering_on_another_device_is_refused():
+    ids = torch.zeros(64, dtype=torch.long, device="meta")
+    with pytest.raises(cm.CompileMaskError, match="returned a tensor on meta"):
+        cm.from_mask_mod(lambda b, h, q, k: ids[q] == ids[k], 64)

@@ -172,6 +172,12 @@ def choose_mode(mask_mod, q_len: int, kv_len: int, bh: list[tuple[int, int]], de
     if want is None:
         log.info("mask_mod evaluated on broadcast indices (vmap raised %s)", vmap_error)
         return "broadcast"
+    for g in (*got, *want):
+        if g.device != q.device:
+            raise CompileMaskError(
+                f"the mask_mod returned a tensor on {g.device} for indices on {q.device}: the "
+                f"tensors it captures must be on the device of the plan ({q.device})"
+            )
     if all(torch.equal(g, w) for g, w in zip(got, want)):
         return "broadcast"
     log.info("mask_mod evaluated under vmap: broadcast call disagrees on the probe")
