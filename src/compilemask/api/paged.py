@@ -27,6 +27,14 @@ def _shape(t) -> str:
     return f"{list(t.shape)} {t.dtype} on {t.device}"
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as int32, int64 values past int32 clamped to -1 / 2**31 - 1 (still bad values
+    for the checks, never wrapped onto a real page id or length)."""
+    if t.dtype == torch.int64:
+        t = t.clamp(-1, 2**31 - 1)
+    return t.to(torch.int32)
+
+
 def attend_cache(
     q, k_cache, v_cache, plan, block_table, cache_seqlens, scale, return_lse, backend,
     check_values=False,
@@ -93,9 +101,7 @@ def attend_cache(
             )
         k_pages, v_pages = k_cache, v_cache
         given_table = block_table  # checked on the host with its own values
-        if block_table.dtype == torch.int64:  # an id past int32 would wrap onto a real page
-            block_table = block_table.clamp(-1, 2**31 - 1)
-        block_table = block_table.to(torch.int32)
+        block_table = _int32(block_table)
     Hkv, page = k_pages.shape[2], k_pages.shape[1]
     if Hq % Hkv:
         raise InputError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
@@ -109,12 +115,8 @@ def attend_cache(
     else:
         capacity_checked = capacity
     native = plan.native_window() if isinstance(plan, DecodePlan) else None
-    if seqlens.dtype == torch.int64:  # a length past int32 would wrap into the cache
-        seqlens_call = seqlens.clamp(-1, 2**31 - 1).to(torch.int32)
-    else:
-        seqlens_call = seqlens.to(torch.int32)
     call = DecodeCall(
-        lo, hi, block_table, seqlens_call, page, capacity,
+        lo, hi, block_table, _int32(seqlens), page, capacity,
         AttentionCall(B, Hq, Hkv, Nq, capacity, D, q.dtype, q.device, False, return_lse),
         None if plan_lens is None else plan_lens.to(torch.int32), capacity_checked,
         plan.row_count.view(-1, Nq), native,

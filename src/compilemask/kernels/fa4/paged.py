@@ -19,6 +19,7 @@ for 16 and 64 new tokens (x 4 query heads per kv head), slower for 1 and 4;
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -32,10 +33,15 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 96, 128)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def decode_reason(call: DecodeCall) -> str:
     """Why FlashAttention-4 does not run this cache call ("" when it does)."""
     a = call.attention
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "fa4's paged path checks page ids with Triton kernels: install compilemask[triton]"
     if call.native_window is None:
         return (
