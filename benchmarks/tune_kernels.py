@@ -255,6 +255,18 @@ BWD_WIDE = [
     BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, 2, 1),
     BwdConfig(32, 64, 4, 3, 128, 64, 8, 3, 1, 2),
 ]
+# --bwd-set small: around the default for short sequences (1K tokens, B = 32: 8 q-tiles per
+# row), where launch order, tile height and dQ from stored dS weigh differently than at 32K
+BWD_SMALL = [
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 1, 2, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 4, 3, 64, 64, 4, 3, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(32, 64, 4, 2, 32, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 4, 2, 64, 64, 4, 2, 3, 3, tma=1),
+    BwdConfig(64, 64, 4, 2, 128, 64, 8, 3, 3, 3, tma=1),
+    BwdConfig(64, 128, 8, 2, 64, 128, 8, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+    BwdConfig(64, 64, 8, 2, 64, 64, 4, 2, 3, 3, tma=1, ds_dq=1, ds_tma=1),
+]
 
 
 def _mask(name: str, n0: int):
@@ -281,7 +293,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true", help="do not time FlexAttention")
     bwd_sets = ["default", "wide", "spill", "pipelined", "tma", "order"]
-    bwd_sets += ["occupancy", "ds", "dstma", "dkdv"]
+    bwd_sets += ["occupancy", "ds", "dstma", "dkdv", "small"]
     bwd_sets += ["library"]
     ap.add_argument("--bwd-set", default="default", choices=bwd_sets)
     fwd_sets = ["default", "tma", "order", "occupancy", "causal", "bits", "masked", "bits1k"]
@@ -337,6 +349,7 @@ def main() -> None:
                 "ds": BWD_DS,
                 "dstma": BWD_DSTMA,
                 "dkdv": BWD_DKDV,
+                "small": BWD_SMALL,
                 "library": [None],
             }.get(a.bwd_set, BWD_CANDIDATES)
             parts += [("fwd+bwd", c) for c in bwd_list] if "bwd" in a.part else []
