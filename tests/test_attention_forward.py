@@ -585,6 +585,26 @@ def test_compiled_before_eager_reads_nothing_back():
     assert torch.equal(f(q, k, v), eager)
 
 
+def test_compiled_calls_do_not_consult_the_dispatch_cache(monkeypatch):
+    """Under torch.compile the per-plan dispatch cache is neither read nor written, and the
+    registry state it keys on is not traced (torch 2.11's Dynamo cannot trace ``id()`` of the
+    registry's dict)."""
+    from compilemask.kernels import registry
+
+    def not_while_compiling(impl, _state=registry.dispatch_state):
+        assert not torch.compiler.is_compiling(), "dispatch_state traced under torch.compile"
+        return _state(impl)
+
+    monkeypatch.setattr(registry, "dispatch_state", not_while_compiling)
+    torch._dynamo.reset()
+    plan = cm.compile(cm.masks.causal(), 128, device=DEVICE, cache=False)
+    q, k, v = _inputs(1, 1, 1, 128, 128, 64, torch.float16)
+    f = torch.compile(lambda q, k, v: cm.attention(q, k, v, plan, backend="triton"),
+                      fullgraph=True, backend="aot_eager")  # fmt: skip
+    _assert_matches(f(q, k, v), q, k, v, plan)
+    assert not any(isinstance(key, tuple) and key[:1] == ("api.dispatch",) for key in plan._cache)
+
+
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("order,tma", [(3, 1), (0, 0), (1, 1)])
 def test_prefetched_work_entries(mask_name, order, tma):

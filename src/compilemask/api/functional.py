@@ -293,8 +293,10 @@ def _dispatch_hit(q, k, v, plan, backend, return_lse):
 
 def _dispatch_store(q, k, v, plan, backend, return_lse, impl, prepared, call) -> None:
     key = _dispatch_key(q, k, v, plan, backend, return_lse)
+    if key is None:  # e.g. under torch.compile: the registry's state is not traced either
+        return
     state = registry.dispatch_state(impl)
-    if key is not None and state is not None:
+    if state is not None:
         plan._cache[key] = (impl, prepared, call, state)
 
 
