@@ -7,9 +7,11 @@ entries ``c, c + grid, ...`` of the lowered work list (``lower.work``, heaviest 
 producer and both consumers walk the same sequence without any shared scheduler state.
 
 Per work item ``(b, hq, qt, m)`` the producer loads the two 64-row Q halves into their own
-stages, then K and V of every kv-tile of ``kv_list[m, qt]`` into one shared-memory ring of
-``KV_STAGES`` stages guarded by mbarriers (``PipelineTmaAsync``: full barriers count the TMA
-bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
+stages (``Q_STAGES`` = 4: two items' halves, so the next item's Q loads while the current
+one runs; a consumer gives its stage back after its last S GEMM), then K and V of every
+kv-tile of ``kv_list[m, qt]`` into one shared-memory ring of ``KV_STAGES`` stages
+guarded by mbarriers (``PipelineTmaAsync``: full barriers count the TMA bytes, empty
+barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
 registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask arithmetic;
 PARTIAL ones hide every key the tile's bitmask does not show (tiles with ``bits_index >= 0``,
@@ -52,6 +54,9 @@ from .lower import BLOCK_M, BLOCK_N, seen_from_word
 WG_THREADS = 128
 ROWS_PER_WG = 64
 KV_STAGES = 4  # K and V tiles alternate in the ring: two kv-tiles in flight
+#: Q stages: the two 64-row halves of two work items, so the producer loads the next item's Q
+#: while the consumers still run the current one
+Q_STAGES = 4
 LOAD_REGS = 24
 #: named barriers 1 and 2 order the GEMM issue of consumer warpgroups 0 and 1 (0 is
 #: ``sync_threads``)
@@ -59,6 +64,7 @@ SCHED_BARRIER = 1
 #: named barriers 3 and 4: the threads of consumer warpgroup 0 / 1 around its O tile in smem
 EPI_BARRIER = 3
 MMA_REGS = 240
+SMEM_BYTES = 227 * 1024  # sm90's most shared memory per CTA
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -132,7 +138,7 @@ class FlashFwdSm90:
             warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         row_major = utils.LayoutEnum.ROW_MAJOR  # K-major operands
-        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_WG, N, D), dt, 2)
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_WG, N, D), dt, Q_STAGES)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (ROWS_PER_WG, N, D), dt, KV_STAGES)
         sV_layout = sm90_utils.make_smem_layout_b(
             utils.LayoutEnum.COL_MAJOR, (ROWS_PER_WG, D, N), dt, KV_STAGES
@@ -148,7 +154,7 @@ class FlashFwdSm90:
             g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, N)
         )
         # O leaves through shared memory: one 64 x D tile per consumer warpgroup (Q's layout)
-        sO_layout = sQ_layout
+        sO_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_WG, N, D), dt, 2)
         tma_o, tO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.slice_(sO_layout, (None, None, 0)),
             (ROWS_PER_WG, D),
@@ -158,17 +164,19 @@ class FlashFwdSm90:
 
         @cute.struct
         class Storage:
-            q_bar: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            q_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
             kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
 
+        # 225 KB at head_dim 128 (Q 4 x 16, K/V ring 4 x 32, O 2 x 16 KB): under sm90's 227 KB
+        assert Storage.size_in_bytes() <= SMEM_BYTES, Storage.size_in_bytes()
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
             work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi, bits_index, bits,
-            scale_log2, sQ_layout, sK_layout, sV_layout,
+            scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream
         )  # fmt: skip
@@ -202,6 +210,7 @@ class FlashFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
     ):
         D, N = self.head_dim, self.block_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -214,7 +223,7 @@ class FlashFwdSm90:
         st = smem.allocate(self.storage)
         q_prod, q_cons = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.q_bar.data_ptr(),
-            num_stages=2,
+            num_stages=Q_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
             tx_count=self.q_bytes,
@@ -229,7 +238,7 @@ class FlashFwdSm90:
             defer_sync=True,
         ).make_participants()
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = st.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V tiles live in the same ring as K tiles (same size), with V's swizzle
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
@@ -335,8 +344,11 @@ class FlashFwdSm90:
                     kv_cons = self.first_tile(kv_cons, nf, ts)
                     kv_cons = self.kv_steps(False, Int32(1), nf, kv_cons, ts)
                     kv_cons = self.kv_steps(True, cutlass.max(nf, Int32(1)), n, kv_cons, ts)
-                    kv_cons = self.last_pv(kv_cons, ts)
+                # every S GEMM has completed (each step waits for all its wgmma groups): the
+                # Q stage goes back to the producer before the last PV GEMM and the epilogue
                 qh.release()
+                if n > 0:
+                    kv_cons = self.last_pv(kv_cons, ts)
                 if cw == 0:
                     q_cons.advance()
                 q_cons.advance()
