@@ -2,9 +2,12 @@
 
 One CTA of 384 threads: warpgroup 0 is the producer (one warp issues TMA loads; registers
 lowered with ``setmaxnreg``), warpgroups 1 and 2 are consumers, each owning 64 of the 128
-query rows of a work item (registers raised). The CTAs are persistent: CTA ``c`` takes the
-entries ``c, c + grid, ...`` of the lowered work list (``lower.work``, heaviest first), so the
-producer and both consumers walk the same sequence without any shared scheduler state.
+query rows of a work item (registers raised). The CTAs are persistent and walk the lowered
+work list (``lower.work``, heaviest first) in rounds of ``grid`` entries, in a snake order
+(:func:`work_item`: round ``r`` gives CTA ``c`` entry ``r grid + c`` when ``r`` is even,
+``r grid + grid - 1 - c`` when it is odd), so the CTA that took the heaviest entry of one
+round takes the lightest of the next; the producer and both consumers walk the same sequence
+without any shared scheduler state.
 
 Per work item ``(b, hq, qt, m)`` the producer loads the two 64-row Q halves into their own
 stages (``Q_STAGES`` = 4: two items' halves, so the next item's Q loads while the current
@@ -67,6 +70,14 @@ MMA_REGS = 240
 SMEM_BYTES = 227 * 1024  # sm90's most shared memory per CTA
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+@cute.jit
+def work_item(rnd: Int32, cta: Int32, grid: Int32) -> Int32:
+    """The work-list entry CTA ``cta`` of ``grid`` takes in round ``rnd`` (snake order, see
+    the module docstring). The entries of a round that exist are a prefix of it, so a CTA whose
+    entry is past the list has none in later rounds either."""
+    return rnd * grid + cta + (rnd % 2) * (grid - 1 - 2 * cta)
 
 
 @cute.jit
@@ -255,6 +266,7 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
+                rnd = Int32(0)
                 item = bidx
                 while item < num_work:
                     b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
@@ -287,7 +299,8 @@ class FlashFwdSm90:
                         cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
                         h = kv_prod.acquire_and_advance()
                         cute.copy(tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier)
-                    item += grid
+                    rnd += 1
+                    item = work_item(rnd, bidx, grid)
         else:
             # ------------------------------------------------------------ consumers
             cute.arch.setmaxregister_increase(MMA_REGS)
@@ -308,6 +321,7 @@ class FlashFwdSm90:
             s_shape = qk_thr.partition_shape_C((ROWS_PER_WG, N))
             o_shape = pv_thr.partition_shape_C((ROWS_PER_WG, D))
             q_len = tQ.shape[0]
+            rnd = Int32(0)
             item = bidx
             while item < num_work:
                 b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
@@ -356,7 +370,8 @@ class FlashFwdSm90:
                     acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
                     cw, row0, q_len, wtid, lane,
                 )  # fmt: skip
-                item += grid
+                rnd += 1
+                item = work_item(rnd, bidx, grid)
             if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
