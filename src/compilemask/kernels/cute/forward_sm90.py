@@ -69,7 +69,15 @@ EPI_BARRIER = 3
 MMA_REGS = 240
 SMEM_BYTES = 227 * 1024  # sm90's most shared memory per CTA
 LOG2E = math.log2(math.e)
+ACC = 4  # independent partial maxima / sums per row in the softmax
 LN2 = math.log(2.0)
+
+
+def pairwise(values: list, op):
+    """``op`` over ``values`` (a power-of-two count) as a balanced tree, at trace time."""
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    return values[0]
 
 
 @cute.jit
@@ -409,10 +417,14 @@ class FlashFwdSm90:
                 ts.bits_index[ts.m, ts.qt, kt], ts.row_lo, ts.row_hi, ts.bits, ts.m, ts.row0,
                 ts.tile_row0, ts.q_len, ts.lane,
             )  # fmt: skip
+        # the row max and sum over a thread's N/4 scores run in ACC independent partial
+        # chains (N/4/ACC dependent steps each, not N/4): with ping-pong one warp per SM
+        # sub-partition is in its softmax at a time, so the latency of a chain is not hidden
         for r in cutlass.range_constexpr(2):
-            mx = ts.row_max[r]
-            for c in cutlass.range_constexpr(N // 4):
-                mx = cute.arch.fmax(mx, s_mn[r, c])
+            part = [s_mn[r, a] for a in range(ACC)]
+            for c in cutlass.range_constexpr(ACC, N // 4):
+                part[c % ACC] = cute.arch.fmax(part[c % ACC], s_mn[r, c])
+            mx = cute.arch.fmax(pairwise(part, cute.arch.fmax), ts.row_max[r])
             mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
             base = mx
             if mx == -Float32.inf:
@@ -420,11 +432,12 @@ class FlashFwdSm90:
             corr = cute.math.exp2((ts.row_max[r] - base) * ts.scale_log2, fastmath=True)
             ts.row_max[r] = mx
             shift = base * ts.scale_log2
-            total = Float32(0.0)
+            part = [Float32(0.0)] * ACC
             for c in cutlass.range_constexpr(N // 4):
                 p = cute.math.exp2(s_mn[r, c] * ts.scale_log2 - shift, fastmath=True)
                 s_mn[r, c] = p
-                total += p
+                part[c % ACC] = part[c % ACC] + p
+            total = pairwise(part, lambda x, y: x + y)
             ts.row_sum[r] = ts.row_sum[r] * corr + total
             ts.corr[r] = corr
 
