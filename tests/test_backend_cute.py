@@ -105,6 +105,35 @@ def test_work_list_covers_every_q_tile_heaviest_first(name, plan, batch, hq, hkv
             assert h1 == h0 + 1
 
 
+def test_l2_groups_keep_each_pair_of_short_rows_together():
+    """B = 32 rows of 1K tokens: the entries of each (batch row, kv head) pair run within
+    its group, heaviest first inside the group; long rows (32K) keep one list."""
+    from compilemask.kernels.cute.lower import l2_kv_group, work_order
+
+    l2, ctas, kv_key = 50 << 20, 132, 2 * 128 * 2
+    group = l2_kv_group(32, 16, 1024, 8, kv_key, l2, ctas)
+    assert group is not None and 8 * group >= 2 * ctas and group * 1024 * kv_key <= l2 // 2
+    assert l2_kv_group(1, 16, 32768, 256, kv_key, l2, ctas) is None
+    assert l2_kv_group(2, 2, 1024, 8, kv_key, l2, ctas) is None  # everything fits: one list
+    plan = cm.compile(cm.masks.causal(), 1024, block_m=128, block_n=128)
+    q_count = schedule_for_kernel_count(plan)
+    work = work_order(q_count, 6, 4, 2, None, None, kv_group=2).tolist()
+    assert sorted(map(tuple, work)) == sorted(
+        (b, h, t, 0) for b in range(6) for h in range(4) for t in range(8)
+    )
+    pairs = [(b * 2 + h // 2) // 2 for b, h, _, _ in work]
+    assert pairs == sorted(pairs)
+    for g in set(pairs):
+        weights = [int(q_count[0, t]) for (_, _, t, _), p in zip(work, pairs) if p == g]
+        assert weights == sorted(weights, reverse=True)
+
+
+def schedule_for_kernel_count(plan):
+    from compilemask.kernels.cute.lower import schedule_for_kernel
+
+    return schedule_for_kernel(plan).q_count
+
+
 #: plans whose rows hold many intervals: their wide PARTIAL tiles are lowered as bitmasks
 BITMASK_PLANS = ("clear", "clear_tile_grid", "clear_tiles_64")
 

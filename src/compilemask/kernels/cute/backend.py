@@ -28,7 +28,7 @@ import torch
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
 from ..interface import plain_attention_reason, plan_fit_reason, same_device, under_compile_reason
-from .lower import CuteLowered, lower
+from .lower import BLOCK_M, CuteLowered, l2_kv_group, lower
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
 HEAD_DIMS = (64, 128)
@@ -170,8 +170,9 @@ class CuteBackend:
         """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv)."""
         if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
-        key = ("cute", call.batch, call.heads_q, call.heads_kv)
-        return plan.cached(key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv))
+        group = _kv_group(plan, call)
+        key = ("cute", call.batch, call.heads_q, call.heads_kv, group)
+        return plan.cached(key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv, group))
 
     def forward(
         self, q, k, v, plan: MaskPlan, prepared: CuteLowered, scale: float, need_lse=True
@@ -196,6 +197,20 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _kv_group(plan: MaskPlan, call) -> int | None:
+    """The work list's (batch row, kv head) pairs per L2 group for ``call``
+    (:func:`.lower.l2_kv_group`); None off CUDA."""
+    if call.device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(call.device)
+    q_tiles = -(-call.q_len // BLOCK_M)
+    return l2_kv_group(
+        call.batch, call.heads_kv, call.kv_len, q_tiles * (call.heads_q // call.heads_kv),
+        2 * call.head_dim * call.dtype.itemsize, props.L2_cache_size,
+        props.multi_processor_count,
+    )  # fmt: skip
 
 
 def run_forward(q, k, v, low: CuteLowered, scale: float):

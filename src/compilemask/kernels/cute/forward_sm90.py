@@ -2,14 +2,19 @@
 
 One CTA of 384 threads: warpgroup 0 is the producer (one warp issues TMA loads; registers
 lowered with ``setmaxnreg``), warpgroups 1 and 2 are consumers, each owning 64 of the 128
-query rows of a work item (registers raised). The CTAs are persistent: CTA ``c`` takes the
-entries ``c, c + grid, ...`` of the lowered work list (``lower.work``, heaviest first), so the
-producer and both consumers walk the same sequence without any shared scheduler state.
+query rows of a work item (registers raised). The CTAs are persistent and walk the lowered
+work list (``lower.work``, heaviest first) in rounds of ``grid`` entries, in a snake order
+(:func:`work_item`: round ``r`` gives CTA ``c`` entry ``r grid + c`` when ``r`` is even,
+``r grid + grid - 1 - c`` when it is odd), so the CTA that took the heaviest entry of one
+round takes the lightest of the next; the producer and both consumers walk the same sequence
+without any shared scheduler state.
 
 Per work item ``(b, hq, qt, m)`` the producer loads the two 64-row Q halves into their own
-stages, then K and V of every kv-tile of ``kv_list[m, qt]`` into one shared-memory ring of
-``KV_STAGES`` stages guarded by mbarriers (``PipelineTmaAsync``: full barriers count the TMA
-bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
+stages (``Q_STAGES`` = 4: two items' halves, so the next item's Q loads while the current
+one runs; a consumer gives its stage back after its last S GEMM), then K and V of every
+kv-tile of ``kv_list[m, qt]`` into one shared-memory ring of ``KV_STAGES`` stages
+guarded by mbarriers (``PipelineTmaAsync``: full barriers count the TMA bytes, empty
+barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
 registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask arithmetic;
 PARTIAL ones hide every key the tile's bitmask does not show (tiles with ``bits_index >= 0``,
@@ -52,6 +57,9 @@ from .lower import BLOCK_M, BLOCK_N, seen_from_word
 WG_THREADS = 128
 ROWS_PER_WG = 64
 KV_STAGES = 4  # K and V tiles alternate in the ring: two kv-tiles in flight
+#: Q stages: the two 64-row halves of two work items, so the producer loads the next item's Q
+#: while the consumers still run the current one
+Q_STAGES = 4
 LOAD_REGS = 24
 #: named barriers 1 and 2 order the GEMM issue of consumer warpgroups 0 and 1 (0 is
 #: ``sync_threads``)
@@ -59,8 +67,25 @@ SCHED_BARRIER = 1
 #: named barriers 3 and 4: the threads of consumer warpgroup 0 / 1 around its O tile in smem
 EPI_BARRIER = 3
 MMA_REGS = 240
+SMEM_BYTES = 227 * 1024  # sm90's most shared memory per CTA
 LOG2E = math.log2(math.e)
+ACC = 4  # independent partial maxima / sums per row in the softmax
 LN2 = math.log(2.0)
+
+
+def pairwise(values: list, op):
+    """``op`` over ``values`` (a power-of-two count) as a balanced tree, at trace time."""
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    return values[0]
+
+
+@cute.jit
+def work_item(rnd: Int32, cta: Int32, grid: Int32) -> Int32:
+    """The work-list entry CTA ``cta`` of ``grid`` takes in round ``rnd`` (snake order, see
+    the module docstring). The entries of a round that exist are a prefix of it, so a CTA whose
+    entry is past the list has none in later rounds either."""
+    return rnd * grid + cta + (rnd % 2) * (grid - 1 - 2 * cta)
 
 
 @cute.jit
@@ -132,7 +157,7 @@ class FlashFwdSm90:
             warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         row_major = utils.LayoutEnum.ROW_MAJOR  # K-major operands
-        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_WG, N, D), dt, 2)
+        sQ_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_WG, N, D), dt, Q_STAGES)
         sK_layout = sm90_utils.make_smem_layout_b(row_major, (ROWS_PER_WG, N, D), dt, KV_STAGES)
         sV_layout = sm90_utils.make_smem_layout_b(
             utils.LayoutEnum.COL_MAJOR, (ROWS_PER_WG, D, N), dt, KV_STAGES
@@ -148,7 +173,7 @@ class FlashFwdSm90:
             g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (D, N)
         )
         # O leaves through shared memory: one 64 x D tile per consumer warpgroup (Q's layout)
-        sO_layout = sQ_layout
+        sO_layout = sm90_utils.make_smem_layout_a(row_major, (ROWS_PER_WG, N, D), dt, 2)
         tma_o, tO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.slice_(sO_layout, (None, None, 0)),
             (ROWS_PER_WG, D),
@@ -158,17 +183,19 @@ class FlashFwdSm90:
 
         @cute.struct
         class Storage:
-            q_bar: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            q_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
             kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
 
+        # 225 KB at head_dim 128 (Q 4 x 16, K/V ring 4 x 32, O 2 x 16 KB): under sm90's 227 KB
+        assert Storage.size_in_bytes() <= SMEM_BYTES, Storage.size_in_bytes()
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
             work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi, bits_index, bits,
-            scale_log2, sQ_layout, sK_layout, sV_layout,
+            scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream
         )  # fmt: skip
@@ -202,6 +229,7 @@ class FlashFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
     ):
         D, N = self.head_dim, self.block_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -214,7 +242,7 @@ class FlashFwdSm90:
         st = smem.allocate(self.storage)
         q_prod, q_cons = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.q_bar.data_ptr(),
-            num_stages=2,
+            num_stages=Q_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
             tx_count=self.q_bytes,
@@ -229,7 +257,7 @@ class FlashFwdSm90:
             defer_sync=True,
         ).make_participants()
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = st.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V tiles live in the same ring as K tiles (same size), with V's swizzle
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
@@ -246,6 +274,7 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
+                rnd = Int32(0)
                 item = bidx
                 while item < num_work:
                     b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
@@ -278,7 +307,8 @@ class FlashFwdSm90:
                         cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
                         h = kv_prod.acquire_and_advance()
                         cute.copy(tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier)
-                    item += grid
+                    rnd += 1
+                    item = work_item(rnd, bidx, grid)
         else:
             # ------------------------------------------------------------ consumers
             cute.arch.setmaxregister_increase(MMA_REGS)
@@ -299,6 +329,7 @@ class FlashFwdSm90:
             s_shape = qk_thr.partition_shape_C((ROWS_PER_WG, N))
             o_shape = pv_thr.partition_shape_C((ROWS_PER_WG, D))
             q_len = tQ.shape[0]
+            rnd = Int32(0)
             item = bidx
             while item < num_work:
                 b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
@@ -335,8 +366,11 @@ class FlashFwdSm90:
                     kv_cons = self.first_tile(kv_cons, nf, ts)
                     kv_cons = self.kv_steps(False, Int32(1), nf, kv_cons, ts)
                     kv_cons = self.kv_steps(True, cutlass.max(nf, Int32(1)), n, kv_cons, ts)
-                    kv_cons = self.last_pv(kv_cons, ts)
+                # every S GEMM has completed (each step waits for all its wgmma groups): the
+                # Q stage goes back to the producer before the last PV GEMM and the epilogue
                 qh.release()
+                if n > 0:
+                    kv_cons = self.last_pv(kv_cons, ts)
                 if cw == 0:
                     q_cons.advance()
                 q_cons.advance()
@@ -344,7 +378,8 @@ class FlashFwdSm90:
                     acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
                     cw, row0, q_len, wtid, lane,
                 )  # fmt: skip
-                item += grid
+                rnd += 1
+                item = work_item(rnd, bidx, grid)
             if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -382,10 +417,14 @@ class FlashFwdSm90:
                 ts.bits_index[ts.m, ts.qt, kt], ts.row_lo, ts.row_hi, ts.bits, ts.m, ts.row0,
                 ts.tile_row0, ts.q_len, ts.lane,
             )  # fmt: skip
+        # the row max and sum over a thread's N/4 scores run in ACC independent partial
+        # chains (N/4/ACC dependent steps each, not N/4): with ping-pong one warp per SM
+        # sub-partition is in its softmax at a time, so the latency of a chain is not hidden
         for r in cutlass.range_constexpr(2):
-            mx = ts.row_max[r]
-            for c in cutlass.range_constexpr(N // 4):
-                mx = cute.arch.fmax(mx, s_mn[r, c])
+            part = [s_mn[r, a] for a in range(ACC)]
+            for c in cutlass.range_constexpr(ACC, N // 4):
+                part[c % ACC] = cute.arch.fmax(part[c % ACC], s_mn[r, c])
+            mx = cute.arch.fmax(pairwise(part, cute.arch.fmax), ts.row_max[r])
             mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
             base = mx
             if mx == -Float32.inf:
@@ -393,11 +432,12 @@ class FlashFwdSm90:
             corr = cute.math.exp2((ts.row_max[r] - base) * ts.scale_log2, fastmath=True)
             ts.row_max[r] = mx
             shift = base * ts.scale_log2
-            total = Float32(0.0)
+            part = [Float32(0.0)] * ACC
             for c in cutlass.range_constexpr(N // 4):
                 p = cute.math.exp2(s_mn[r, c] * ts.scale_log2 - shift, fastmath=True)
                 s_mn[r, c] = p
-                total += p
+                part[c % ACC] = part[c % ACC] + p
+            total = pairwise(part, lambda x, y: x + y)
             ts.row_sum[r] = ts.row_sum[r] * corr + total
             ts.corr[r] = corr
 

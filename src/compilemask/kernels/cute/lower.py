@@ -6,7 +6,9 @@ rows share one kv-tile list). Per plan and call shape it reads:
 - ``work``: int32 ``[W, 4]``, one entry ``(b, hq, qt, m)`` per (batch row, query head,
   q-tile), ``W = B * Hq * Tq``, in the order the persistent CTAs take them: most touched
   kv-tiles first (stable), ties in ``(b, kv head, qt, head in the group)`` order, so the
-  heads of one kv group run side by side and share their K/V tiles in L2. ``m`` is the
+  heads of one kv group run side by side and share their K/V tiles in L2; with many short
+  (batch row, kv head) pairs, first in groups of pairs whose K and V fit in L2
+  (:func:`l2_kv_group`). ``m`` is the
   plan's mask index of ``(b, hq)``.
 - ``kv_list``: int32 ``[M, Tq, Tk]``: per q-tile its touched kv-tiles, FULL tiles first (each
   group ascending), then PARTIAL ones; ``kv_count`` / ``full_count`` int32 ``[M, Tq]``.
@@ -92,11 +94,20 @@ def bitmask_pages(s) -> torch.Tensor:
 
 
 def work_order(
-    q_count: torch.Tensor, batch: int, heads_q: int, heads_kv: int, plan_batch, plan_heads
+    q_count: torch.Tensor,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    plan_batch,
+    plan_heads,
+    kv_group: int | None = None,
 ) -> torch.Tensor:
     """int32 ``[B * Hq * Tq, 4]`` entries ``(b, hq, qt, m)``, heaviest first (see module).
 
-    ``q_count``: int32 ``[M, Tq]`` touched kv-tiles per q-tile of each mask.
+    ``q_count``: int32 ``[M, Tq]`` touched kv-tiles per q-tile of each mask. ``kv_group``:
+    None, or the number of consecutive (batch row, kv head) pairs whose entries run together,
+    heaviest first within each group (:func:`l2_kv_group`), so that a pair's K and V stay in
+    L2 while its q-tiles run.
     """
     dev = q_count.device
     tq = q_count.shape[1]
@@ -112,13 +123,48 @@ def work_order(
     m = m + (hq if plan_heads else torch.zeros_like(hq))
     b, hq, qt, m = (t.reshape(-1) for t in (b, hq, qt, m))
     weight = q_count[m, qt]
-    order = torch.sort(-weight, stable=True).indices
+    key = -weight.to(torch.int64)
+    if kv_group is not None:  # group first, then heaviest first (0 <= weight < 2**31)
+        pair = (b * heads_kv + torch.div(hq, group, rounding_mode="floor")) // kv_group
+        key = key + pair.to(torch.int64) * (1 << 32)
+    order = torch.sort(key, stable=True).indices
     work = torch.stack((b, hq, qt, m), -1)[order]
     return work.to(torch.int32).contiguous()
 
 
-def lower(plan: MaskPlan, batch: int, heads_q: int, heads_kv: int) -> CuteLowered:
-    """The kernel's view of ``plan`` for ``batch`` rows, ``heads_q`` / ``heads_kv`` heads.
+def l2_kv_group(
+    batch: int,
+    heads_kv: int,
+    kv_len: int,
+    entries_per_pair: int,
+    kv_bytes_per_key: int,
+    l2_bytes: int,
+    num_ctas: int,
+) -> int | None:
+    """(batch row, kv head) pairs per group of the work list, or None for one group.
+
+    Heaviest first over the whole list runs a pair's q-tiles far apart when there are many
+    pairs (1K tokens, B = 32: q-tile 7 of every pair, then q-tile 6 ...), and its K and V
+    have left L2 by the time the next one comes: they are read from memory once per q-tile.
+    Groups of pairs whose K and V fill at most half of L2 keep them there, but each group
+    holds at least two entries per CTA so that heaviest first still balances the CTAs. Pairs
+    whose K and V exceed a quarter of L2 (long rows) keep one list.
+    ``entries_per_pair``: q-tiles times query heads per kv head; ``kv_bytes_per_key``: K and V
+    bytes of one key (``2 * head_dim * element size``).
+    """
+    pairs = batch * heads_kv
+    per_pair = max(1, kv_len * kv_bytes_per_key)
+    if 4 * per_pair > l2_bytes:  # long rows: the CTAs on one pair stream its K, V in step
+        return None
+    group = max(1, l2_bytes // (2 * per_pair), -(-2 * num_ctas // max(1, entries_per_pair)))
+    return None if group >= pairs else group
+
+
+def lower(
+    plan: MaskPlan, batch: int, heads_q: int, heads_kv: int, kv_group: int | None = None
+) -> CuteLowered:
+    """The kernel's view of ``plan`` for ``batch`` rows, ``heads_q`` / ``heads_kv`` heads
+    (``kv_group``: see :func:`work_order` and :func:`l2_kv_group`).
 
     Raises:
         CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
@@ -137,7 +183,7 @@ def lower(plan: MaskPlan, batch: int, heads_q: int, heads_kv: int) -> CuteLowere
         raise CompileMaskError(f"heads_q={heads_q} but the plan is per-head for {plan.heads}")
     s = schedule_for_kernel(plan)
     kv_list, full_count = split_full_first(s.kind, s.q_list, s.q_count)
-    work = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads)
+    work = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads, kv_group)
     return CuteLowered(
         work=work,
         kv_list=kv_list,
@@ -200,6 +246,6 @@ def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> tor
 
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "bitmask_pages", "lower", "schedule_for_kernel",
-    "seen_from_word", "work_order",
+    "BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "bitmask_pages", "l2_kv_group", "lower",
+    "schedule_for_kernel", "seen_from_word", "work_order",
 ]  # fmt: skip
