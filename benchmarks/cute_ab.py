@@ -5,7 +5,7 @@ imports whatever ``compilemask`` is on the path) and compare the rows by ``label
     PYTHONPATH=src python benchmarks/cute_ab.py --label new --out rows.jsonl
     PYTHONPATH=old/src python benchmarks/cute_ab.py --label old --systems compilemask-cute
 
-One JSON line per (case, system) is appended to ``--out``: label, workload, N0, system, ms
+One JSON line per (case, system) is appended to ``--out``: commit, label, workload, N0, system, ms
 (median of ``triton.testing.do_bench``, as ``compilemask bench`` times), and for the cute rows
 ``max_abs_diff`` against the first peer that ran on the case (bf16 outputs; None without one).
 Cases are the bench's seed workloads (16 heads, head_dim 128, bf16); a system that does not
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="+", default=list(CASES), help="workload:N0 ...")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     p.add_argument("--out", required=True, help="JSON-lines file the rows are appended to")
+    p.add_argument("--commit", default="unknown", help="the commit of the version timed")
     args = p.parse_args(argv)
     by_name = {s.name: s for s in ALL}
     unknown = [s for s in args.systems if s not in by_name]
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                     peer_out = o
                 ms = time_ms(runner, False)
                 row = {
-                    "label": args.label, "workload": name, "N0": int(n0), "system": s.name,
+                    "commit": args.commit, "label": args.label, "workload": name, "N0": int(n0), "system": s.name,
                     "ms": round(ms, 4), "first_call_s": round(first_s, 2), "max_abs_diff": diff,
                 }  # fmt: skip
                 out.write(json.dumps(row) + "\n")
