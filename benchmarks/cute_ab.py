@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                     peer_out = o
                 ms = time_ms(runner, False)
                 row = {
-                    "commit": args.commit, "label": args.label, "workload": name, "N0": int(n0), "system": s.name,
+                    "commit": args.commit, "label": args.label, "workload": name, "N0": int(n0),
+                    "system": s.name,
                     "ms": round(ms, 4), "first_call_s": round(first_s, 2), "max_abs_diff": diff,
                 }  # fmt: skip
                 out.write(json.dumps(row) + "\n")
