@@ -105,7 +105,9 @@ def test_attention_under_torch_compile():
     q, k, v = _qkv((1, 4, w.N, 128), grad=True)
     cm.attention(q, k, v, plan).sum().backward()  # builds the kernels' tilings eagerly
     f = torch.compile(lambda q, k, v: cm.attention(q, k, v, plan), fullgraph=True)
-    torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, plan))
+    # under torch.compile "auto" runs Triton (cudnn refuses traced calls), while eager "auto"
+    # may pick cudnn for a 4K call with gradients: compare with eager Triton, bit for bit
+    torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, plan, backend="triton"))
 
 
 def test_first_call_under_torch_compile():
