@@ -470,10 +470,10 @@ class _PositionsCtx(_Ctx):
         hi = ((self.q.long() // b + 1) * b).clamp_(max=self.kv_len).to(I32)  # no int32 wrap
         return torch.zeros_like(self.q)[:, None], hi[:, None]
 
-    def _b_document(self, lengths, causal):
+    def _t_document(self, lengths, causal):
         if not causal:  # the last document's rows see it to the end of the cache
             lengths = (*lengths[:-1], self.kv_len)
-        return super()._b_document(lengths, causal)
+        return super()._t_document(lengths, causal)
 
     def _rules(self, mask: RuleMask):
         if not mask.rules:
