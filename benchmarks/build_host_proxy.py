@@ -84,7 +84,7 @@ def main() -> None:
             w = workload(name, n0)
             for tables in ("kept", "fresh"):
 
-                def build():
+                def build(w=w, tables=tables):
                     if tables == "fresh":
                         clear()
                     plan = cm.compile(w.mask, w.N, device="cpu", cache=False)

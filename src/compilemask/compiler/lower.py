@@ -70,8 +70,8 @@ def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
 #: is kept per (mask, Nk, trim, device) (:data:`_TABLES`).
 PIECEWISE = frozenset({"document", "shared_prompt", "hstu"})
 _CACHED = 32  # entries kept in each of _TABLES and _ROWS (least recently made dropped first)
-# (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table`; the query rows
-# (Nq, device) -> arange. Both are read only (never returned, never written), shared by builds.
+# (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table`;
+# the query rows (Nq, device) -> arange. Both read only (never returned or written), shared.
 _TABLES: dict[tuple, tuple] = {}
 _ROWS: dict[tuple, torch.Tensor] = {}
 

@@ -211,9 +211,11 @@ def _build_schedule(
         if ticket == Tq + Tk - 1:  # the mask's last program: every count and list is written
             tl.debug_barrier()
             _order_side(QCount + m * Tq, QFullCount + m * Tq, QFullFirst + m * Tq * Tk,
-                        QOrder + m * Tq, QWork + m * Tq * 8, Tq, Tk, BLOCK=64, CHUNK=64)  # fmt: skip
+                        QOrder + m * Tq, QWork + m * Tq * 8, Tq, Tk,
+                        BLOCK=64, CHUNK=64)  # fmt: skip
             _order_side(KvCount + m * Tk, KvFullCount + m * Tk, KvFullFirst + m * Tk * Tq,
-                        KvOrder + m * Tk, KvWork + m * Tk * 8, Tk, Tq, BLOCK=64, CHUNK=64)  # fmt: skip
+                        KvOrder + m * Tk, KvWork + m * Tk * 8, Tk, Tq,
+                        BLOCK=64, CHUNK=64)  # fmt: skip
 
 
 @triton.jit
@@ -440,10 +442,10 @@ def build_tiles_triton(
             K_PAD=k_pad, CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
         )  # fmt: skip
         if not order:
+            lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
             q_order, kv_order, made = heaviest_first(
-                q_count, kv_count, out=(q_order, kv_order),
-                work=((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)),
-            )  # fmt: skip
+                q_count, kv_count, out=(q_order, kv_order), work=lists
+            )
             if not made:
                 q_work = kv_work = None
     else:
