@@ -470,10 +470,10 @@ class _PositionsCtx(_Ctx):
         hi = ((self.q.long() // b + 1) * b).clamp_(max=self.kv_len).to(I32)  # no int32 wrap
         return torch.zeros_like(self.q)[:, None], hi[:, None]
 
-    def _b_document(self, lengths, causal):
+    def _t_document(self, lengths, causal):
         if not causal:  # the last document's rows see it to the end of the cache
             lengths = (*lengths[:-1], self.kv_len)
-        return super()._b_document(lengths, causal)
+        return super()._t_document(lengths, causal)
 
     def _rules(self, mask: RuleMask):
         if not mask.rules:
@@ -485,7 +485,7 @@ class _PositionsCtx(_Ctx):
 class _PiecesOf(_PositionsCtx):
     """Records the pieces of a piecewise catalogue mask instead of lowering them."""
 
-    def pieces(self, pieces, k: int):
+    def table(self, pieces, k: int):
         return pieces, k
 
 
@@ -496,7 +496,7 @@ def _pieces_table(mask: Builtin, kv_len: int) -> tuple[list[int], int, int]:
     table ``[n, 1 + 4 K]``: per piece its end, then ``lo_a``, ``hi_a``, ``lo_b``, ``hi_b``
     ``[K]`` (unused slots ``[Nk, Nk)``). Returns ``(values, n, K)``."""
     ctx = _PiecesOf(torch.zeros(0, dtype=I32), kv_len)
-    pieces, k = getattr(ctx, "_b_" + mask.name)(*mask.args)
+    pieces, k = getattr(ctx, "_t_" + mask.name)(*mask.args)
     values, start, n = [], 0, 0
     for end, lo_a, lo_b, hi_a, hi_b in pieces:
         if end <= start:

@@ -66,14 +66,43 @@ def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
     return ctx.lower(mask)
 
 
+#: Catalogue masks lowered as piecewise-affine rows (:meth:`_Ctx.pieces`): their device table
+#: is kept per (mask, Nk, trim, device) (:data:`_TABLES`).
+PIECEWISE = frozenset({"document", "shared_prompt", "hstu"})
+_CACHED = 32  # entries kept in each of _TABLES and _ROWS (least recently made dropped first)
+# (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table`;
+# the query rows (Nq, device) -> arange. Both read only (never returned or written), shared.
+_TABLES: dict[tuple, tuple] = {}
+_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _keep(cache: dict, key, value):
+    if len(cache) >= _CACHED:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
+def clear_tables() -> None:
+    """Forget the device tables and query rows kept between lowerings."""
+    _TABLES.clear()
+    _ROWS.clear()
+
+
 class _Ctx:
     def __init__(self, q_len: int, kv_len: int, device: torch.device, trim: bool):
         self.q_len, self.kv_len, self.device, self.trim = q_len, kv_len, device, trim
 
     @functools.cached_property
     def q(self) -> torch.Tensor:
-        """The query rows ``0 .. Nq - 1`` (int32), made on first use."""
-        return torch.arange(self.q_len, device=self.device, dtype=I32)
+        """The query rows ``0 .. Nq - 1`` (int32), made once per (Nq, device): read only."""
+        key = (self.q_len, self.device)
+        q = _ROWS.get(key)
+        if q is None:
+            with torch.inference_mode(False):
+                q = torch.arange(self.q_len, device=self.device, dtype=I32)
+            _keep(_ROWS, key, q)
+        return q
 
     def t(self, values) -> torch.Tensor:
         """A small host table (layout lengths, half-widths) on the plan's device. On CUDA the
@@ -92,7 +121,10 @@ class _Ctx:
     def lower(self, mask: Mask):
         pad = self.kv_len
         if isinstance(mask, Builtin):
-            out = getattr(self, "_b_" + mask.name)(*mask.args)
+            if mask.name in PIECEWISE:
+                out = self.expand(*self._table_of(mask))
+            else:
+                out = getattr(self, "_b_" + mask.name)(*mask.args)
             if isinstance(out, _Rows):
                 return out.lo[None, None], out.hi[None, None], out.count[None, None]
             if isinstance(out, _Canonical):  # compact and in bounds by construction
@@ -176,14 +208,14 @@ class _Ctx:
         lo = self._arange(1 - w).clamp_(0, self.kv_len)
         return self._one(lo, self._arange(1), self.q_len - w)
 
-    def _b_document(self, lengths, causal):
+    def _t_document(self, lengths, causal):
         # a document [s, e): its rows see [s, q + 1) (causal) or [s, e)
         pieces, s = [], 0
         for n in lengths:
             e = s + n
             pieces.append((e, (0,), (s,), (1,), (1,)) if causal else (e, (0,), (s,), (0,), (e,)))
             s = e
-        return self.pieces(pieces, 1)
+        return self.table(pieces, 1)
 
     def _b_prefix_lm(self, prefix_len):
         # [0, max(q + 1, P)) clipped
@@ -208,7 +240,7 @@ class _Ctx:
             hi = hi.clamp_(max=self.kv_len)
         return self._one(zeros, hi, 0)
 
-    def _b_shared_prompt(self, prompts, responses):
+    def _t_shared_prompt(self, prompts, responses):
         # a group starting at gs, its prompt ending at pe: the prompt's rows and those of the
         # response starting at pe (the first) see [gs, q + 1); a later response starting at s
         # sees [gs, pe) and [s, q + 1), or only [s, q + 1) when the prompt is empty
@@ -225,9 +257,9 @@ class _Ctx:
                     pieces.append((pos, (0, 0), (gs, s), (0, 1), (pe, 1)))
                 else:
                     pieces.append((pos, (0,), (s,), (1,), (1,)))
-        return self.pieces(pieces, 2)
+        return self.table(pieces, 2)
 
-    def _b_hstu(self, lengths, num_targets, contextual):
+    def _t_hstu(self, lengths, num_targets, contextual):
         # a user [s, e), its history ending at h = e - targets (h > s): the first
         # c = min(contextual, h - s) rows see [s, h); later history rows and the first target
         # see [s, q + 1); later targets see [s, h) and [q, q + 1)
@@ -239,7 +271,7 @@ class _Ctx:
             pieces.append((min(h + 1, e), (0,), (s,), (1,), (1,)))
             pieces.append((e, (0, 1), (s, 0), (0, 1), (h, 1)))
             s = e
-        return self.pieces(pieces, 2)
+        return self.table(pieces, 2)
 
     def pieces(self, pieces, k: int) -> _Rows:
         """Canonical intervals of piecewise-affine rows.
@@ -257,9 +289,28 @@ class _Ctx:
             needs no readback here: the counts are known on the host).
 
         One host table and six device operations (an arange, the copy, a ``searchsorted``, two
-        gathers, an ``addcmul``), whatever the number of pieces. ``lo`` and ``hi`` are the two
-        halves of one tensor (nothing writes into a plan's intervals).
+        gathers, an ``addcmul``), whatever the number of pieces; four for a catalogue mask
+        lowered before (:meth:`_table_of` keeps its table on the device, :attr:`q` its rows).
+        ``lo`` and ``hi`` are the two halves of one tensor (nothing writes into a plan's
+        intervals).
         """
+        return self.expand(*self.table(pieces, k))
+
+    def _table_of(self, mask: Builtin) -> tuple:
+        """The device table of a :data:`PIECEWISE` catalogue mask, made once per (mask, Nk,
+        trim, device) and context class (a decoding context restates some): the pieces do
+        not depend on the query rows."""
+        key = (type(self), mask.name, mask.args, self.kv_len, self.trim, self.device)
+        table = _TABLES.get(key)
+        if table is None:
+            with torch.inference_mode(False):
+                table = getattr(self, "_t_" + mask.name)(*mask.args)
+            _keep(_TABLES, key, table)
+        return table
+
+    def table(self, pieces, k: int) -> tuple:
+        """``(ends [P], ab [2, 2, P, K], counts [P])`` on the device, one host-to-device copy:
+        the pieces of :meth:`pieces` with rows, their coefficients padded to ``K`` slots."""
         rows, start = [], 0
         for piece in pieces:
             if piece[0] > start:
@@ -276,7 +327,10 @@ class _Ctx:
         table += counts
         n = len(rows)
         host = self.t(table)  # one host-to-device copy
-        ends, ab, counts = host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
+        return host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
+
+    def expand(self, ends: torch.Tensor, ab: torch.Tensor, counts: torch.Tensor) -> _Rows:
+        """The rows of a :meth:`table`: a ``searchsorted``, two gathers, an ``addcmul``."""
         idx = self._piece_of_row(ends)
         a, b = ab.index_select(2, idx)  # [lo / hi, Nq, K] each
         lo, hi = torch.addcmul(b, a, self.q[:, None])  # two contiguous halves of one tensor

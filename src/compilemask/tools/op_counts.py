@@ -50,7 +50,7 @@ NO_LAUNCH = frozenset({
 #: GPU that a CPU build does not make.
 H2D = "host-to-device copy"
 #: The Triton tile builder's kernels (``kernels/triton/tile_builder.py``).
-BUILDER_KERNELS = ("_classify_tiles", "_tile_lists", "_heaviest_first_kernel")
+BUILDER_KERNELS = ("_build_schedule", "_tile_lists", "_heaviest_first_kernel")
 
 
 class LaunchCounter:

@@ -1,7 +1,7 @@
 """The default tile-schedule builder of plans on a CUDA device: Triton kernels.
 
 On a GPU the tensor-operation builder of ``compiler/tiles.py`` is launch-bound (89 operations
-for a 128x128 tile schedule and 40 for the kernels' schedules, against 3 launches and none with
+for a 128x128 tile schedule and 40 for the kernels' schedules, against 1 launch and none with
 ``kernels/triton/tile_builder.py``; ``cpu-build-op-counts-2026-11-30.jsonl``). The
 compiler may not import the kernels, so this layer registers a builder that imports them on
 first use: ``import compilemask`` still loads no Triton. CPU plans keep the tensor builder.

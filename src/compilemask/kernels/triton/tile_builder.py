@@ -1,17 +1,23 @@
-"""Tile schedules built by two Triton kernels instead of ~130 small tensor operations.
+"""Tile schedules built by one Triton launch instead of ~130 small tensor operations.
 
 On a GPU the tensor-op builder (``compiler/tiles.py``) is launch-bound: every one of its
-operations is a kernel launch (``benchmarks/build_op_counts.py``). The schedule does not depend
-on the mask, only on the row intervals, so it fits in two kernels:
+operations is a kernel launch (``compilemask.tools.op_counts``), and so is the host side of a
+Triton launch. The schedule does not depend on the mask, only on the row intervals, so it fits
+in one kernel, ``_build_schedule``, grid (Tq + Tk, M):
 
-1. ``_classify_tiles``, grid (Tq, M): one program per q-tile loads its rows' intervals once and
-   walks the kv-tiles, writing each tile's visible pairs, kind and slot range ``[jlo, jhi)``
-   (the definitions of ``compiler/tiles.py``: pairs by clipping every interval to the tile,
-   ``jlo = #{j : H[j] <= a}``, ``jhi = max(#{j : L[j] < b}, jlo)``).
-2. ``_tile_lists``, grid (rows, M), launched for the q-tiles and, through transposed strides,
-   for the kv-tiles: the touched tiles of a row in ascending order (-1 padded), their count,
-   and the same list FULL tiles first (0 padded) with the number of FULL tiles (what
-   ``schedule.split_full_first`` computes for the kernels).
+1. q-tile programs load their rows' intervals once and walk the kv-tiles, writing each tile's
+   visible pairs, kind and slot range ``[jlo, jhi)`` (the definitions of ``compiler/tiles.py``:
+   pairs by clipping every interval to the tile, ``jlo = #{j : H[j] <= a}``,
+   ``jhi = max(#{j : L[j] < b}, jlo)``), then their row's lists: the touched kv-tiles in
+   ascending order (-1 padded), their count, and the same list FULL tiles first (0 padded)
+   with the number of FULL tiles (what ``schedule.split_full_first`` computes for the kernels);
+2. kv-tile programs classify their column of tiles themselves (the intervals are read again,
+   from L2: no program waits for another) and write the kv-tiles' lists the same way;
+3. the last program of each mask to finish (a ticket counter) orders the q- and kv-tiles
+   heaviest first and writes the kernels' work entries (``schedule.work_list``).
+
+``_tile_lists`` (the lists of a schedule built elsewhere) and ``_heaviest_first_kernel`` (the
+orders of axes longer than ``_FUSED_ORDER_MAX_TILES``) are launched on their own.
 
 No bitmask tiles (they need a host synchronisation to size): used where the tensor builder
 would not make them either (``use_bits=False``, or at most ``BITS_MIN_SLOTS`` slots per row).
@@ -41,48 +47,175 @@ _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
 _ORDER_CHUNK = 64
 _ORDER_KERNEL_MAX_TILES = 8192  # heaviest_first: one launch of O(T^2) compares up to here
+# _build_schedule's last program orders both axes alone (O(T^2) compares in one program) up to
+# this many tiles per axis; beyond, heaviest_first's launch spreads them over programs
+_FUSED_ORDER_MAX_TILES = 512
 # FULL-first lists made while building a schedule, for the kernels' schedules to reuse
 # (``full_first_lists``): id(kind) -> (weakref to kind, q lists, kv lists).
 _FULL_FIRST: dict[int, tuple] = {}
 
 
 @triton.jit
-def _classify_tiles(
-    Lo, Hi, Kind, Pairs, Jlo, Jhi, BitsIndex,
+def _row_lists(src, list_out, full_first_out, length, CHUNK: tl.constexpr):
+    """The lists of one row of kinds at ``src`` (contiguous, ``length`` entries): the touched
+    tiles ascending (-1 padded) into ``list_out`` and the same FULL first (0 padded) into
+    ``full_first_out``; returns ``(touched, full)`` counts."""
+    n_touched = 0
+    n_full = 0
+    for c0 in range(0, length, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        kind = tl.load(src + idx, mask=idx < length, other=0)
+        touched = (kind > 0).to(tl.int32)
+        pos = n_touched + tl.cumsum(touched, 0) - 1
+        tl.store(list_out + pos, idx, mask=touched > 0)
+        n_touched += tl.sum(touched)
+        n_full += tl.sum((kind == 1).to(tl.int32))
+    n_partial = 0
+    n_full_seen = 0
+    for c0 in range(0, length, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        inside = idx < length
+        kind = tl.load(src + idx, mask=inside, other=0)
+        full = (kind == 1).to(tl.int32)
+        part = (kind > 1).to(tl.int32)
+        pos_full = n_full_seen + tl.cumsum(full, 0) - 1
+        pos_part = n_full + n_partial + tl.cumsum(part, 0) - 1
+        pos = tl.where(full > 0, pos_full, pos_part)
+        tl.store(full_first_out + pos, idx, mask=(full + part) > 0)
+        n_full_seen += tl.sum(full)
+        n_partial += tl.sum(part)
+        tail = inside & (idx >= n_touched)
+        tl.store(list_out + idx, tl.full([CHUNK], -1, tl.int32), mask=tail)
+        tl.store(full_first_out + idx, tl.zeros([CHUNK], tl.int32), mask=tail)
+    return n_touched, n_full
+
+
+@triton.jit
+def _order_side(count, full_count, full_first, order, work, n, length,
+                BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """One axis of one mask in :func:`_build_schedule`'s last program: ``order[rank(t)] = t``
+    (decreasing count, ties by index) and the work entries (see ``_heaviest_first_kernel``).
+    Loads bypass L1: other programs wrote these values."""
+    for t0 in range(0, n, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        t_ok = t < n
+        c = tl.load(count + t, mask=t_ok, other=0, cache_modifier=".cg")
+        rank = tl.zeros([BLOCK], dtype=tl.int32)
+        for u0 in range(0, n, CHUNK):
+            u = u0 + tl.arange(0, CHUNK)
+            cu = tl.load(count + u, mask=u < n, other=-1, cache_modifier=".cg")
+            heavier = cu[None, :] > c[:, None]
+            tie_before = (cu[None, :] == c[:, None]) & (u[None, :] < t[:, None])
+            rank += tl.sum((heavier | tie_before).to(tl.int32), axis=1)
+        tl.store(order + rank, t, mask=t_ok)
+        full = tl.load(full_count + t, mask=t_ok, other=0, cache_modifier=".cg")
+        lists = full_first + t.to(tl.int64) * length
+        first = tl.load(lists, mask=t_ok & (c > 0), other=0, cache_modifier=".cg")
+        part = tl.load(lists + full, mask=t_ok & (full < c), other=0, cache_modifier=".cg")
+        entry = work + rank.to(tl.int64) * 8
+        tl.store(entry, t, mask=t_ok)
+        tl.store(entry + 1, c, mask=t_ok)
+        tl.store(entry + 2, full, mask=t_ok)
+        tl.store(entry + 3, first, mask=t_ok)
+        tl.store(entry + 4, part, mask=t_ok)
+        for f in tl.static_range(5, 8):
+            tl.store(entry + f, tl.zeros([BLOCK], dtype=tl.int32), mask=t_ok)
+
+
+@triton.jit
+def _build_schedule(
+    Lo, Hi, Kind, Pairs, Jlo, Jhi, BitsIndex, KindT,
+    QCount, QList, QFullFirst, QFullCount, KvCount, KvList, KvFullFirst, KvFullCount,
+    QOrder, KvOrder, QWork, KvWork, Tickets,
     q_len, kv_len, n_slots, Tq, Tk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_PAD: tl.constexpr,
+    CHUNK_Q: tl.constexpr,
+    ORDER: tl.constexpr,
 ):  # fmt: skip
-    qt = tl.program_id(0)
+    """The whole schedule in one launch, grid (Tq + Tk, M). Programs ``[0, Tq)`` classify a
+    q-tile's row of tiles and write its lists; programs
+    ``[Tq, Tq + Tk)`` classify a kv-tile's column (``CHUNK_Q`` q-tiles at a time, into the
+    scratch ``KindT`` [M, Tk, Tq]) and write its lists. ORDER: every program then takes a
+    ticket of its mask (``Tickets`` [M], zero before the launch); the program that takes the
+    last one writes the mask's heaviest-first orders and work entries."""
+    pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    rows = qt * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.arange(0, K_PAD)
-    row_ok = rows < q_len
-    ok = row_ok[:, None] & (slots < n_slots)[None, :]
-    offs = m * q_len * n_slots + rows.to(tl.int64)[:, None] * n_slots + slots[None, :]
-    # padding (rows past q_len, slots past n_slots) reads as an empty interval at kv_len
-    lo = tl.load(Lo + offs, mask=ok, other=kv_len)
-    hi = tl.load(Hi + offs, mask=ok, other=kv_len)
-    # per slot, over the q-tile's real rows: the largest end and the smallest start
-    h_max = tl.max(tl.where(row_ok[:, None], hi, -1), axis=0)
-    l_min = tl.min(tl.where(row_ok[:, None], lo, 2147483647), axis=0)
-    rows_in = tl.minimum(q_len - qt * BLOCK_M, BLOCK_M)
-    out = (m * Tq + qt) * Tk
-    for t in range(0, Tk):
+    lo_hi_base = m * q_len * n_slots
+    if pid < Tq:
+        qt = pid
+        rows = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        ok = row_ok[:, None] & (slots < n_slots)[None, :]
+        offs = lo_hi_base + rows.to(tl.int64)[:, None] * n_slots + slots[None, :]
+        # padding (rows past q_len, slots past n_slots) reads as an empty interval at kv_len
+        lo = tl.load(Lo + offs, mask=ok, other=kv_len)
+        hi = tl.load(Hi + offs, mask=ok, other=kv_len)
+        h_max = tl.max(tl.where(row_ok[:, None], hi, -1), axis=0)
+        l_min = tl.min(tl.where(row_ok[:, None], lo, 2147483647), axis=0)
+        rows_in = tl.minimum(q_len - qt * BLOCK_M, BLOCK_M)
+        out = (m * Tq + qt) * Tk
+        for t in range(0, Tk):
+            t0 = t * BLOCK_N
+            t1 = tl.minimum(t0 + BLOCK_N, kv_len)
+            overlap = tl.minimum(hi, t1) - tl.maximum(lo, t0)
+            pairs = tl.sum(tl.maximum(overlap, 0))
+            jlo = tl.sum((h_max <= t0).to(tl.int32))
+            jhi = tl.maximum(tl.sum((l_min < t1).to(tl.int32)), jlo)
+            full = (pairs == BLOCK_M * BLOCK_N) & (rows_in == BLOCK_M) & (t1 - t0 == BLOCK_N)
+            kind = tl.where(full, 1, tl.where(pairs > 0, 2, 0))
+            tl.store(Kind + out + t, kind)
+            tl.store(Pairs + out + t, pairs)
+            tl.store(Jlo + out + t, jlo)
+            tl.store(Jhi + out + t, jhi)
+            tl.store(BitsIndex + out + t, -1)
+        tl.debug_barrier()  # the row's kinds, stored above, read back by every thread
+        row = m * Tq + qt
+        n_touched, n_full = _row_lists(
+            Kind + out, QList + row * Tk, QFullFirst + row * Tk, Tk, CHUNK=128
+        )
+        tl.store(QCount + row, n_touched)
+        tl.store(QFullCount + row, n_full)
+    else:
+        t = pid - Tq
         t0 = t * BLOCK_N
         t1 = tl.minimum(t0 + BLOCK_N, kv_len)
-        overlap = tl.minimum(hi, t1) - tl.maximum(lo, t0)
-        pairs = tl.sum(tl.maximum(overlap, 0))
-        jlo = tl.sum((h_max <= t0).to(tl.int32))
-        jhi = tl.maximum(tl.sum((l_min < t1).to(tl.int32)), jlo)
-        full = (pairs == BLOCK_M * BLOCK_N) & (rows_in == BLOCK_M) & (t1 - t0 == BLOCK_N)
-        kind = tl.where(full, 1, tl.where(pairs > 0, 2, 0))
-        tl.store(Kind + out + t, kind)
-        tl.store(Pairs + out + t, pairs)
-        tl.store(Jlo + out + t, jlo)
-        tl.store(Jhi + out + t, jhi)
-        tl.store(BitsIndex + out + t, -1)
+        row = m * Tk + t
+        dst = KindT + row * Tq
+        r = tl.arange(0, BLOCK_M)
+        for c0 in range(0, Tq, CHUNK_Q):
+            qts = c0 + tl.arange(0, CHUNK_Q)
+            rows = qts[:, None] * BLOCK_M + r[None, :]  # [CHUNK_Q, BLOCK_M]
+            row_ok = rows < q_len
+            ok = row_ok[:, :, None] & (slots < n_slots)[None, None, :]
+            offs = lo_hi_base + rows.to(tl.int64)[:, :, None] * n_slots + slots[None, None, :]
+            lo = tl.load(Lo + offs, mask=ok, other=kv_len)
+            hi = tl.load(Hi + offs, mask=ok, other=kv_len)
+            overlap = tl.maximum(tl.minimum(hi, t1) - tl.maximum(lo, t0), 0)
+            pairs = tl.sum(tl.sum(overlap, axis=2), axis=1)  # [CHUNK_Q]
+            rows_in = tl.minimum(q_len - qts * BLOCK_M, BLOCK_M)
+            full = (pairs == BLOCK_M * BLOCK_N) & (rows_in == BLOCK_M) & (t1 - t0 == BLOCK_N)
+            kind = tl.where(full, 1, tl.where(pairs > 0, 2, 0))
+            tl.store(dst + qts, kind, mask=qts < Tq)
+        tl.debug_barrier()
+        n_touched, n_full = _row_lists(
+            dst, KvList + row * Tq, KvFullFirst + row * Tq, Tq, CHUNK=128
+        )
+        tl.store(KvCount + row, n_touched)
+        tl.store(KvFullCount + row, n_full)
+    if ORDER:
+        tl.debug_barrier()  # every thread's stores before the ticket (release)
+        ticket = tl.atomic_add(Tickets + m, 1, sem="acq_rel", scope="gpu")
+        if ticket == Tq + Tk - 1:  # the mask's last program: every count and list is written
+            tl.debug_barrier()
+            _order_side(QCount + m * Tq, QFullCount + m * Tq, QFullFirst + m * Tq * Tk,
+                        QOrder + m * Tq, QWork + m * Tq * 8, Tq, Tk,
+                        BLOCK=64, CHUNK=64)  # fmt: skip
+            _order_side(KvCount + m * Tk, KvFullCount + m * Tk, KvFullFirst + m * Tk * Tq,
+                        KvOrder + m * Tk, KvWork + m * Tk * 8, Tk, Tq,
+                        BLOCK=64, CHUNK=64)  # fmt: skip
 
 
 @triton.jit
@@ -254,20 +387,23 @@ def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
     return tuple(out)
 
 
-def tile_lists_both(kind: torch.Tensor, out=None):
-    """:func:`tile_lists` of the q-tiles and of the kv-tiles in one launch:
-    ``(q lists, kv lists)``, each a 4-tuple as there (written into ``out``, two such 4-tuples
-    of empty tensors, when given)."""
-    m, tq, tk = kind.shape
-    if out is None:
-        out = _list_buffers(m, tq, tk, kind.device), _list_buffers(m, tk, tq, kind.device)
-    q_out, kv_out = out
-    if m * tq * tk:
-        _tile_lists[(max(tq, tk), m, 2)](
-            kind, *q_out, *kv_out, tq, tk, CHUNK=_LIST_CHUNK, BOTH=True, TRANSPOSED=False
-        )
-        return tuple(q_out), tuple(kv_out)
-    return tile_lists(kind), tile_lists(kind, transposed=True)
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _layout(m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool) -> tuple:
+    """``(sizes, shapes)`` of the outputs of :func:`build_tiles_triton`, slices of one int32
+    allocation, in the order of ``_build_schedule``'s tensor arguments (then the bitmask
+    words); kept per tiling (on a GPU host every allocation costs about as much as a launch)."""
+    key = (m, tq, tk, block_m, block_n, order)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
+        shapes = [tiles] * 5 + [tiles_t]  # kind, pairs, jlo, jhi, bits_index; scratch
+        shapes += [per_q, tiles, tiles, per_q, per_kv, tiles_t, tiles_t, per_kv]
+        shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), (m if order else 0,)]
+        shapes += [(0, block_m, -(-block_n // 32))]
+        hit = _LAYOUTS[key] = ([math.prod(shape) for shape in shapes], shapes)
+    return hit
 
 
 def build_tiles_triton(
@@ -280,33 +416,42 @@ def build_tiles_triton(
 ) -> TileSchedule:
     """The :class:`TileSchedule` of row intervals ``lo, hi`` (int32 ``[M, Nq, K]``
     contiguous), without bitmask tiles: equal to ``compiler.tiles.build_tiles(...,
-    use_bits=False)``."""
+    use_bits=False)``.
+
+    One ``_build_schedule`` launch writes everything (and the FULL-first lists and work
+    entries the kernels' schedules reuse, :func:`full_first_lists`) when neither axis has more
+    than :data:`_FUSED_ORDER_MAX_TILES` tiles; longer axes order their tiles in a second
+    launch (:func:`heaviest_first`). Outputs are views of one allocation; the tickets of the
+    fused ordering are its only zeroed part (one fill)."""
     m, n, k = lo.shape
     tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
-    # every output in one allocation (on a GPU host each one costs about as much as a launch)
-    per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
-    shapes = [tiles] * 5 + [per_q, tiles, tiles, per_q, per_kv, tiles_t, tiles_t, per_kv]
-    shapes += [per_q, per_kv, (0, block_m, -(-block_n // 32)), (m, tq, 8), (m, tk, 8)]
-    sizes = [math.prod(shape) for shape in shapes]
+    order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
+    sizes, shapes = _layout(m, tq, tk, block_m, block_n, order)
     flat = torch.empty(sum(sizes), dtype=torch.int32, device=lo.device)
     out = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
     kind, pairs, jlo, jhi, bits_index = out[:5]
+    q_count, q_list, q_full_first, q_full_count = out[6:10]
+    kv_count, kv_list, kv_full_first, kv_full_count = out[10:14]
+    q_order, kv_order, q_work, kv_work, tickets, bits = out[14:]
     if m * tq * tk:
-        _classify_tiles[(tq, m)](
-            lo, hi, kind, pairs, jlo, jhi, bits_index, q_len, kv_len, k, tq, tk,
-            BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=max(1 << (max(k, 1) - 1).bit_length(), 2),
+        if order:
+            tickets.zero_()
+        k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
+        _build_schedule[(tq + tk, m)](
+            lo, hi, *out[:-1], q_len, kv_len, k, tq, tk, BLOCK_M=block_m, BLOCK_N=block_n,
+            K_PAD=k_pad, CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
         )  # fmt: skip
-    q_lists, kv_lists = tile_lists_both(kind, out=(out[5:9], out[9:13]))
-    q_count, q_list, q_full_first, q_full_count = q_lists
-    kv_count, kv_list, kv_full_first, kv_full_count = kv_lists
-    q_work, kv_work = out[16:18]  # the kernels' work lists (schedule.work_list), same launch
-    q_order, kv_order, made = heaviest_first(
-        q_count, kv_count, out=out[13:15],
-        work=((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)),
-    )  # fmt: skip
-    if not made or not m * tq * tk:
+        if not order:
+            lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
+            q_order, kv_order, made = heaviest_first(
+                q_count, kv_count, out=(q_order, kv_order), work=lists
+            )
+            if not made:
+                q_work = kv_work = None
+    else:
+        for t in (q_count, q_full_count, kv_count, kv_full_count, q_order, kv_order):
+            t.zero_()  # not reached by the seeds: an empty axis has no tiles to list
         q_work = kv_work = None
-    bits = out[15]
     key = id(kind)
     ref = weakref.ref(kind, lambda _, key=key: _FULL_FIRST.pop(key, None))
     _FULL_FIRST[key] = (
@@ -334,7 +479,7 @@ def serves(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: ``_classify_tiles`` holds a [BLOCK_M, next_pow2(K)] tile of a q-tile's intervals in
+#: ``_build_schedule`` holds a [BLOCK_M, next_pow2(K)] tile of a q-tile's intervals in
 #: registers: rows with more slots than this go to the tensor builder (a dilated mask can have
 #: thousands; the seeds have at most 32).
 MAX_SLOTS = 64
