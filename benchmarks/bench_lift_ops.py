@@ -117,7 +117,8 @@ def counting_host_copies():
 
 
 def measure(fn, calls: int) -> dict:
-    fn()
+    """``calls`` 0: counts only (``ms_min`` null)."""
+    out = fn()
     best = float("inf")
     for _ in range(calls):
         t = time.perf_counter()
@@ -128,7 +129,7 @@ def measure(fn, calls: int) -> dict:
     reads = copies["n"] + sum(n for op, n in counted.ops.items() if op.startswith(HOST_READS))
     source = str(getattr(out, "source", ""))
     ops = counted.real()
-    return {"ms_min": round(best * 1e3, 3), "ops": ops, "host_reads": reads,
+    return {"ms_min": round(best * 1e3, 3) if calls else None, "ops": ops, "host_reads": reads,
             "h2d": copies["h2d"], "score": ops + 20 * reads,
             "score_sync": ops + 20 * (reads + copies["h2d"]),
             "source": source if len(source) <= 60 else source[:57] + "..."}  # fmt: skip
@@ -210,8 +211,9 @@ def rank(sizes, calls: int, out: str, base: dict) -> None:
         f"{'set':5} {'mask':24} {'n':>6} {'ops':>5} {'reads':>5} {'h2d':>4} {'score':>6} {'ms':>8}"
     )
     for r in sorted(rows, key=lambda r: -r["score"]):
+        ms = r["ms_min"] or 0
         print(f"{r['set']:5} {r['mask']:24} {r['n']:6} {r['ops']:5} {r['host_reads']:5} "
-              f"{r['h2d']:4} {r['score']:6} {r['score_sync']:6} {r['ms_min']:8.3f}")  # fmt: skip
+              f"{r['h2d']:4} {r['score']:6} {r['score_sync']:6} {ms:8.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
