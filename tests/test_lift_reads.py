@@ -81,3 +81,23 @@ def test_lifted_host_reads(name):
         got.expand_as(want) if got.dim() == 4 else got[None, None].expand_as(want), want
     )
     assert host_reads(build) <= BOUNDS[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lifting_waits_for_nothing_on_cuda():
+    """The lifting of a sliding window (key terms ``+-kv + c``: no profile read) neither reads
+    back nor makes a blocking copy to the device: CUDA's sync debug mode raises on either."""
+    from compilemask.compiler.migrate import lift
+
+    def mm(b, h, q, k):
+        return (k <= q) & (q - k < 64)
+
+    dev = torch.device("cuda")
+    lift.lift_intervals(mm, 1024, 1024, [(0, 0)], dev)  # warm: the trace, CUDA's context
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lift.lift_intervals(mm, 1024, 1024, [(0, 0)], dev)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
