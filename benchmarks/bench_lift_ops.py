@@ -20,6 +20,18 @@ attention-gym and FlashAttention-4 mask_mods of ``tests/flex_masks.py`` scaled t
 (``COMPILEMASK_COMMIT`` or git).
 
     PYTHONPATH=src python benchmarks/bench_lift_ops.py --gym --out /tmp/gym.jsonl
+
+With ``--rank`` (sizes given by ``--sizes``) one warm build of every seed mask_mod and every
+gym mask_mod is counted (``"set"``: ``seed`` / ``gym``) and the rows are printed ranked by
+``score = ops + 20 * host_reads``, a proxy of the build's host time on a GPU (an operation
+there costs about 5-10 us of host time, a synchronisation tens to hundreds); ``score_sync``
+adds ``20 * h2d``.
+``h2d`` counts the host values made device tensors by ``torch.tensor`` / ``torch.as_tensor``
+with a ``device`` (on a GPU a blocking copy from pageable memory, which waits for the stream
+like a read); on the CPU nothing is copied, so the count is of the calls.
+
+    PYTHONPATH=src python benchmarks/bench_lift_ops.py --rank --sizes 32768 --calls 1 \\
+        --out benchmarks/results/cpu-lift-ops-<date>.jsonl
 """
 
 from __future__ import annotations
@@ -70,9 +82,11 @@ def language_mask(name: str, n: int):
 
 @contextlib.contextmanager
 def counting_host_copies():
-    """Counts the calls of :data:`HOST_COPIES` (``Tensor`` methods) in the block."""
-    seen = {"n": 0}
+    """Counts the calls of :data:`HOST_COPIES` (``Tensor`` methods) in the block (``"n"``),
+    and of ``torch.tensor`` / ``torch.as_tensor`` on host data with a ``device`` (``"h2d"``)."""
+    seen = {"n": 0, "h2d": 0}
     real = {name: getattr(torch.Tensor, name) for name in HOST_COPIES}
+    makers = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
 
     def wrap(method):
         def counted(self, *args, **kwargs):
@@ -81,17 +95,30 @@ def counting_host_copies():
 
         return counted
 
+    def wrap_maker(maker):
+        def counted(data, *args, **kwargs):
+            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+                seen["h2d"] += 1
+            return maker(data, *args, **kwargs)
+
+        return counted
+
     for name, method in real.items():
         setattr(torch.Tensor, name, wrap(method))
+    for name, maker in makers.items():
+        setattr(torch, name, wrap_maker(maker))
     try:
         yield seen
     finally:
         for name, method in real.items():
             setattr(torch.Tensor, name, method)
+        for name, maker in makers.items():
+            setattr(torch, name, maker)
 
 
 def measure(fn, calls: int) -> dict:
-    fn()
+    """``calls`` 0: counts only (``ms_min`` null)."""
+    out = fn()
     best = float("inf")
     for _ in range(calls):
         t = time.perf_counter()
@@ -101,7 +128,10 @@ def measure(fn, calls: int) -> dict:
         fn()
     reads = copies["n"] + sum(n for op, n in counted.ops.items() if op.startswith(HOST_READS))
     source = str(getattr(out, "source", ""))
-    return {"ms_min": round(best * 1e3, 3), "ops": counted.real(), "host_reads": reads,
+    ops = counted.real()
+    return {"ms_min": round(best * 1e3, 3) if calls else None, "ops": ops, "host_reads": reads,
+            "h2d": copies["h2d"], "score": ops + 20 * reads,
+            "score_sync": ops + 20 * (reads + copies["h2d"]),
             "source": source if len(source) <= 60 else source[:57] + "..."}  # fmt: skip
 
 
@@ -116,11 +146,14 @@ def main() -> None:
         default=None,
         help="the general lifting's mask_mods (all, or the ones named) instead",
     )
+    ap.add_argument("--rank", action="store_true", help="seeds and gym mask_mods, ranked by score")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
     base = {"commit": commit(), "device": "cpu", "threads": 1}
+    if a.rank:
+        return rank(a.sizes, a.calls, a.out, base)
     if a.gym is not None:
         return gym(a.gym or list(GYM), a.sizes, a.calls, a.out, base)
     with open(a.out, "a") as f:
@@ -154,6 +187,33 @@ def gym(names, sizes, calls: int, out: str, base: dict) -> None:
                 ))  # fmt: skip
                 print(json.dumps(row), flush=True)
                 f.write(json.dumps(row) + "\n")
+
+
+def rank(sizes, calls: int, out: str, base: dict) -> None:
+    rows = []
+    with open(out, "a") as f:
+        for n in sizes:
+            todo = [("seed", name, *mask_mod_for(name, n, "cpu"), None, None, None)
+                    for name in MASKS]  # fmt: skip
+            for name in GYM:
+                mm, nq, nk, batch, heads = gym_mask_mod(name, n)
+                todo.append(("gym", name, mm, nq, nk, batch, heads))
+            for kind, name, mm, nq, nk, batch, heads in todo:
+                row = {"set": kind, "mask": name, "n": nq, "kv_len": nk or nq, "batch": batch,
+                       "heads": heads, "system": "compilemask-auto", **base}  # fmt: skip
+                row.update(measure(
+                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads), calls  # noqa: B023
+                ))  # fmt: skip
+                print(json.dumps(row), flush=True)
+                f.write(json.dumps(row) + "\n")
+                rows.append(row)
+    print(
+        f"{'set':5} {'mask':24} {'n':>6} {'ops':>5} {'reads':>5} {'h2d':>4} {'score':>6} {'ms':>8}"
+    )
+    for r in sorted(rows, key=lambda r: -r["score"]):
+        ms = r["ms_min"] or 0
+        print(f"{r['set']:5} {r['mask']:24} {r['n']:6} {r['ops']:5} {r['host_reads']:5} "
+              f"{r['h2d']:4} {r['score']:6} {r['score_sync']:6} {ms:8.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -219,12 +219,15 @@ def test_lifted_forms_match_evaluation(expr, nq, nk):
         return expr(q_idx, kv_idx)
 
     try:
-        ((lo, hi, count),) = lift.lift_intervals(mask_mod, nq, nk, [(0, 0)], "cpu")
+        lo, hi = lift.lift_intervals(mask_mod, nq, nk, [(0, 0)], "cpu")
     except lift.Unsupported:
         return
     want = create_mask(mask_mod, None, None, nq, nk, device="cpu")[0, 0]
-    assert torch.equal(dense_rows(lo, hi, nk), want)
-    assert torch.equal(count, (lo < hi).sum(-1, dtype=torch.int32))
+    assert torch.equal(dense_rows(lo[0], hi[0], nk), want)
+    k = max(1, int((lo < hi).sum(-1).max()))
+    lo, hi = lift.finished(lo, hi, k, nk)
+    assert torch.equal(dense_rows(lo[0], hi[0], nk), want)
+    assert ((lo < hi) | ((lo == nk) & (hi == nk))).all()  # empty slots padded
 
 
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "hstu",
@@ -460,7 +463,8 @@ def test_probe_rejects_wrong_lifted_intervals(monkeypatch):
     real = lift.lift_intervals
 
     def off_by_one(*args):
-        return [(lo, hi + (hi < lo.new_tensor(40)).int(), c) for lo, hi, c in real(*args)]
+        lo, hi = real(*args)
+        return lo, hi + (hi < lo.new_tensor(40)).int()
 
     monkeypatch.setattr(lift, "lift_intervals", off_by_one)
     monkeypatch.setattr(lift, "recognise", lambda *args: None)  # causal: the general lifting
@@ -503,8 +507,7 @@ def test_lifted_probe_catches_one_wrong_part(bad_part):
         return doc[b, h, q] == doc[b, h, k]
 
     bh = [(b, h) for b in range(2) for h in range(3)]
-    parts = lift.lift_intervals(mm, 40, 40, bh, torch.device("cpu"))
-    lo, hi, _ = lift._stacked(parts, 40)
+    lo, hi = lift.lift_intervals(mm, 40, 40, bh, torch.device("cpu"))
     assert modeval.lifted_agrees(mm, lo, hi, 40, 40, bh, torch.device("cpu"))
     hi = hi.clone()
     hi[bad_part, 39] = lo[bad_part, 39]  # the last row (a probe row) left empty

@@ -24,7 +24,7 @@ def clip(lo: torch.Tensor, hi: torch.Tensor, kv_len: int) -> tuple[torch.Tensor,
 
 
 def _bound_k(count: torch.Tensor, k_bound: int, trim: bool) -> int:
-    if trim and count.numel():
+    if trim and count.numel() and k_bound > 1:  # (one slot or none: 1, nothing to read)
         return max(1, int(count.max()))
     return max(1, k_bound)
 

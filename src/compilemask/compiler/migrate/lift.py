@@ -73,7 +73,10 @@ log = logging.getLogger("compilemask.migrate")
 MAX_RUNS_PER_ROW = 64
 #: a comparison inside ``K`` slots per row over a key term of ``R`` runs takes all ``R`` runs
 #: per slot (no host read of how many it crosses) when ``R * K`` is at most this
-_RUNS_UNREAD = 4
+_RUNS_UNREAD = 16
+#: intermediate interval sets of at most this many slots per row are not trimmed to the
+#: most any row holds (a host read each); the result is trimmed once at the end
+_UNTRIMMED_SLOTS = 8
 #: the most parts of a union kept apart (``Disj``)
 _MAX_DISJ = 4
 
@@ -99,6 +102,8 @@ class Lifter:
         self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
         self._profiles = {}  # id(g) -> (g, (descents, ascents, min, max))
         self._consts = None
+        self._arange = None
+        self._ints = []  # (tensor, int, version) of the b and h of the current run
 
     def profile_of(self, g: torch.Tensor) -> tuple[int, int, int, int]:
         """``(descents, ascents, min, max)`` of a key term ``g`` (int64 ``[Nk]``): how many
@@ -109,6 +114,20 @@ class Lifter:
             d = torch.stack([(g[1:] < g[:-1]).sum(), (g[1:] > g[:-1]).sum(), lo, hi])
             hit = self._profiles[id(g)] = (g, tuple(d.tolist()))
         return hit[1]
+
+    def prefetch(self, terms) -> None:
+        """The profiles of the key terms ``terms`` (int64 ``[Nk]`` tensors; others skipped)
+        not known yet, all in one host read."""
+        todo = list({id(g): g for g in terms if g.dim() == 1}.values())
+        todo = [g for g in todo if self._profiles.get(id(g), (None,))[0] is not g]
+        if len(todo) < 2:
+            return
+        rows = []
+        for g in todo:
+            lo, hi = torch.aminmax(g)
+            rows.append(torch.stack([(g[1:] < g[:-1]).sum(), (g[1:] > g[:-1]).sum(), lo, hi]))
+        for g, d in zip(todo, torch.stack(rows).tolist()):
+            self._profiles[id(g)] = (g, tuple(d))
 
     def runs_of(self, g: torch.Tensor):
         hit = self._runs.get(id(g))
@@ -133,9 +152,10 @@ class Lifter:
 
     # ------------------------------------------------------------------ interval sets
     def consts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """0 and ``nk``: int32 0-d tensors, made once (never written to)."""
+        """0 and ``nk``: int32 0-d tensors, made once (never written to; one kernel, no copy
+        from the host)."""
         if self._consts is None:
-            both = torch.tensor([0, self.nk], dtype=torch.int32, device=self.device)
+            both = torch.arange(2, dtype=torch.int32, device=self.device) * self.nk
             self._consts = both[0], both[1]
         return self._consts
 
@@ -150,7 +170,9 @@ class Lifter:
 
     def canon(self, lo, hi) -> Iv:
         lo, hi = iv.clip(lo, hi, self.nk)
-        lo, hi, _ = iv.compact_sorted(lo.to(torch.int32), hi.to(torch.int32), self.nk)
+        lo, hi, _ = iv.compact_sorted(
+            lo.to(torch.int32), hi.to(torch.int32), self.nk, trim=_trim(lo.shape[-1])
+        )
         return Iv(lo, hi)
 
     def to_iv(self, v) -> Iv:
@@ -169,15 +191,19 @@ class Lifter:
         if isinstance(v, KV) and v.t.dtype == torch.bool and v.t.dim() == 1:
             lo, hi, _ = iv.from_dense_rows(v.t[None], self.nk)
             return Iv(lo, hi)
-        if isinstance(v, (bool, torch.Tensor)) and _is_bool_scalar(v):
+        if isinstance(v, bool):
             f = self.full()
-            return f if bool(v) else Iv(f.hi, f.hi.clone())
+            return f if v else Iv(f.hi, f.hi.clone())
+        if isinstance(v, torch.Tensor) and _is_bool_scalar(v):  # [0, nk) or [nk, nk): no read
+            zero, nk = self.consts()
+            return Iv(torch.where(v.to(zero.device), zero, nk).view(1, 1), nk.view(1, 1))
         raise Unsupported(f"a {type(v).__name__} value used as a boolean mask")
 
     def land(self, a: Iv, b: Iv) -> Iv:
         if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:  # one interval each: one interval
             return self.kept(torch.maximum(a.lo, b.lo), torch.minimum(a.hi, b.hi))
-        return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk)[:2])
+        trim = _trim(a.lo.shape[-1] + b.lo.shape[-1])
+        return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk, trim=trim)[:2])
 
     def lor(self, a: Iv, b: Iv) -> Iv:
         if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:
@@ -193,7 +219,8 @@ class Lifter:
                 [torch.where(merge, torch.maximum(x1, y1), x1), torch.where(merge, pad, y1)], -1
             )
             return Iv(lo, hi)
-        return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk)[:2])
+        trim = _trim(a.lo.shape[-1] + b.lo.shape[-1])
+        return Iv(*iv.union([(a.lo, a.hi), (b.lo, b.hi)], self.nk, trim=trim)[:2])
 
     def kept(self, x, y) -> Iv:
         """``[x, y)`` per slot, the empty ones set to ``[nk, nk)``, compacted when there are
@@ -215,11 +242,12 @@ class Lifter:
             x, y = x.to(torch.int32), torch.maximum(y, x).to(torch.int32)
         if x.shape[-1] == 1:
             return Iv(x, y)
-        return Iv(*iv.compact_sorted(x, y, self.nk)[:2])
+        return Iv(*iv.compact_sorted(x, y, self.nk, trim=_trim(x.shape[-1]))[:2])
 
     def lnot(self, a: Iv) -> Iv:
         f = self.full()
-        return Iv(*iv.difference((f.lo, f.hi), (a.lo, a.hi), self.nk)[:2])
+        trim = _trim(1 + a.lo.shape[-1])
+        return Iv(*iv.difference((f.lo, f.hi), (a.lo, a.hi), self.nk, trim=trim)[:2])
 
     # ------------------------------------------------------------------ comparisons
     def to_sep(self, v) -> Sep:
@@ -237,7 +265,12 @@ class Lifter:
                 return Sep(t, zero, (0, 0))
             return Sep(zero, t, v.aff if v.t.dtype == torch.int64 else None)
         if isinstance(v, (int, bool)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
-            c = torch.as_tensor(v, device=self.device)
+            # a Python scalar by a fill (a launch, no copy from the host's pageable memory)
+            c = (
+                v.to(self.device)
+                if isinstance(v, torch.Tensor)
+                else torch.full((), v, device=self.device)
+            )
             if c.dtype not in _SEP_DTYPES:
                 raise Unsupported(f"a {c.dtype} constant in a q/kv comparison")
             return Sep(c.to(torch.int64), zero, (0, 0))
@@ -249,7 +282,7 @@ class Lifter:
             return s.g
         a, c = s.ga
         if a == 0:
-            return torch.tensor(c, device=self.device)
+            return torch.full((), c, dtype=torch.int64, device=self.device)
         return torch.arange(c, c + a * self.nk, a, device=self.device)[: self.nk]
 
     def lin(self, x: Sep, y: Sep | None, cy: int, cx: int = 1) -> Sep:
@@ -287,7 +320,9 @@ class Lifter:
         t = -d.f
         if d.ga is not None and d.ga[0] == 0:
             return QV(
-                getattr(torch, op)(torch.tensor(d.ga[1], device=self.device), t).expand(self.nq)
+                getattr(torch, op)(
+                    torch.full((), d.ga[1], dtype=torch.int64, device=self.device), t
+                ).expand(self.nq)
             )
         if d.ga is not None and abs(d.ga[0]) == 1:
             key = d.ga  # +-kv + c: compared by clamping (``within_affine``)
@@ -316,7 +351,7 @@ class Lifter:
         if r > 1024:
             raise Unsupported("a disc of radius above 1024")
         d = torch.arange(-r, r + 1, device=self.device)
-        m = torch.tensor([_isqrt(c - x * x) for x in range(-r, r + 1)], device=self.device)
+        m = modeval.to_device([_isqrt(c - x * x) for x in range(-r, r + 1)], self.device)
         lv = (d.numel(), 1)  # every level at once: t of shape [L, Nq] (or [L, 1])
         p = Pending(
             None,
@@ -351,6 +386,7 @@ class Lifter:
         for ga, op, t in (c for c in p.cmps if isinstance(c[0], tuple)):  # kv +- c: no search
             cur = self.within_affine(cur, ga, op, t)
         rest = [c for c in p.cmps if not isinstance(c[0], tuple)]
+        self.prefetch(g for g, _, _ in rest)
         for g, op, t in rest:  # monotone key terms: one binary search
             mono = self.sorted_of(g)
             if mono is not None:
@@ -411,11 +447,21 @@ class Lifter:
         last = run[(hi - 1).clamp(min=0, max=self.nk - 1)]
         if n_runs * lo.shape[-1] <= _RUNS_UNREAD:  # every run in every slot: no host read
             s_max = n_runs
-        else:
+        elif lo.shape[-1] == 1:
             width = torch.where(live, last - first + 1, 0)
             s_max = int(width.max()) if width.numel() else 0
             if s_max == 0:
                 return cur
+        else:  # with the most slots in use (the set may be untrimmed), in the same read
+            width = torch.where(live, last - first + 1, 0)
+            s_max, used = torch.stack([width.amax(), live.sum(-1).amax()]).tolist()
+            if s_max == 0:
+                return cur
+            if used < lo.shape[-1]:  # the slots past ``used`` are empty in every row
+                k = max(1, used)
+                cur = Iv(cur.lo[..., :k], cur.hi[..., :k])
+                lo, hi, live = lo[..., :k], hi[..., :k], live[..., :k]
+                first, last = first[..., :k], last[..., :k]
         if s_max * lo.shape[-1] > MAX_RUNS_PER_ROW:
             raise Unsupported(
                 f"a comparison crosses {s_max} monotone runs of its key term in one row"
@@ -444,20 +490,25 @@ class Lifter:
         y = torch.where(ok & (x < self.nk), y, self.nk)
         # within [0, nk], sorted and disjoint by construction (runs ordered inside each sorted
         # slot, empties at nk): compacted without clipping
-        lo, hi, _ = iv.compact_sorted(x.flatten(-2), y.flatten(-2), self.nk)
+        x, y = x.flatten(-2), y.flatten(-2)
+        lo, hi, _ = iv.compact_sorted(x, y, self.nk, trim=_trim(x.shape[-1]))
         return Iv(lo.to(torch.int32), hi.to(torch.int32))
 
     # ------------------------------------------------------------------ graph
+    def indices(self, n: int) -> torch.Tensor:
+        """``arange(m)`` (int64, ``m >= n, nq, nk``), one for every run: ``q_idx``, ``kv_idx``,
+        ``b`` and ``h`` are views of it."""
+        if self._arange is None or self._arange.numel() < n:
+            m = max(n, self.nq, self.nk)
+            self._arange = torch.arange(m, device=self.device)
+        return self._arange
+
     def run(self, gm, b: int, h: int) -> Iv:
         env = {}
-        args = iter(
-            [
-                torch.tensor(b, device=self.device),
-                torch.tensor(h, device=self.device),
-                QV(torch.arange(self.nq, device=self.device), (1, 0)),
-                KV(torch.arange(self.nk, device=self.device), (1, 0)),
-            ]
-        )
+        idx = self.indices(max(b, h) + 1)
+        bt, ht = idx[b], idx[h]  # views: no copy from the host
+        self._ints = [(bt, b, bt._version), (ht, h, ht._version)]
+        args = iter([bt, ht, QV(idx[: self.nq], (1, 0)), KV(idx[: self.nk], (1, 0))])
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(args)
@@ -488,13 +539,24 @@ class Lifter:
             if direct is not None:
                 return direct
         if name == "getitem" and not kwargs:
-            direct = _gather(*args)
+            direct = _gather(*self._known(args))
             if direct is not None:
                 return direct
         for cls in (QV, KV):
             if cls in kinds:
                 return cls(_vmapped(fn, args, kwargs, cls))
         return fn(*args, **kwargs)
+
+    def _known(self, args):
+        """``(table, index)`` with the run's own ``b`` / ``h`` tensors in the index as the ints
+        they hold (while not updated in place): indexing by them reads nothing back."""
+        table, index = args
+        items = index if isinstance(index, tuple) else (index,)
+        out = []
+        for i in items:
+            hit = [v for t, v, ver in self._ints if i is t and t._version == ver]
+            out.append(hit[0] if hit else i)
+        return table, tuple(out) if isinstance(index, tuple) else out[0]
 
     def mixed(self, name: str, args, kwargs):
         if name in ("add", "sub", "neg", "mul", "abs") and any(map(_is_bool, args)):
@@ -557,6 +619,11 @@ def _runs(g: torch.Tensor, profile):
     return key, run, n_runs, run_end - counts, run_end, gmin, span, sign
 
 
+def _trim(k: int) -> bool:
+    """Whether an intermediate set of ``k`` slots per row is trimmed (one host read)."""
+    return k > _UNTRIMMED_SLOTS
+
+
 def _isqrt(n: int) -> int:
     import math
 
@@ -593,7 +660,9 @@ def traced(mask_mod):
 
 
 def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
-    """``[(lo, hi, count)]`` per (b, h) of ``bh`` (canonical, ``[Nq, K]``); ``gm``: the
+    """``(lo, hi)``: int32 ``[len(bh), Nq, K]``, the lifted intervals of every (b, h) of ``bh``
+    (per row sorted, disjoint, the empty slots ``[kv_len, kv_len)``; ``K`` not trimmed to
+    the most any row holds: :func:`finished` does that, with its one host read); ``gm``: the
     mask_mod's trace when already taken.
 
     Raises:
@@ -601,25 +670,23 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
     """
     gm = traced(mask_mod) if gm is None else gm
     lifter = Lifter(q_len, kv_len, device)
-    out = []
-    for b, h in bh:
-        ivs = lifter.run(gm, b, h)
-        lo = ivs.lo.expand(q_len, ivs.lo.shape[-1])
-        hi = ivs.hi.expand(q_len, ivs.hi.shape[-1])
-        lo, hi, count = iv.finish_compact(lo, hi, kv_len)
-        out.append((lo, hi, count))
-    return out
-
-
-def _stacked(parts, kv_len: int):
-    """``(lo, hi, count)`` of the parts stacked ``[len(parts), Nq, K]`` (one part: a view)."""
+    parts = [lifter.run(gm, b, h) for b, h in bh]
+    k = max(p.lo.shape[-1] for p in parts)
     if len(parts) == 1:
-        return tuple(t[None].contiguous() for t in parts[0])
-    k = max(p[0].shape[1] for p in parts)
-    padded = [iv.pad_k(p[0], p[1], k, kv_len) for p in parts]
-    lo = torch.stack([p[0] for p in padded])
-    hi = torch.stack([p[1] for p in padded])
-    return lo, hi, torch.stack([p[2] for p in parts])
+        return parts[0].lo.expand(1, q_len, k), parts[0].hi.expand(1, q_len, k)
+    padded = [iv.pad_k(p.lo, p.hi, k, kv_len) for p in parts]
+    lo = torch.stack([x.expand(q_len, k) for x, _ in padded])
+    hi = torch.stack([y.expand(q_len, k) for _, y in padded])
+    return lo, hi
+
+
+def finished(lo, hi, k: int, kv_len: int):
+    """Canonical ``(lo, hi)`` of :func:`lift_intervals`' output cut to ``k`` slots (``k``: the
+    most non-empty slots of any row, at least 1; read by the caller)."""
+    lo, hi = lo[..., :k], hi[..., :k]
+    valid = lo < hi
+    pad = torch.full((), kv_len, dtype=lo.dtype, device=lo.device)
+    return torch.where(valid, lo, pad), torch.where(valid, hi, pad)
 
 
 def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device):
@@ -636,11 +703,15 @@ def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device
                     mask, q_len, kv_len, None, None, block_m, block_n, device,
                     host_sync=device.type == "cpu", source="from_mask_mod:lifted",
                 )  # fmt: skip
-        parts = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
-        lo, hi, count = _stacked(parts, kv_len)
-        if not modeval.lifted_agrees(mask_mod, lo, hi, q_len, kv_len, bh, device):
+        lo, hi = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
+        count = (lo < hi).sum(-1, dtype=torch.int32)  # the same once cut: the rest is empty
+        # the most non-empty slots of a row, read with the probe's verdict (one host read)
+        most = count.amax() if lo.shape[-1] > 1 else None
+        k = modeval.probe_read(mask_mod, lo, hi, q_len, kv_len, bh, device, most)
+        if k is None:
             log.warning("lifted mask_mod disagrees with its evaluation on a probe; evaluating")
             return None
+        lo, hi = finished(lo, hi, max(1, k), kv_len)
     except Unsupported as exc:
         log.info("mask_mod not lifted: %s", exc)
         return None

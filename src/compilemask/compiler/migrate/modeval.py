@@ -35,11 +35,27 @@ def _check_out(out, rows: int, cols: int) -> torch.Tensor:
         ) from None
 
 
+def to_device(values: list[int], device, dtype=torch.int64) -> torch.Tensor:
+    """``values`` as a 1-D ``dtype`` tensor on ``device``. On CUDA the copy goes through pinned
+    memory without blocking: a blocking copy from pageable memory waits for the stream (all
+    the operations queued before it), like a read."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def index_scalars(b: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``b`` and ``h`` as int64 0-d tensors on ``device``: views of one ``arange`` (one kernel,
+    no copy from the host)."""
+    both = torch.arange(max(b, h) + 1, device=device)
+    return both[b], both[h]
+
+
 def call_broadcast(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """``mask_mod`` on broadcast indices: bool ``[len(q), len(kv)]`` (possibly a broadcast
     view). ``q``, ``kv``: int64 1-D."""
-    bt = torch.tensor(b, device=q.device)
-    ht = torch.tensor(h, device=q.device)
+    bt, ht = index_scalars(b, h, q.device)
     return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
 
 
@@ -52,8 +68,8 @@ def call_vmap(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> to
     for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None)):
         fn = torch.vmap(fn, in_dims=dims, out_dims=0)
     fn = torch.vmap(fn, in_dims=(0, None, None, None), out_dims=0)
-    bt = torch.tensor([b], device=q.device)
-    ht = torch.tensor([h], device=q.device)
+    bt = torch.arange(b, b + 1, device=q.device)
+    ht = torch.arange(h, h + 1, device=q.device)
     with TransformGetItemToIndex():
         out = fn(bt, ht, q, kv)
     if isinstance(out, torch.Tensor) and out.dim() == 4:
@@ -73,7 +89,7 @@ def _probe_list(n: int, k: int) -> list[int]:
 def probe_pair(q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The query and key probe indices (int64, 1-D), in one copy to ``device``."""
     q, kv = _probe_list(q_len, _PROBE_Q), _probe_list(kv_len, _PROBE_KV)
-    both = torch.tensor(q + kv, dtype=torch.int64, device=device)
+    both = to_device(q + kv, device)
     return both[: len(q)], both[len(q) :]
 
 
@@ -82,10 +98,17 @@ _PROBE_PARTS = 64
 
 
 def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool:
-    """Lifted intervals (``lo``, ``hi``: int32 ``[len(bh), Nq, K]``, canonical) against
-    FlexAttention's scalar semantics on a small probe of every (batch row, head) part up to
-    ``_PROBE_PARTS`` of them (else that many spread evenly, first and last included): a
-    lifted plan is admitted on this check alone.
+    """Whether lifted intervals agree with the mask_mod on the probe (:func:`probe_read`)."""
+    return probe_read(mask_mod, lo, hi, q_len, kv_len, bh, device) is not None
+
+
+def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None) -> int | None:
+    """``int(value)`` (a 0-d int32 tensor; None: 0) when lifted intervals (``lo``, ``hi``: int32
+    ``[len(bh), Nq, K]``, empty slots ``lo >= hi``) agree with FlexAttention's scalar semantics
+    on a small probe of every (batch row, head) part up to ``_PROBE_PARTS`` of them (else that
+    many spread evenly, first and last included), else None: a lifted plan is admitted on
+    this check alone. ``value`` is read in the host copy of the agreement (one read in all
+    when the probe passes on broadcast indices).
 
     The mask_mod is called on broadcast indices first (plain tensor operations, a fraction of
     a vmapped call's host time) and under ``torch.vmap`` only for a part where that does not
@@ -95,7 +118,8 @@ def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool
     lifted under vmap, so a broadcast answer that differs from vmap there does not match the
     lifted one either and the vmapped call decides. The lifted booleans of every part come
     from one gather, and every broadcast answer is compared with them at once (one host
-    read); only when that comparison fails is each part decided on its own, as before."""
+    read, with ``value``); only when that comparison fails is each part decided on its own,
+    as before."""
     q, kv = probe_pair(q_len, kv_len, device)
     n = len(bh)
     picks = (
@@ -104,7 +128,7 @@ def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool
         else sorted({j * (n - 1) // (_PROBE_PARTS - 1) for j in range(_PROBE_PARTS)})
     )
     if len(picks) < n:
-        rows = torch.tensor(picks, device=lo.device)[:, None]
+        rows = to_device(picks, lo.device)[:, None]
         lo_q, hi_q = lo[rows, q], hi[rows, q]
     else:
         lo_q, hi_q = lo[:, q], hi[:, q]
@@ -119,8 +143,14 @@ def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool
             wants.append(None)
     if all(w is not None for w in wants):
         want = wants[0][None] if len(wants) == 1 else torch.stack(wants)
-        if torch.equal(got, want):
-            return True
+        same = (got == want.to(got.device)).all()
+        if value is None:
+            if same.item():
+                return 0
+        else:
+            ok, read = torch.stack([same.to(torch.int32), value.to(same.device)]).tolist()
+            if ok:
+                return read
     for j, i in enumerate(picks):  # one part at a time, each with the vmapped call's say
         b, h = bh[i]
         if wants[j] is not None and torch.equal(got[j], wants[j]):
@@ -130,8 +160,8 @@ def lifted_agrees(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device) -> bool
         except Exception:  # noqa: BLE001 - vmap refuses it: compare with broadcast
             want = call_broadcast(mask_mod, b, h, q, kv)
         if not torch.equal(got[j], want):
-            return False
-    return True
+            return None
+    return 0 if value is None else int(value)
 
 
 def _user_error(exc: Exception) -> CompileMaskError:

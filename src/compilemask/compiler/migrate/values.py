@@ -118,7 +118,9 @@ def _affine_step(name: str, args):
 def _gather(table, index):
     """``table[index]`` for a constant tensor indexed by ints, 0-d integer tensors and one kind
     of per-index integer values (QV or KV, 1-D): plain advanced indexing gives what vmap with
-    ``aten.index`` gives, without its cost. None for any other form."""
+    ``aten.index`` gives, without its cost. None for any other form. (A 0-d tensor index is
+    read to the host by Python's indexing, as in the mask_mod itself; the lifter passes the
+    ``b`` and ``h`` it knows as ints.)"""
     items = index if isinstance(index, tuple) else (index,)
     if not isinstance(table, torch.Tensor) or len(items) > table.dim():
         return None
@@ -131,7 +133,10 @@ def _gather(table, index):
         t = i.t if isinstance(i, (QV, KV)) else i
         if isinstance(t, bool) or not isinstance(t, (int, torch.Tensor)):
             return None
-        t = torch.as_tensor(t, device=table.device)
+        if isinstance(t, int):  # a Python int stays one: bounds checked on the host, no copy
+            idx.append(t)
+            continue
+        t = t.to(table.device)
         if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
             return None
         if t.dim() == 1 and not isinstance(i, (QV, KV)):
