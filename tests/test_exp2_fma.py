@@ -35,7 +35,7 @@ def exp2_fma_twin(x: np.ndarray) -> np.ndarray:
 
 def test_relative_error_over_the_softmax_range():
     x = np.linspace(-126.0, 0.0, 2_000_001, dtype=np.float32)
-    x = np.concatenate([x, -np.float32(2.0) ** -np.arange(1, 40, dtype=np.float32), [0.0]])
+    x = np.concatenate([x, -(np.float32(2.0) ** -np.arange(1, 40, dtype=np.float32)), [0.0]])
     got = exp2_fma_twin(x).astype(np.float64)
     ref = np.exp2(x.astype(np.float64))
     rel = np.abs(got / ref - 1.0)
