@@ -64,6 +64,13 @@ def test_softcap_alibi_and_sinks_causal():
     _check(plan, lambda t: [sm.alibi(slopes), sm.softcap(50.0)], [], sinks=torch.randn(H))
 
 
+def test_softcap_alone_causal():
+    """A lone softcap: the folded tanh and a quarter of the forward's exp2 on the FMA pipe."""
+    plan = cm.compile(cm.masks.causal(), N, device="cuda")
+    _check(plan, lambda t: sm.softcap(50.0), [])
+    _check(plan, lambda t: sm.softcap(5.0), [], sinks=torch.randn(H))
+
+
 def test_learnable_relative_bias_and_bias_sliding_window():
     plan = cm.compile(cm.masks.sliding_window(256), N, device="cuda")
     table = torch.randn(H, 32) * 0.5

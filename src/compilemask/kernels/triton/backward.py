@@ -59,7 +59,7 @@ from .common import (
 )
 from .configs import BwdConfig, check_head_dim, padded_head_dim
 from .forward import tma_descriptors
-from .score_mods import apply_mods_bwd, mod_grads, store_table_grad
+from .score_mods import apply_mods_bwd, exp2_scale, mod_grads, softcap_alone, store_table_grad
 
 _LOG2E = 1.4426950408889634
 
@@ -189,7 +189,15 @@ def _attn_bwd_dkdv_inner(
             qT = tl.load(qT_ptrs, mask=d_ok[:, None], other=0.0)
             lse2 = tl.load(Lse2_head + offs_m)
         qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        if MOD0 != 0:
+        # a lone fast softcap: t = tanh(s / cap), exponent t * cap * log2 e (A/B: kind 7)
+        if (MOD0 == 6 or MOD0 == 7) and MOD1 == 0:
+            qkT = softcap_alone(qkT, scale, ModF, ModMeta)
+            dmodT = 1.0 - qkT * qkT
+            g0 = 1.0
+            g1 = 1.0
+            g2 = 1.0
+            g3 = 1.0
+        elif MOD0 != 0:
             qkT, dmodT, g0, g1, g2, g3 = apply_mods_bwd(
                 qkT * scale, off_b, off_h, offs_m[None, :], offs_n[:, None], Nq, Nk, ModF, ModI,
                 ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN, SCORE_DFN,
@@ -496,7 +504,11 @@ def _attn_bwd_dq_inner(
             kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
             vT = tl.load(vT_ptrs, mask=dv_ok[:, None], other=0.0)
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if MOD0 != 0:
+        # a lone fast softcap: t = tanh(s / cap), exponent t * cap * log2 e (A/B: kind 7)
+        if (MOD0 == 6 or MOD0 == 7) and MOD1 == 0:
+            qk = softcap_alone(qk, scale, ModF, ModMeta)
+            dmod = 1.0 - qk * qk
+        elif MOD0 != 0:
             qk, dmod, _g0, _g1, _g2, _g3 = apply_mods_bwd(
                 qk * scale, off_b, off_h, offs_m[:, None], offs_n[None, :], Nq, Nk, ModF, ModI,
                 ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN, SCORE_DFN,
@@ -731,8 +743,7 @@ def attention_backward(
         dlse = dlse.to(torch.float32).contiguous()
     d_pad, dv_pad = padded_head_dim(D), padded_head_dim(Dv)
     kinds = mods.kinds if mods is not None else (0, 0, 0, 0)
-    # with a modifier the kernels take s = scale * qk and exp2(s * log2 e)
-    qk_scale = _LOG2E if mods is not None else scale * _LOG2E
+    qk_scale = exp2_scale(scale, mods)
     mod_args = dict(
         HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=dv_pad,
         ModF=mods.f if mods is not None else None, ModI=mods.i if mods is not None else None,

@@ -43,7 +43,7 @@ from .common import (
     slots_mask,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
-from .score_mods import add_sink, apply_mods, natural_scale_args
+from .score_mods import add_sink, apply_mods, exp2_scores, natural_scale_args, softcap_alone
 
 _LOG2E = 1.4426950408889634
 
@@ -157,7 +157,7 @@ def _attn_fwd_inner(
     ``kt_max`` is the last complete kv-tile: its loads are not bounds-checked), bitmask
     indices to [0, n_bits). HEAD_DIM_V (_PAD): v's head_dim. MOD0..MOD3 != 0: the score
     modifier's stages (``score_mods.apply_mods``) on ``sm_scale * qk``; ``qk_scale`` is then
-    log2(e) alone.
+    log2(e) alone, or ``cap * log2 e`` for a lone fast softcap (``score_mods.softcap_alone``).
     """
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -217,7 +217,9 @@ def _attn_fwd_inner(
         # unscaled scores: the scale (> 0, so it commutes with max) is folded into the FFMA of
         # the exponent below, one multiply per score fewer
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if MOD0 != 0:
+        if (MOD0 == 6 or MOD0 == 7) and MOD1 == 0:  # A/B: 7
+            qk = softcap_alone(qk, sm_scale, ModF, ModMeta)
+        elif MOD0 != 0:
             qk = apply_mods(
                 qk * sm_scale, off_b, off_h, offs_m[:, None], offs_n[None, :], Nq, Nk, ModF,
                 ModI, ModMeta, MOD0, MOD1, MOD2, MOD3, SCORE_FN,
@@ -235,7 +237,10 @@ def _attn_fwd_inner(
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_new
-        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        if MOD0 != 0:
+            p = exp2_scores(qk * qk_scale - m_sub[:, None], MOD0, MOD1)
+        else:
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -485,7 +490,7 @@ def attention_forward(
     order = launch_order(cfg.grid_order, B * Hq)
     d_pad, dv_pad = padded_head_dim(D), padded_head_dim(Dv)
     descs = tma_descriptors(k, v, cfg.block_n, d_pad, dv_pad) if cfg.tma else None
-    sm_scale, qk_scale = natural_scale_args(scale, mods is not None)
+    sm_scale, qk_scale = natural_scale_args(scale, mods)
     kinds = mods.kinds if mods is not None else (0, 0, 0, 0)
     one_per_tile = (
         bool(cfg.one_slot) and slots > 1 and one_interval_per_tile(row_lo, row_hi, cfg.block_n)
