@@ -65,7 +65,7 @@ def test_softcap_alibi_and_sinks_causal():
 
 
 def test_softcap_alone_causal():
-    """A lone softcap: the folded tanh and a quarter of the forward's exp2 on the FMA pipe."""
+    """A lone softcap: the folded tanh (``score_mods.softcap_alone``)."""
     plan = cm.compile(cm.masks.causal(), N, device="cuda")
     _check(plan, lambda t: sm.softcap(50.0), [])
     _check(plan, lambda t: sm.softcap(5.0), [], sinks=torch.randn(H))

@@ -189,8 +189,8 @@ def _attn_bwd_dkdv_inner(
             qT = tl.load(qT_ptrs, mask=d_ok[:, None], other=0.0)
             lse2 = tl.load(Lse2_head + offs_m)
         qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        # a lone fast softcap: t = tanh(s / cap), exponent t * cap * log2 e (A/B: kind 7)
-        if (MOD0 == 6 or MOD0 == 7) and MOD1 == 0:
+        # a lone fast softcap: t = tanh(s / cap), exponent t * cap * log2 e
+        if MOD0 == 6 and MOD1 == 0:
             qkT = softcap_alone(qkT, scale, ModF, ModMeta)
             dmodT = 1.0 - qkT * qkT
             g0 = 1.0
@@ -504,8 +504,8 @@ def _attn_bwd_dq_inner(
             kT = tl.load(kT_ptrs, mask=d_ok[:, None], other=0.0)
             vT = tl.load(vT_ptrs, mask=dv_ok[:, None], other=0.0)
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        # a lone fast softcap: t = tanh(s / cap), exponent t * cap * log2 e (A/B: kind 7)
-        if (MOD0 == 6 or MOD0 == 7) and MOD1 == 0:
+        # a lone fast softcap: t = tanh(s / cap), exponent t * cap * log2 e
+        if MOD0 == 6 and MOD1 == 0:
             qk = softcap_alone(qk, scale, ModF, ModMeta)
             dmod = 1.0 - qk * qk
         elif MOD0 != 0:

@@ -43,7 +43,7 @@ from .common import (
     slots_mask,
 )
 from .configs import FwdConfig, check_head_dim, padded_head_dim
-from .score_mods import add_sink, apply_mods, exp2_scores, natural_scale_args, softcap_alone
+from .score_mods import add_sink, apply_mods, natural_scale_args, softcap_alone
 
 _LOG2E = 1.4426950408889634
 
@@ -217,7 +217,7 @@ def _attn_fwd_inner(
         # unscaled scores: the scale (> 0, so it commutes with max) is folded into the FFMA of
         # the exponent below, one multiply per score fewer
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if (MOD0 == 6 or MOD0 == 7) and MOD1 == 0:  # A/B: 7
+        if MOD0 == 6 and MOD1 == 0:  # a lone fast softcap (score_mods.softcap_alone)
             qk = softcap_alone(qk, sm_scale, ModF, ModMeta)
         elif MOD0 != 0:
             qk = apply_mods(
@@ -237,10 +237,7 @@ def _attn_fwd_inner(
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_new
-        if MOD0 != 0:
-            p = exp2_scores(qk * qk_scale - m_sub[:, None], MOD0, MOD1)
-        else:
-            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

@@ -43,10 +43,6 @@ SOFTCAP, ALIBI, RELATIVE_BIAS, BIAS, CUSTOM = 1, 2, 3, 4, 5
 #: precision of FlashAttention-4's softcap); :data:`SOFTCAP` is the exact formula, which the
 #: interpreter runs (it has no inline PTX)
 SOFTCAP_FAST = 6
-#: A/B on the GPU (benchmark only): False packs a lone fast softcap as kind 7, which runs the
-#: fold of :func:`softcap_alone` with every exp2 on the MUFU (``tl.math.exp2``)
-FMA_EXP2 = True  # A/B
-_SOFTCAP_MUFU_EXP2 = 7  # A/B
 _META = 8
 _LOG2E = 1.4426950408889634
 
@@ -70,73 +66,6 @@ def _tanh_approx(x):
     return tl.inline_asm_elementwise(
         "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
     )
-
-
-#: ``2^f`` on [-0.5, 0.5] as ``1 + f (c1 + f (c2 + f c3))``: relative minimax with ``p(0) = 1``
-#: (relative error <= 2^-13.2 with float32 coefficients and arithmetic)
-EXP2_POLY = (0.6932829022407532, 0.2422109991312027, 0.05500893294811249)
-#: of every 4 consecutive scores of a thread, how many take their exp2 on the FMA pipe
-EXP2_FMA_OF_4 = 1
-
-
-def _f32(v: float) -> str:
-    """A float32 constant in PTX's hexadecimal form (``0f3F800000``)."""
-    import struct
-
-    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
-
-
-def _exp2_fma_ptx(out: str, x: str) -> str:
-    """PTX of ``out = 2^x`` on the FMA pipe (:func:`exp2_softmax`)."""
-    c1, c2, c3 = (_f32(c) for c in EXP2_POLY)
-    big = _f32(12582912.0)  # 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
-    return (
-        f"max.NaN.f32 xc, {x}, {_f32(-127.0)}; add.rn.f32 xr, xc, {big}; "
-        f"sub.rn.f32 j, xr, {big}; sub.rn.f32 f, xc, j; fma.rn.f32 p, f, {c3}, {c2}; "
-        f"fma.rn.f32 p, p, f, {c1}; fma.rn.f32 p, p, f, {_f32(1.0)}; mov.b32 e, xr; "
-        f"shl.b32 e, e, 23; mov.b32 pb, p; add.s32 pb, pb, e; mov.b32 {out}, pb; "
-    )
-
-
-def _exp2_softmax_asm(n_fma: int) -> str:
-    body = "{ .reg .f32 xc, xr, j, f, p; .reg .b32 e, pb; "
-    for k in range(4):
-        if k >= 4 - n_fma:
-            body += _exp2_fma_ptx(f"${k}", f"${k + 4}")
-        else:
-            body += f"ex2.approx.ftz.f32 ${k}, ${k + 4}; "
-    return body + "}"
-
-
-_EXP2_SOFTMAX_ASM: tl.constexpr = tl.constexpr(_exp2_softmax_asm(EXP2_FMA_OF_4))
-
-
-@triton.jit
-def exp2_softmax(x):
-    """``2^x`` of a score tile, :data:`EXP2_FMA_OF_4` of every 4 of a thread's scores on the
-    FMA pipe, the others by the special-function unit (``ex2.approx.ftz.f32``, as
-    ``tl.math.exp2``), so that a lone fast softcap's tanh and the softmax's exp2 share the
-    pipes. The FMA pipe's 2^x (Cody-Waite): ``x`` clamped below at -127 (NaN stays NaN),
-    ``j = rint(x)`` by adding ``1.5 * 2^23`` (the integer lands in the low mantissa bits),
-    ``f = x - j`` in [-0.5, 0.5], ``p = 1 + f (c1 + f (c2 + f c3))`` (:data:`EXP2_POLY`), and
-    ``2^x = bits(p) + (j << 23)``; ``x <= -127`` and ``-inf`` give +0.0 (``j = -127``,
-    ``p = 1``). Valid for ``x <= 127`` (larger ``x`` gives unspecified bits: the kernels feed
-    it ``x <= 0`` after the max subtraction, or hidden pairs they mask afterwards). Its
-    float64 twin is in ``tests/test_exp2_fma.py``."""
-    return tl.inline_asm_elementwise(
-        _EXP2_SOFTMAX_ASM, "=f,=f,=f,=f,f,f,f,f", [x], dtype=tl.float32, is_pure=True, pack=4
-    )
-
-
-@triton.jit
-def exp2_scores(x, MOD0: tl.constexpr, MOD1: tl.constexpr):
-    """The softmax's ``2^x`` of a score tile with a modifier: :func:`exp2_softmax` for a
-    lone fast softcap (:func:`softcap_alone`), ``tl.math.exp2`` otherwise."""
-    if MOD0 == 6 and MOD1 == 0:
-        p = exp2_softmax(x)
-    else:
-        p = tl.math.exp2(x)
-    return p
 
 
 @triton.jit
@@ -439,8 +368,6 @@ def pack(mod, Nq: int, Nk: int, device, fast_tanh: bool | None = None) -> Packed
         f_len += data.numel()
     f = torch.cat(floats) if floats else torch.zeros(1, device=device)
     i = torch.cat(ints) if ints else torch.zeros(1, dtype=torch.int32, device=device)
-    if not FMA_EXP2 and kinds == [SOFTCAP_FAST, 0, 0, 0]:  # A/B
-        kinds[0] = _SOFTCAP_MUFU_EXP2  # A/B
     packed = Packed(
         tuple(kinds), score_fn, score_dfn, f, i, meta.to(device), table_stage, nb, learn
     )
@@ -462,7 +389,7 @@ def exp2_scale(scale: float, mods: Packed | None) -> float:
     softcap (:func:`softcap_alone`) gives ``t = tanh(s / cap)`` and ``exp2(t * cap * log2 e)``."""
     if mods is None:
         return scale * _LOG2E
-    if mods.kinds in ((SOFTCAP_FAST, 0, 0, 0), (_SOFTCAP_MUFU_EXP2, 0, 0, 0)):  # A/B
+    if mods.kinds == (SOFTCAP_FAST, 0, 0, 0):
         return mods.cap * _LOG2E
     return _LOG2E
 
