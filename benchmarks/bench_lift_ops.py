@@ -37,7 +37,6 @@ like a read); on the CPU nothing is copied, so the count is of the calls.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -46,7 +45,7 @@ import time
 import torch
 
 import compilemask as cm
-from compilemask.tools.op_counts import OpCounter
+from compilemask.tools.op_counts import OpCounter, counting_host_copies
 from compilemask.workloads import CLEAR_RADIUS, CLEAR_TEXT_TOK
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -57,8 +56,6 @@ from compilemask.compiler.migrate import lift  # noqa: E402
 from compilemask.compiler.migrate.recognise import recognise  # noqa: E402
 
 HOST_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
-#: methods that copy a whole tensor to the host (no aten operation on the CPU)
-HOST_COPIES = ("tolist", "cpu", "numpy")
 MASKS = ("causal", "sliding_window", "document", "prefix_lm", "hstu", "shared_prompt", "clear")
 
 
@@ -78,42 +75,6 @@ def language_mask(name: str, n: int):
     if name == "clear":
         return cm.masks.clear(CLEAR_GRIDS.get(n, (n // 128, 128)), CLEAR_RADIUS, CLEAR_TEXT_TOK)
     return None
-
-
-@contextlib.contextmanager
-def counting_host_copies():
-    """Counts the calls of :data:`HOST_COPIES` (``Tensor`` methods) in the block (``"n"``),
-    and of ``torch.tensor`` / ``torch.as_tensor`` on host data with a ``device`` (``"h2d"``)."""
-    seen = {"n": 0, "h2d": 0}
-    real = {name: getattr(torch.Tensor, name) for name in HOST_COPIES}
-    makers = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
-
-    def wrap(method):
-        def counted(self, *args, **kwargs):
-            seen["n"] += 1
-            return method(self, *args, **kwargs)
-
-        return counted
-
-    def wrap_maker(maker):
-        def counted(data, *args, **kwargs):
-            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
-                seen["h2d"] += 1
-            return maker(data, *args, **kwargs)
-
-        return counted
-
-    for name, method in real.items():
-        setattr(torch.Tensor, name, wrap(method))
-    for name, maker in makers.items():
-        setattr(torch, name, wrap_maker(maker))
-    try:
-        yield seen
-    finally:
-        for name, method in real.items():
-            setattr(torch.Tensor, name, method)
-        for name, maker in makers.items():
-            setattr(torch, name, maker)
 
 
 def measure(fn, calls: int) -> dict:

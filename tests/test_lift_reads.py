@@ -6,57 +6,22 @@ copy from pageable memory waits for the stream like a read (the lifting makes no
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
 import compilemask as cm
-from compilemask.tools.op_counts import OpCounter
+from compilemask.tools.op_counts import OpCounter, counting_host_copies
 from flex_masks import CASES
 
 READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
 
 
-@contextlib.contextmanager
-def counting_copies():
-    seen = {"n": 0}
-    real = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy")}
-    makers = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
-
-    def wrap_maker(maker):
-        def counted(data, *args, **kwargs):
-            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
-                seen["n"] += 1
-            return maker(data, *args, **kwargs)
-
-        return counted
-
-    def wrap(method):
-        def counted(self, *args, **kwargs):
-            seen["n"] += 1
-            return method(self, *args, **kwargs)
-
-        return counted
-
-    for name, method in real.items():
-        setattr(torch.Tensor, name, wrap(method))
-    for name, maker in makers.items():
-        setattr(torch, name, wrap_maker(maker))
-    try:
-        yield seen
-    finally:
-        for name, method in real.items():
-            setattr(torch.Tensor, name, method)
-        for name, maker in makers.items():
-            setattr(torch, name, maker)
-
-
 def host_reads(fn) -> int:
-    with OpCounter() as counted, counting_copies() as copies:
+    with OpCounter() as counted, counting_host_copies() as copies:
         fn()
-    return copies["n"] + sum(n for op, n in counted.ops.items() if op.startswith(READS))
+    reads = sum(n for op, n in counted.ops.items() if op.startswith(READS))
+    return reads + copies["n"] + copies["h2d"]
 
 
 # at most this many host reads and blocking copies to the device per build (the tile

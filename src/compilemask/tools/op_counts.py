@@ -119,6 +119,50 @@ def counting_builder_launches() -> Iterator[dict[str, LaunchCounter]]:
             setattr(tile_builder, name, kernel)
 
 
+#: ``Tensor`` methods that copy a whole tensor to the host (no aten operation on the CPU, so
+#: :class:`OpCounter` does not see them)
+HOST_COPIES = ("tolist", "cpu", "numpy")
+
+
+@contextmanager
+def counting_host_copies() -> Iterator[dict[str, int]]:
+    """Counts, in the block, the calls of :data:`HOST_COPIES` (``"n"``: on a GPU each is a read
+    back) and of ``torch.tensor`` / ``torch.as_tensor`` on host data with a ``device``
+    (``"h2d"``: on a GPU a copy from pageable memory that waits for the stream like a read)."""
+    import torch
+
+    seen = {"n": 0, "h2d": 0}
+    real = {name: getattr(torch.Tensor, name) for name in HOST_COPIES}
+    makers = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+
+    def wrap(method):
+        def counted(self, *args, **kwargs):
+            seen["n"] += 1
+            return method(self, *args, **kwargs)
+
+        return counted
+
+    def wrap_maker(maker):
+        def counted(data, *args, **kwargs):
+            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+                seen["h2d"] += 1
+            return maker(data, *args, **kwargs)
+
+        return counted
+
+    for name, method in real.items():
+        setattr(torch.Tensor, name, wrap(method))
+    for name, maker in makers.items():
+        setattr(torch, name, wrap_maker(maker))
+    try:
+        yield seen
+    finally:
+        for name, method in real.items():
+            setattr(torch.Tensor, name, method)
+        for name, maker in makers.items():
+            setattr(torch, name, maker)
+
+
 def count_build_ops(n0: int = 32768, triton_builder: bool = False) -> list[dict]:
     """One row per seed workload: ``lower_ops``, ``tiles_ops``, ``schedules_ops`` (kernel
     launches a GPU build would make, at 128x128 tiles) and ``slots`` (interval slots per row).
