@@ -112,14 +112,19 @@ def medians_s(systems: dict, device, repeat: int) -> dict:
         fn()
     for _ in range(repeat):
         for name, fn in systems.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[name].append(time.perf_counter() - t)
+            times[name].append(timed(fn, device))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def timed(fn, device) -> float:
+    """Seconds of one call of ``fn``, synchronised before and after on a CUDA ``device``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t
 
 
 def commit() -> str:

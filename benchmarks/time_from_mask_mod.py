@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
@@ -28,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 import compilemask as cm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_from_mask_mod import MASKS, commit, mask_mod_for  # noqa: E402
+from bench_from_mask_mod import MASKS, commit, mask_mod_for, timed  # noqa: E402
 from lift_gym_masks import GYM, gym_mask_mod, to_device  # noqa: E402
 
 
@@ -41,16 +40,6 @@ def cases(n: int, device, only):
         if not only or name in only:
             mm, nq, nk, batch, heads = gym_mask_mod(name, n)
             yield "gym", name, to_device(mm, device), nq, nk, batch, heads
-
-
-def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t
 
 
 def main() -> None:
