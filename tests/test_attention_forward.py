@@ -840,6 +840,14 @@ def test_return_lse_must_be_a_bool(small):
         cm.attention(q, k, v, plan, return_lse="yes")
 
 
+def test_check_plan_must_be_a_bool(small):
+    """A truthy string or 1 was taken as True, and "no" as well."""
+    q, k, v, plan = small
+    for bad in ("no", 1, None):
+        with pytest.raises(InputError, match="check_plan must be True or False"):
+            cm.attention(q, k, v, plan, check_plan=bad, backend="reference")
+
+
 def test_explain_names_the_reference_for_dual_inputs(small):
     q, k, v, plan = small
     with forward_ad.dual_level():

@@ -227,6 +227,10 @@ def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
         lower(plan, 1, 3, 2)
     with pytest.raises(CompileMaskError, match="batch"):
         lower(plan, 0, 1, 1)
+    for bad in (0, -1, 2.5, True, "2"):  # 0 divided by zero, -1 and 2.5 scrambled the groups
+        with pytest.raises(CompileMaskError, match="kv_group must be None or a positive int"):
+            lower(plan, 2, 2, 1, kv_group=bad)
+    assert lower(plan, 2, 2, 1, kv_group=1).work.shape == (2 * 2 * 2, 4)
     dense = cm.from_dense(torch.rand(64, 64) < 0.5)
     if dense.encoding == "bits":
         with pytest.raises(CompileMaskError, match="bitmask"):

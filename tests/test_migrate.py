@@ -72,6 +72,20 @@ def test_broadcast_only_mask_mod_still_accepted():
     assert torch.equal(plan.to_dense(), torch.ones(30, 30, dtype=torch.bool).tril())
 
 
+def test_python_control_flow_on_the_indices_is_refused_with_a_hint():
+    def branch(b, h, q, k):
+        if q >= k:
+            return q >= 0
+        return q < 0
+
+    def python_and(b, h, q, k):
+        return (q >= k) and (q - k < 8)
+
+    for fn in (branch, python_and):
+        with pytest.raises(CompileMaskError, match="torch.where and the tensor operators"):
+            cm.from_mask_mod(fn, 40)
+
+
 def test_mask_mod_chunked_across_rows(monkeypatch):
     """Several chunks (rows split across them) give the same plan as one."""
     monkeypatch.setenv("COMPILEMASK_CHUNK_ELEMS", "300")

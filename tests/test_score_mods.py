@@ -446,3 +446,36 @@ def test_softcap_runs_the_special_function_unit_on_cuda_only():
 
 def pack_kinds(packed):
     return tuple(packed.kinds)
+
+
+def test_softcap_refuses_every_cap_that_is_not_positive_and_finite():
+    for bad in (0, 0.0, -1.0, float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(InputError, match="softcap: cap must be a positive finite float"):
+            sm.softcap(bad)
+    for bad in ("5", True, torch.tensor(5.0), None):
+        with pytest.raises(InputError, match="softcap: cap must be a float"):
+            sm.softcap(bad)
+
+
+def test_softcap_with_a_float_argument_under_fullgraph_compile():
+    """Dynamo makes a float argument that changes between calls a SymFloat, which
+    ``math.isfinite`` refuses: the cap's check must trace, and every cap must be honoured."""
+    q, k, v = (torch.randn(1, 2, 24, 32) for _ in range(3))
+    plan = cm.compile(cm.masks.causal(), 24)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def run(q, k, v, cap):
+        return cm.attention(q, k, v, plan, score_mod=sm.softcap(cap), backend="reference")
+
+    for cap in (3.0, 0.5, 7.0):
+        want = cm.attention(q, k, v, plan, score_mod=sm.softcap(cap), backend="reference")
+        torch.testing.assert_close(run(q, k, v, cap), want)
+
+
+def test_a_tensor_of_the_wrong_dtype_is_named_with_its_dtype():
+    q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
+    plan = cm.compile(cm.masks.causal(), 16)
+    with pytest.raises(InputError, match="got a torch.int64 tensor"):
+        cm.attention(q, k, v, plan, score_mod=sm.alibi(torch.ones(2, dtype=torch.int64)))
+    with pytest.raises(InputError, match="got a torch.int32 tensor"):
+        cm.attention(q, k, v, plan, score_mod=sm.bias(torch.zeros(1, 2, 16, 16, dtype=torch.int32)))

@@ -83,7 +83,8 @@ class ScoreMod:
 
 def _tensor(name: str, t: object, shape: tuple, device) -> None:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise InputError(f"{name} must be a floating-point torch.Tensor, got {type(t).__name__}")
+        got = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InputError(f"{name} must be a floating-point torch.Tensor, got {got}")
     if tuple(t.shape) != tuple(shape):
         raise InputError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if t.device != device:
@@ -98,7 +99,9 @@ class Softcap(ScoreMod):
     def __init__(self, cap: float):
         if isinstance(cap, bool) or not isinstance(cap, (int, float)):
             raise InputError(f"softcap: cap must be a float, got {type(cap).__name__}")
-        if not math.isfinite(cap) or cap <= 0:
+        # a comparison, not math.isfinite: under torch.compile a float argument may be a
+        # SymFloat, which math.isfinite refuses (the comparison guards on it instead)
+        if not 0 < cap < math.inf:
             raise InputError(f"softcap: cap must be a positive finite float, got {cap}")
         self.cap = float(cap)
 

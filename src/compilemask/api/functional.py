@@ -159,6 +159,8 @@ def attention(
     """
     if return_lse is not True and return_lse is not False:
         raise InputError(f"return_lse must be True or False, got {return_lse!r}")
+    if check_plan is not True and check_plan is not False:
+        raise InputError(f"check_plan must be True or False, got {check_plan!r}")
     if block_table is not None or cache_seqlens is not None or isinstance(plan, DecodePlan):
         if score_mod is not None or sinks is not None:
             raise InputError(

@@ -174,7 +174,13 @@ def _user_error(exc: Exception) -> CompileMaskError:
         )
         err.__cause__ = exc
         return err
-    err = CompileMaskError(f"mask_mod raised {type(exc).__name__}: {exc}")
+    hint = ""
+    if "data-dependent control flow" in str(exc):  # torch.vmap on `if`, `and`, `or`, `not`
+        hint = (
+            " (a Python `if`, `and`, `or` or `not` on q_idx / kv_idx: FlexAttention refuses it "
+            "too; write it with torch.where and the tensor operators &, |, ~)"
+        )
+    err = CompileMaskError(f"mask_mod raised {type(exc).__name__}: {exc}{hint}")
     err.__cause__ = exc
     return err
 

@@ -168,11 +168,16 @@ def lower(
 
     Raises:
         CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
-            or ``batch`` / heads that are not positive or contradict the plan.
+            ``batch`` / heads that are not positive or contradict the plan, or a ``kv_group``
+            that is neither None nor a positive int.
     """
     for name, value in (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
+    if kv_group is not None and (
+        isinstance(kv_group, bool) or not isinstance(kv_group, int) or kv_group < 1
+    ):
+        raise CompileMaskError(f"kv_group must be None or a positive int, got {kv_group!r}")
     if heads_q % heads_kv:
         raise CompileMaskError(f"heads_q {heads_q} is not a multiple of heads_kv {heads_kv}")
     if plan.encoding == "bits":
