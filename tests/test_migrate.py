@@ -59,17 +59,39 @@ def test_broadcast_mask_mod_takes_broadcast():
     assert plan.source == "from_mask_mod:broadcast"
 
 
-def test_broadcast_only_mask_mod_still_accepted():
-    """A mask_mod vmap refuses (a Python branch on the index) still works on broadcast."""
+def test_a_branch_on_index_values_is_refused_not_decided_per_chunk():
+    """vmap refuses a Python decision on the indices' values; on broadcast indices it would be
+    taken once per chunk of rows (a mask that depends on the chunk size, and FlexAttention
+    refuses it): refused with the hint, on every path."""
 
     def branchy(b, h, q, k):
-        if bool((q >= 0).all()):  # data-dependent control flow: vmap raises
+        if bool((q >= 0).all()):
             return q >= k
         return q < k
 
-    plan = cm.from_mask_mod(branchy, 30, lifting=False)
-    assert plan.source == "from_mask_mod:broadcast"
-    assert torch.equal(plan.to_dense(), torch.ones(30, 30, dtype=torch.bool).tril())
+    def item(b, h, q, k):
+        return k <= q.max().item()
+
+    for fn in (branchy, item):
+        for lifting in (True, False):
+            with pytest.raises(CompileMaskError, match="torch.where and the tensor operators"):
+                cm.from_mask_mod(fn, 30, lifting=lifting)
+
+
+def test_a_random_mask_mod_is_refused():
+    """vmap refuses random operations (FlexAttention too); evaluated on broadcast indices the
+    mask would be drawn once per chunk (or, lifted, once)."""
+
+    def coin(b, h, q, k):
+        return torch.rand(()) < 0.5
+
+    def noisy(b, h, q, k):
+        return (k <= q) & (torch.rand_like(q, dtype=torch.float) < 2)
+
+    for fn in (coin, noisy):
+        for lifting in (True, False):
+            with pytest.raises(CompileMaskError, match="random operation"):
+                cm.from_mask_mod(fn, 64, lifting=lifting)
 
 
 def test_python_control_flow_on_the_indices_is_refused_with_a_hint():

@@ -164,6 +164,26 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None
     return 0 if value is None else int(value)
 
 
+def _flex_refusal(exc: Exception) -> str | None:
+    """The hint for a ``torch.vmap`` refusal that FlexAttention makes too, or None: a Python
+    decision on tensor values (a branch, ``and`` / ``or`` / ``not``, ``.item()``), which on
+    broadcast indices would be taken once per chunk of rows, not per element, so the mask would
+    depend on the chunk size; or a random operation (a mask is a function of the indices)."""
+    text = str(exc)
+    if "data-dependent control flow" in text or "calling .item() on a Tensor" in text:
+        return (
+            "a Python `if`, `and`, `or`, `not` or `.item()` on values of q_idx / kv_idx: "
+            "FlexAttention refuses it too; write it with torch.where and the tensor operators "
+            "&, |, ~"
+        )
+    if "called random operation" in text:
+        return (
+            "a random operation: a mask_mod must be a function of (b, h, q_idx, kv_idx); "
+            "FlexAttention refuses it too"
+        )
+    return None
+
+
 def _user_error(exc: Exception) -> CompileMaskError:
     if isinstance(exc, CompileMaskError):
         return exc
@@ -174,12 +194,8 @@ def _user_error(exc: Exception) -> CompileMaskError:
         )
         err.__cause__ = exc
         return err
-    hint = ""
-    if "data-dependent control flow" in str(exc):  # torch.vmap on `if`, `and`, `or`, `not`
-        hint = (
-            " (a Python `if`, `and`, `or` or `not` on q_idx / kv_idx: FlexAttention refuses it "
-            "too; write it with torch.where and the tensor operators &, |, ~)"
-        )
+    refusal = _flex_refusal(exc)
+    hint = f" ({refusal})" if refusal else ""
     err = CompileMaskError(f"mask_mod raised {type(exc).__name__}: {exc}{hint}")
     err.__cause__ = exc
     return err
@@ -206,6 +222,8 @@ def choose_mode(mask_mod, q_len: int, kv_len: int, bh: list[tuple[int, int]], de
         log.info("mask_mod evaluated under vmap: broadcast call raised %s", type(exc).__name__)
         return "vmap"
     if want is None:
+        if _flex_refusal(vmap_error):  # a branch on values, .item(), a random operation
+            raise _user_error(vmap_error) from vmap_error
         log.info("mask_mod evaluated on broadcast indices (vmap raised %s)", vmap_error)
         return "broadcast"
     for g in (*got, *want):

@@ -36,16 +36,37 @@ _TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
+#: random functions and methods as an fx graph records them (a mask is a function of the
+#: indices: FlexAttention's vmap refuses these, so does the evaluation here)
+_RANDOM = frozenset({
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "multinomial", "poisson",
+    "dropout", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+})  # fmt: skip
+
+
 class _RealOps(TorchDispatchMode):
-    """Counts tensor operations run on real data (proxies of the trace do not dispatch)."""
+    """Counts tensor operations run on real data (proxies of the trace do not dispatch) and
+    notes random ones."""
 
     def __init__(self):
         super().__init__()
         self.n = 0
+        self.random = False
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         self.n += 1
+        self.random |= torch.Tag.nondeterministic_seeded in func.tags
         return func(*args, **(kwargs or {}))
+
+
+def _has_random(gm) -> bool:
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            name = node.target if isinstance(node.target, str) else node.target.__name__
+            if name in _RANDOM:
+                return True
+    return False
 
 
 @functools.lru_cache(maxsize=1024)  # code objects are immutable (a scan costs ~0.2 ms)
@@ -84,7 +105,8 @@ def symbolic_trace(fn):
     """``torch.fx.symbolic_trace(fn)``, reused for ``fn`` while :func:`_state` is unchanged.
 
     Raises:
-        whatever ``torch.fx.symbolic_trace`` raises.
+        whatever ``torch.fx.symbolic_trace`` raises; RuntimeError: the mask_mod draws random
+            numbers (a trace would freeze one draw).
     """
     import torch.fx
 
@@ -97,6 +119,8 @@ def symbolic_trace(fn):
     watch = _RealOps()
     with watch:
         gm = torch.fx.symbolic_trace(fn)
+    if watch.random or _has_random(gm):
+        raise RuntimeError("the mask_mod draws random numbers")
     if state is not None and watch.n == 0:
         with _LOCK:
             _TRACES[fn] = (state[0], state[1], gm)
