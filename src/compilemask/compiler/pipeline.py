@@ -41,6 +41,8 @@ _TEXTS: dict[int, tuple] = {}
 def mask_text(mask: Mask) -> str:
     """``str(mask)``, kept per mask object while it lives (a build prints its mask for the
     plan cache's key and the plan's ``source``; a long ``hstu`` mask takes microseconds)."""
+    if torch.compiler.is_compiling():  # traced: no weak references
+        return str(mask)
     key = id(mask)
     hit = _TEXTS.get(key)
     if hit is not None and hit[0]() is mask:

@@ -33,7 +33,9 @@ def outside_inference_mode(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not torch.is_inference_mode_enabled():  # already off: no context to enter
+        # already off: no context to enter (Dynamo does not trace the query: it takes the
+        # context)
+        if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
             return fn(*args, **kwargs)
         with torch.inference_mode(False):
             return fn(*args, **kwargs)
