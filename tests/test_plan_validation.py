@@ -429,6 +429,27 @@ def test_compile_refuses_plans_larger_than_memory(monkeypatch):
     assert cm.compile(cm.masks.causal(), 64, block_m=16, block_n=16, cache=False).q_len == 64
 
 
+def test_small_gpu_plans_skip_the_memory_query(monkeypatch):
+    asked = []
+    monkeypatch.setattr(pipeline, "available_memory", lambda device: asked.append(device) or 0)
+    cuda = torch.device("cuda")
+    pipeline.check_plan_size(1, 32768, 32768, 128, 128, cuda)  # 4 MiB: no query
+    assert asked == []
+    with pytest.raises(CompileMaskError, match="block_m"):  # 1 GiB: asked, refused
+        pipeline.check_plan_size(1, 32768, 32768, 16, 16, cuda)
+    assert asked == [cuda]
+    with pytest.raises(CompileMaskError, match="block_m"):  # the CPU always asks
+        pipeline.check_plan_size(1, 1024, 1024, 128, 128, torch.device("cpu"))
+
+
+def test_mask_text_is_kept_per_mask_object():
+    mask = cm.masks.hstu([30, 25, 15], [3, 2, 4], contextual=2)
+    text = pipeline.mask_text(mask)
+    assert text == str(mask) and pipeline.mask_text(mask) is text
+    other = cm.masks.hstu([30, 25, 16], [3, 2, 4], contextual=2)
+    assert pipeline.mask_text(other) == str(other) != text
+
+
 def test_cli_stats_refuses_a_huge_length():
     click_testing = pytest.importorskip("click.testing")
     from compilemask.tools.cli import cli

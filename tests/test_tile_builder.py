@@ -81,6 +81,36 @@ def test_per_head_and_per_batch_masks():
     _assert_same(lo, hi, count, 60, 80, 32, 16)
 
 
+def test_schedules_ordered_in_a_second_launch(monkeypatch):
+    # axes longer than _FUSED_ORDER_MAX_TILES: no tickets in the allocation, the orders and
+    # work entries from heaviest_first
+    monkeypatch.setattr(tile_builder, "_FUSED_ORDER_MAX_TILES", 2)
+    mask = cm.masks.per_head([cm.masks.causal(), cm.masks.dilated(30, 4)])
+    lo, hi, count, plan = _intervals(mask, 75, None, heads=2)
+    _assert_same(lo, hi, count, 75, 75, 16, 32)
+    _assert_same(lo, hi, count, 75, 75, 32, 32)
+
+
+@pytest.mark.parametrize("m, tq, tk, order", [(2, 5, 3, True), (3, 4, 4, True), (1, 7, 9, False)])
+def test_outputs_tile_one_allocation(m, tq, tk, order):
+    # the views _build_schedule's offsets assume: contiguous, in memory order, back to back
+    runs, where = tile_builder._layout(m, tq, tk, 32, 64, order)
+    flat, out = tile_builder._outputs(runs, where, torch.device("cpu"))
+    memory = sorted(range(len(out)), key=where.__getitem__)
+    offset = 0
+    for i in memory:
+        t = out[i]
+        assert t.is_contiguous() and t.dtype == torch.int32
+        assert t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert t.storage_offset() == offset, i
+        offset += t.numel()
+    assert offset == flat.numel()
+    tiles, per_q, per_kv = m * tq * tk, m * tq, m * tk
+    assert [out[i].numel() for i in memory] == (
+        [tiles] * 10 + [per_q] * 3 + [per_kv] * 3 + [8 * per_q, 8 * per_kv, m if order else 0, 0]
+    )
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cases())
 def test_random_masks(case):

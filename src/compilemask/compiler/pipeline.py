@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -27,6 +28,32 @@ _CACHE_LOCK = threading.Lock()
 # bytes per tile of one mask in a default tile schedule and its build: 7 int32 [M, Tq, Tk]
 # tensors kept, and the int64 cumulative sums and sort keys of the build
 _BYTES_PER_TILE = 64
+# a GPU plan that needs at most this much to build skips the free-memory query (a driver call
+# on every build); an allocation this small that does not fit fails in torch's own
+# out-of-memory error
+_SMALL_GPU_PLAN = 64 << 20
+
+
+# mask object id -> (weak reference, its text): masks are frozen, so each is printed once
+_TEXTS: dict[int, tuple] = {}
+
+
+def mask_text(mask: Mask) -> str:
+    """``str(mask)``, kept per mask object while it lives (a build prints its mask for the
+    plan cache's key and the plan's ``source``; a long ``hstu`` mask takes microseconds)."""
+    if torch.compiler.is_compiling():  # traced: no weak references
+        return str(mask)
+    key = id(mask)
+    hit = _TEXTS.get(key)
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    text = str(mask)
+    try:
+        ref = weakref.ref(mask, lambda _, key=key: _TEXTS.pop(key, None))
+    except TypeError:  # not weakly referenceable: printed every time
+        return text
+    _TEXTS[key] = (ref, text)
+    return text
 
 
 def positive_int(value: object, name: str) -> int:
@@ -156,7 +183,7 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     batch, heads = dependence(mask, batch, heads)
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     device = resolve_device(device)
-    key = (str(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
+    key = (mask_text(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
     if cache:
         with _CACHE_LOCK:
             hit = _CACHE.get(key)
@@ -262,9 +289,12 @@ def available_memory(device: torch.device) -> int | None:
 
 def check_plan_size(masks: int, q_len: int, kv_len: int, block_m: int, block_n: int, device):
     """Refuse, before building, a plan whose tile schedule (``[M, Tq, Tk]`` tensors, quadratic
-    in the lengths) would not fit in the memory free on ``device``."""
+    in the lengths) would not fit in the memory free on ``device`` (on a GPU, plans needing
+    at most 64 MiB are not compared: the query costs as much as a launch)."""
     tiles = masks * math.ceil(q_len / block_m) * math.ceil(kv_len / block_n)
     need = tiles * _BYTES_PER_TILE
+    if device.type == "cuda" and need <= _SMALL_GPU_PLAN:
+        return
     free = available_memory(device)
     if free is not None and need > free:
         raise CompileMaskError(

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import CompileMaskError, PlanError
 from . import plan_check
+from . import tiles as tiles_mod
 from .intervals import dense_rows, from_dense_rows
 from .tiles import (
     EMPTY,
@@ -32,6 +33,10 @@ def outside_inference_mode(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # already off: no context to enter (Dynamo does not trace the query: it takes the
+        # context)
+        if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
         with torch.inference_mode(False):
             return fn(*args, **kwargs)
 
@@ -52,6 +57,10 @@ _BUILDING = threading.local()
 #: ``MaskPlan._cache`` key of the core state the cached entries were derived from
 _BASIS = "basis"
 _FIELDS = ("q_len", "kv_len", "batch", "heads", "row_lo", "row_hi", "row_count", "schedule")
+_ROW_TENSORS = ("row_lo", "row_hi", "row_count", "row_runs", "permutation")
+_SCHEDULE_TENSORS = tuple(
+    f.name for f in dataclasses.fields(TileSchedule) if f.name not in tiles_mod._INTS
+)
 
 
 @contextlib.contextmanager
@@ -207,7 +216,9 @@ class MaskPlan:
         very tensors."""
         self._make_contiguous()
         plan_check.check_structure(self)
-        core = self._core_state()
+        objs = self._objects()
+        versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in objs)
+        core = self._core_state(objs, versions)
         with _VERIFIED_LOCK:
             prior = _VERIFIED.get(core)
         if getattr(_BUILDING, "on", False):
@@ -226,29 +237,22 @@ class MaskPlan:
         cache = self._cache
         if not (keep_cache and isinstance(cache, dict) and cache.get(_BASIS) == core):
             object.__setattr__(self, "_cache", {_BASIS: core})
-        self._record()
+        self._record(objs, versions)
         with _VERIFIED_LOCK:
             _VERIFIED[core] = self
 
     def _make_contiguous(self) -> None:
-        def fix(t):
-            if isinstance(t, torch.Tensor) and (t.is_inference() or not t.is_contiguous()):
-                return t.clone(memory_format=torch.contiguous_format)
-            return t
-
-        for name in ("row_lo", "row_hi", "row_count", "row_runs", "permutation"):
+        for name in _ROW_TENSORS:
             t = getattr(self, name)
-            new = fix(t)
-            if new is not t:
-                object.__setattr__(self, name, new)
+            if isinstance(t, torch.Tensor) and (t.is_inference() or not t.is_contiguous()):
+                object.__setattr__(self, name, t.clone(memory_format=torch.contiguous_format))
         s = self.schedule
         if isinstance(s, TileSchedule):
             changed = {}
-            for f in dataclasses.fields(s):
-                t = getattr(s, f.name)
-                new = fix(t)
-                if new is not t:
-                    changed[f.name] = new
+            for name in _SCHEDULE_TENSORS:
+                t = getattr(s, name)
+                if isinstance(t, torch.Tensor) and (t.is_inference() or not t.is_contiguous()):
+                    changed[name] = t.clone(memory_format=torch.contiguous_format)
             if changed:
                 object.__setattr__(self, "schedule", dataclasses.replace(s, **changed))
 
@@ -261,16 +265,19 @@ class MaskPlan:
             s.kv_count, s.kv_list, s.q_order, s.kv_order,
         )  # fmt: skip
 
-    def _core_state(self) -> tuple:
-        """Plain fields, and ids and versions of every object but the permutation."""
-        objs = self._objects()
+    def _core_state(self, objs: tuple | None = None, versions: tuple | None = None) -> tuple:
+        """Plain fields, and ids and versions of every object but the permutation (``objs``
+        and ``versions``: :meth:`_objects` and their versions, when the caller has them)."""
+        if objs is None:
+            objs = self._objects()
+            versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in objs)
         s = objs[5]
-        core = objs[:4] + objs[5:]
+        core, core_versions = objs[:4] + objs[5:], versions[:4] + versions[5:]
         return (
             self.q_len, self.kv_len, self.batch, self.heads, self.encoding,
             s.block_m, s.block_n, s.q_len, s.kv_len,
             *map(id, core),
-            *(t._version for t in core if isinstance(t, torch.Tensor)),
+            *(v for v in core_versions if v is not None),
         )  # fmt: skip
 
     def _scalars(self) -> tuple:
@@ -280,10 +287,11 @@ class MaskPlan:
             s.block_m, s.block_n, s.q_len, s.kv_len,
         )  # fmt: skip
 
-    def _record(self) -> None:
+    def _record(self, objs: tuple | None = None, versions: tuple | None = None) -> None:
         # the objects are kept: their ids cannot be reused while the plan lives
-        objs = self._objects()
-        versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in objs)
+        if objs is None:
+            objs = self._objects()
+            versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in objs)
         object.__setattr__(self, "_verified", (self._scalars(), objs, versions))
 
     def _changed(self) -> bool:

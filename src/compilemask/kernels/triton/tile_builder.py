@@ -124,9 +124,7 @@ def _order_side(count, full_count, full_first, order, work, n, length,
 
 @triton.jit
 def _build_schedule(
-    Lo, Hi, Kind, Pairs, Jlo, Jhi, BitsIndex, KindT,
-    QCount, QList, QFullFirst, QFullCount, KvCount, KvList, KvFullFirst, KvFullCount,
-    QOrder, KvOrder, QWork, KvWork, Tickets,
+    Lo, Hi, Out,
     q_len, kv_len, n_slots, Tq, Tk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -139,7 +137,30 @@ def _build_schedule(
     ``[Tq, Tq + Tk)`` classify a kv-tile's column (``CHUNK_Q`` q-tiles at a time, into the
     scratch ``KindT`` [M, Tk, Tq]) and write its lists. ORDER: every program then takes a
     ticket of its mask (``Tickets`` [M], zero before the launch); the program that takes the
-    last one writes the mask's heaviest-first orders and work entries."""
+    last one writes the mask's heaviest-first orders and work entries.
+
+    ``Out``: every output in one int32 allocation, in the order of :func:`_layout` (one
+    pointer argument instead of nineteen: each costs the host a specialisation and a pointer
+    read per launch)."""
+    n_masks = tl.num_programs(1).to(tl.int64)
+    tiles = n_masks * Tq * Tk  # ten [M, Tq, Tk] / [M, Tk, Tq] regions, then the per-tile ones
+    Kind, Pairs, Jlo, Jhi, BitsIndex = (
+        Out,
+        Out + tiles,
+        Out + 2 * tiles,
+        Out + 3 * tiles,
+        Out + 4 * tiles,
+    )
+    QList, QFullFirst, KindT = Out + 5 * tiles, Out + 6 * tiles, Out + 7 * tiles
+    KvList, KvFullFirst = Out + 8 * tiles, Out + 9 * tiles
+    per_q, per_kv = n_masks * Tq, n_masks * Tk
+    QCount = Out + 10 * tiles
+    QFullCount, QOrder = QCount + per_q, QCount + 2 * per_q
+    KvCount = QCount + 3 * per_q
+    KvFullCount, KvOrder = KvCount + per_kv, KvCount + 2 * per_kv
+    QWork = KvCount + 3 * per_kv
+    KvWork = QWork + 8 * per_q
+    Tickets = KvWork + 8 * per_kv
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     slots = tl.arange(0, K_PAD)
@@ -391,9 +412,16 @@ _LAYOUTS: dict[tuple, tuple] = {}
 
 
 def _layout(m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool) -> tuple:
-    """``(sizes, shapes)`` of the outputs of :func:`build_tiles_triton`, slices of one int32
-    allocation, in the order of ``_build_schedule``'s tensor arguments (then the bitmask
-    words); kept per tiling (on a GPU host every allocation costs about as much as a launch)."""
+    """``(runs, where)``: the outputs of :func:`build_tiles_triton` as slices of one int32
+    allocation, kept per tiling (on a GPU host every allocation costs about as much as a
+    launch, and every tensor view about a microsecond). Memory order (what
+    ``_build_schedule`` computes from ``M``, ``Tq``, ``Tk``): kind, pairs, jlo, jhi,
+    bits_index, q_list, q full-first [M, Tq, Tk]; the scratch, kv_list, kv full-first
+    [M, Tk, Tq]; q_count, q full counts, q_order [M, Tq]; the same for the kv-tiles; q_work
+    [M, Tq, 8]; kv_work; the tickets [M] (none without the fused ordering); the bitmask words
+    (none). ``runs``: ``(size, count, shape)`` per run of consecutive outputs of one shape
+    (made as one view and one ``unbind``); ``where[i]``: the position in memory order of the
+    i-th output in the order :func:`build_tiles_triton` unpacks them."""
     key = (m, tq, tk, block_m, block_n, order)
     hit = _LAYOUTS.get(key)
     if hit is None:
@@ -402,8 +430,31 @@ def _layout(m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool) -
         shapes += [per_q, tiles, tiles, per_q, per_kv, tiles_t, tiles_t, per_kv]
         shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), (m if order else 0,)]
         shapes += [(0, block_m, -(-block_n // 32))]
-        hit = _LAYOUTS[key] = ([math.prod(shape) for shape in shapes], shapes)
+        memory = [0, 1, 2, 3, 4, 7, 8, 5, 11, 12, 6, 9, 14, 10, 13, 15, 16, 17, 18, 19]
+        runs: list[list] = []
+        for i in memory:
+            shape = shapes[i]
+            if runs and runs[-1][2] == shape:
+                runs[-1][1] += 1
+            else:
+                runs.append([0, 1, shape])
+        runs = [(count * math.prod(shape), count, shape) for _, count, shape in runs]
+        hit = _LAYOUTS[key] = (runs, [memory.index(i) for i in range(len(shapes))])
     return hit
+
+
+def _outputs(runs: list, where: list, device: torch.device) -> tuple:
+    """``(flat, outputs)``: one new int32 allocation and the outputs of one :func:`_layout`,
+    contiguous views of it."""
+    flat = torch.empty(sum(r[0] for r in runs), dtype=torch.int32, device=device)
+    parts = flat.split([r[0] for r in runs])
+    views = []
+    for part, (_, count, shape) in zip(parts, runs):
+        if count == 1:
+            views.append(part.view(shape))
+        else:
+            views += part.view(count, *shape).unbind(0)
+    return flat, [views[i] for i in where]
 
 
 def build_tiles_triton(
@@ -426,9 +477,7 @@ def build_tiles_triton(
     m, n, k = lo.shape
     tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
     order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
-    sizes, shapes = _layout(m, tq, tk, block_m, block_n, order)
-    flat = torch.empty(sum(sizes), dtype=torch.int32, device=lo.device)
-    out = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order), lo.device)
     kind, pairs, jlo, jhi, bits_index = out[:5]
     q_count, q_list, q_full_first, q_full_count = out[6:10]
     kv_count, kv_list, kv_full_first, kv_full_count = out[10:14]
@@ -438,7 +487,7 @@ def build_tiles_triton(
             tickets.zero_()
         k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
         _build_schedule[(tq + tk, m)](
-            lo, hi, *out[:-1], q_len, kv_len, k, tq, tk, BLOCK_M=block_m, BLOCK_N=block_n,
+            lo, hi, flat, q_len, kv_len, k, tq, tk, BLOCK_M=block_m, BLOCK_N=block_n,
             K_PAD=k_pad, CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
         )  # fmt: skip
         if not order:
