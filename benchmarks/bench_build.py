@@ -23,7 +23,7 @@ import torch
 
 import compilemask as cm
 from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
-from compilemask.tools.bench_report import environment
+from compilemask.tools.bench_report import append_rows, environment
 from compilemask.workloads import workload
 
 SEEDS = ("causal", "hstu", "shared_prompt")
@@ -70,9 +70,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("variant", "workload", "N0", "ms", "host_ms")}))
     if a.out:
-        with open(a.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_rows(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from compilemask.compiler import lower as lower_mod  # noqa: E402
 from compilemask.compiler import pipeline  # noqa: E402
 from compilemask.kernels.triton import tile_builder  # noqa: E402
 from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule  # noqa: E402
-from compilemask.tools.bench_report import environment  # noqa: E402
+from compilemask.tools.bench_report import append_rows, environment  # noqa: E402
 from compilemask.tools.op_counts import BUILDER_KERNELS, OpCounter  # noqa: E402
 from compilemask.workloads import workload  # noqa: E402
 
@@ -112,9 +112,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps({k: row[k] for k in row if k not in ("date", "torch", "triton")}))
     if a.out:
-        with open(a.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_rows(a.out, rows)
 
 
 if __name__ == "__main__":

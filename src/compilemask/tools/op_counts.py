@@ -213,7 +213,7 @@ def count_build_ops(n0: int = 32768, triton_builder: bool = False) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .bench_report import environment
+    from .bench_report import append_rows, environment
 
     ap = argparse.ArgumentParser(prog="python -m compilemask.tools.op_counts", description=__doc__)
     ap.add_argument("--n0", type=int, default=32768, help="nominal size (default 32768)")
@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(json.dumps({k: row[k] for k in row if k not in ("date", "torch", "triton")}))
     if a.out:
-        with open(a.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_rows(a.out, rows)
 
 
 if __name__ == "__main__":

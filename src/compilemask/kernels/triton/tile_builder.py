@@ -91,35 +91,52 @@ def _row_lists(src, list_out, full_first_out, length, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _rank(count, t, t_ok, n, CHUNK: tl.constexpr, CACHE: tl.constexpr):
+    """``(c, rank)`` of the tiles ``t``: their counts and ``rank(t) = #{u: c[u] > c[t]} +
+    #{u < t: c[u] == c[t]}`` over the ``n`` counts at ``count`` (a stable argsort of -count);
+    CACHE: the loads' cache modifier."""
+    c = tl.load(count + t, mask=t_ok, other=0, cache_modifier=CACHE)
+    rank = tl.zeros_like(t)
+    for u0 in range(0, n, CHUNK):
+        u = u0 + tl.arange(0, CHUNK)
+        cu = tl.load(count + u, mask=u < n, other=-1, cache_modifier=CACHE)
+        heavier = cu[None, :] > c[:, None]
+        tie_before = (cu[None, :] == c[:, None]) & (u[None, :] < t[:, None])
+        rank += tl.sum((heavier | tie_before).to(tl.int32), axis=1)
+    return c, rank
+
+
+@triton.jit
+def _store_work(full_count, full_first, work, t, t_ok, c, rank, length, CACHE: tl.constexpr):
+    """The work entries of ``schedule.work_list`` of the tiles ``t`` from their FULL-first
+    lists (``length`` entries each): ``work[rank(t)] = (t, count, full_count, list[0],
+    list[full_count], 0, 0, 0)``."""
+    full = tl.load(full_count + t, mask=t_ok, other=0, cache_modifier=CACHE)
+    lists = full_first + t.to(tl.int64) * length
+    first = tl.load(lists, mask=t_ok & (c > 0), other=0, cache_modifier=CACHE)
+    part = tl.load(lists + full, mask=t_ok & (full < c), other=0, cache_modifier=CACHE)
+    entry = work + rank.to(tl.int64) * 8
+    tl.store(entry, t, mask=t_ok)
+    tl.store(entry + 1, c, mask=t_ok)
+    tl.store(entry + 2, full, mask=t_ok)
+    tl.store(entry + 3, first, mask=t_ok)
+    tl.store(entry + 4, part, mask=t_ok)
+    for f in tl.static_range(5, 8):
+        tl.store(entry + f, tl.zeros_like(t), mask=t_ok)
+
+
+@triton.jit
 def _order_side(count, full_count, full_first, order, work, n, length,
                 BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """One axis of one mask in :func:`_build_schedule`'s last program: ``order[rank(t)] = t``
-    (decreasing count, ties by index) and the work entries (see ``_heaviest_first_kernel``).
-    Loads bypass L1: other programs wrote these values."""
+    (:func:`_rank`) and the work entries (:func:`_store_work`). Loads bypass L1: other
+    programs wrote these values."""
     for t0 in range(0, n, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         t_ok = t < n
-        c = tl.load(count + t, mask=t_ok, other=0, cache_modifier=".cg")
-        rank = tl.zeros([BLOCK], dtype=tl.int32)
-        for u0 in range(0, n, CHUNK):
-            u = u0 + tl.arange(0, CHUNK)
-            cu = tl.load(count + u, mask=u < n, other=-1, cache_modifier=".cg")
-            heavier = cu[None, :] > c[:, None]
-            tie_before = (cu[None, :] == c[:, None]) & (u[None, :] < t[:, None])
-            rank += tl.sum((heavier | tie_before).to(tl.int32), axis=1)
+        c, rank = _rank(count, t, t_ok, n, CHUNK, ".cg")
         tl.store(order + rank, t, mask=t_ok)
-        full = tl.load(full_count + t, mask=t_ok, other=0, cache_modifier=".cg")
-        lists = full_first + t.to(tl.int64) * length
-        first = tl.load(lists, mask=t_ok & (c > 0), other=0, cache_modifier=".cg")
-        part = tl.load(lists + full, mask=t_ok & (full < c), other=0, cache_modifier=".cg")
-        entry = work + rank.to(tl.int64) * 8
-        tl.store(entry, t, mask=t_ok)
-        tl.store(entry + 1, c, mask=t_ok)
-        tl.store(entry + 2, full, mask=t_ok)
-        tl.store(entry + 3, first, mask=t_ok)
-        tl.store(entry + 4, part, mask=t_ok)
-        for f in tl.static_range(5, 8):
-            tl.store(entry + f, tl.zeros([BLOCK], dtype=tl.int32), mask=t_ok)
+        _store_work(full_count, full_first, work, t, t_ok, c, rank, length, ".cg")
 
 
 @triton.jit
@@ -323,28 +340,14 @@ def _heaviest_first_kernel(
     order = tl.where(which == 0, OrderQ, OrderK) + m * n
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     t_ok = t < n
-    c = tl.load(count + t, mask=t_ok, other=0)
-    rank = tl.zeros([BLOCK], dtype=tl.int32)
-    for u0 in range(0, n, CHUNK):
-        u = u0 + tl.arange(0, CHUNK)
-        cu = tl.load(count + u, mask=u < n, other=-1)
-        heavier = cu[None, :] > c[:, None]
-        tie_before = (cu[None, :] == c[:, None]) & (u[None, :] < t[:, None])
-        rank += tl.sum((heavier | tie_before).to(tl.int32), axis=1)
+    c, rank = _rank(count, t, t_ok, n, CHUNK, "")
     tl.store(order + rank, t, mask=t_ok)
     if WORK:
-        full = tl.load(tl.where(which == 0, FullCountQ, FullCountK) + m * n + t, mask=t_ok)
-        lists = tl.where(which == 0, FullFirstQ, FullFirstK) + (m * n + t) * length
-        first = tl.load(lists, mask=t_ok & (c > 0), other=0)
-        part = tl.load(lists + full, mask=t_ok & (full < c), other=0)
-        work = tl.where(which == 0, WorkQ, WorkK) + (m * n + rank) * 8
-        tl.store(work, t, mask=t_ok)
-        tl.store(work + 1, c, mask=t_ok)
-        tl.store(work + 2, full, mask=t_ok)
-        tl.store(work + 3, first, mask=t_ok)
-        tl.store(work + 4, part, mask=t_ok)
-        for f in tl.static_range(5, 8):
-            tl.store(work + f, tl.zeros([BLOCK], dtype=tl.int32), mask=t_ok)
+        base = m * n
+        full_count = tl.where(which == 0, FullCountQ, FullCountK) + base
+        full_first = tl.where(which == 0, FullFirstQ, FullFirstK) + base * length
+        work = tl.where(which == 0, WorkQ, WorkK) + base * 8
+        _store_work(full_count, full_first, work, t, t_ok, c, rank, length, "")
 
 
 def heaviest_first(q_count: torch.Tensor, kv_count: torch.Tensor, out=None, work=None):
