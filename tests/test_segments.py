@@ -178,3 +178,19 @@ def test_stats_report_the_compact_size():
     plan = cm.compile(cm.masks.causal(), 1024)
     st = plan.stats()
     assert st["compact_bytes"] == plan.compact().nbytes < st["bytes"] / 10
+
+
+def test_bytes_by_part_add_up_and_count_derived_tilings():
+    """``nbytes_by_part``: the row tensors, the default schedule and the tilings derived so
+    far; ``stats`` reports it beside the compact form's parts."""
+    plan = cm.compile(masks.hstu([300, 200, 12], [4, 2, 1]), 512, block_m=64, block_n=64)
+    parts = plan.nbytes_by_part()
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert parts["total"] - parts["tilings"] == plan.nbytes
+    assert parts["row_lo"] == plan.row_lo.numel() * 4 and parts["permutation"] == 0
+    before = parts["tilings"]
+    derived = plan.tiles(32, 32)
+    assert plan.nbytes_by_part()["tilings"] == before + derived.nbytes
+    stats = plan.stats()
+    assert stats["bytes_by_part"] == plan.nbytes_by_part()
+    assert stats["compact_parts"]["bytes"] == stats["compact_bytes"] < stats["bytes"]

@@ -487,6 +487,26 @@ class MaskPlan:
         t = (self.row_lo, self.row_hi, self.row_count)
         return sum(x.numel() * x.element_size() for x in t) + self.schedule.nbytes
 
+    def nbytes_by_part(self) -> dict[str, int]:
+        """Bytes of the plan by part: ``row_lo``, ``row_hi``, ``row_count``, ``row_runs`` and
+        ``permutation`` (0 when absent), ``schedule`` (the default tiling's tables, bitmask
+        tiles included), ``tilings`` (the other tilings derived and cached so far: the kernels'
+        own and the backward's), and ``total`` (their sum; :attr:`nbytes` is the first four
+        without the cached tilings)."""
+
+        def size(t) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        parts = {name: size(getattr(self, name)) for name in _ROW_TENSORS}
+        parts["schedule"] = self.schedule.nbytes
+        parts["tilings"] = sum(
+            v.nbytes
+            for v in self._cache.values()
+            if isinstance(v, TileSchedule) and v is not self.schedule
+        )
+        parts["total"] = sum(parts.values())
+        return parts
+
     def compact(self):
         """The compact descriptor at the default tiling (:class:`compiler.segments.CompactPlan`:
         affine row segments or the rows, whichever is smaller, and both tile views as runs),
@@ -504,10 +524,11 @@ class MaskPlan:
             ``intervals_per_row_max`` / ``_mean``, ``tiles_full`` / ``tiles_partial``
             (``tiles_partial_bits`` of them as bitmasks) / ``tiles_empty`` at the default
             tiling, ``tile_efficiency`` (visible pairs / pairs inside touched tiles, clipped to
-            the lengths), ``bytes`` (:attr:`nbytes`), ``compact_bytes`` (the size of
-            :meth:`compact`, which this derives and caches), ``encoding``, ``source`` (the mask
-            text, or how a ``from_mask_mod`` plan was built: ``from_mask_mod:lifted`` /
-            ``:broadcast`` / ``:vmap``) and the sizes.
+            the lengths), ``bytes`` (:attr:`nbytes`), ``bytes_by_part``
+            (:meth:`nbytes_by_part`), ``compact_bytes`` and ``compact_parts`` (the size of
+            :meth:`compact`, which this derives and caches, in all and by part),
+            ``encoding``, ``source`` (the mask text, or how a ``from_mask_mod`` plan was
+            built: ``from_mask_mod:lifted`` / ``:broadcast`` / ``:vmap``) and the sizes.
 
         Example::
 
@@ -528,6 +549,7 @@ class MaskPlan:
         box = rows[:, None] * cols[None, :]
         touched_pairs = int((box[None] * (s.kind > EMPTY)).sum())
         counts = s.counts()
+        compact = self.compact()
         return {
             "q_len": self.q_len,
             "kv_len": self.kv_len,
@@ -546,7 +568,9 @@ class MaskPlan:
             "tiles_empty": counts["empty"],
             "tile_efficiency": visible / touched_pairs if touched_pairs else 1.0,
             "bytes": self.nbytes,
-            "compact_bytes": self.compact().nbytes,
+            "bytes_by_part": self.nbytes_by_part(),
+            "compact_bytes": compact.nbytes,
+            "compact_parts": compact.parts(),
         }
 
     def __repr__(self) -> str:

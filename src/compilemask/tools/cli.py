@@ -233,6 +233,8 @@ def compile_spec(spec: MaskSpec, block_m: int, block_n: int, *, timed: bool = Fa
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, dict):  # bytes by part: the parts present
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items() if v not in (0, None))
     return str(value)
 
 
