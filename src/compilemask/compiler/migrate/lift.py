@@ -102,7 +102,9 @@ class Lifter:
         self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
         self._profiles = {}  # id(g) -> (g, (descents, ascents, min, max))
         self._consts = None
+        self._zero64 = None
         self._arange = None
+        self._tables = {}  # id(key) -> (key, top, its searchsorted table): see ``_search``
         self._ints = []  # (tensor, int, version) of the b and h of the current run
 
     def profile_of(self, g: torch.Tensor) -> tuple[int, int, int, int]:
@@ -250,10 +252,16 @@ class Lifter:
         return Iv(*iv.difference((f.lo, f.hi), (a.lo, a.hi), self.nk, trim=trim)[:2])
 
     # ------------------------------------------------------------------ comparisons
+    def zero64(self) -> torch.Tensor:
+        """0: an int64 0-d tensor, made once (never written to)."""
+        if self._zero64 is None:
+            self._zero64 = torch.zeros((), dtype=torch.int64, device=self.device)
+        return self._zero64
+
     def to_sep(self, v) -> Sep:
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
         if isinstance(v, Sep):
             return v
+        zero = self.zero64()
         if isinstance(v, (QV, KV)):
             if v.t.dim() != 1 or v.t.dtype not in _SEP_DTYPES:
                 raise Unsupported(
@@ -441,7 +449,7 @@ class Lifter:
         key, run, n_runs, run_start, run_end, gmin, span, sign = runs
         if sign < 0:
             op, t = _FLIP[op], -t
-        lo, hi = cur.lo.long(), cur.hi.long()
+        lo, hi = cur.lo, cur.hi  # int32: indexes and compares as int64 would
         live = lo < hi
         first = run[lo.clamp(max=self.nk - 1)]
         last = run[(hi - 1).clamp(min=0, max=self.nk - 1)]
@@ -472,9 +480,9 @@ class Lifter:
         a = torch.maximum(lo[..., None], run_start[r])
         b = torch.minimum(hi[..., None], run_end[r])
         tq = t if t.dim() == 0 else t.reshape(*t.shape, 1, 1)
-        tt = (tq - gmin + 1).clamp(0, span - 1)
+        tt = (tq - (gmin - 1)).clamp(0, span - 1)
         target = r * span + tt
-        left, right = _search(key, target, n_runs * span)
+        left, right = self.search(key, target, n_runs * span)
         if op == "ge":
             x, y = left, b
         elif op == "gt":
@@ -486,13 +494,23 @@ class Lifter:
         else:  # eq
             x, y = left, right
         x, y = torch.maximum(x, a), torch.minimum(y, b)
-        x = torch.where(ok & (x < y), x, self.nk)
-        y = torch.where(ok & (x < self.nk), y, self.nk)
+        # a kept slot has x < y <= nk (y <= b <= nk); the others become [nk, nk)
+        keep = ok & (x < y)
+        pad = self.consts()[1]
+        x, y = torch.where(keep, x, pad), torch.where(keep, y, pad)
         # within [0, nk], sorted and disjoint by construction (runs ordered inside each sorted
         # slot, empties at nk): compacted without clipping
         x, y = x.flatten(-2), y.flatten(-2)
         lo, hi, _ = iv.compact_sorted(x, y, self.nk, trim=_trim(x.shape[-1]))
         return Iv(lo.to(torch.int32), hi.to(torch.int32))
+
+    def search(self, key: torch.Tensor, target: torch.Tensor, top_bound: int):
+        """:func:`_search` with the table of ``key`` made once per key (one key term is
+        compared many times)."""
+        hit = self._tables.get(id(key))
+        if hit is None or hit[0] is not key or hit[1] != top_bound:
+            hit = self._tables[id(key)] = (key, top_bound, _search_table(key, top_bound))
+        return _search(key, target, top_bound, hit[2])
 
     # ------------------------------------------------------------------ graph
     def indices(self, n: int) -> torch.Tensor:
@@ -624,24 +642,31 @@ def _trim(k: int) -> bool:
     return k > _UNTRIMMED_SLOTS
 
 
+def _search_table(key: torch.Tensor, top_bound: int):
+    """``[top_bound, 2]``: for each value ``t`` in ``[0, top_bound)`` the left and right
+    ``searchsorted`` of ``t`` in the sorted ``key``, or None when that range is too large
+    for a table (more than ``4 * key.numel() + 1024``)."""
+    if top_bound > 4 * key.numel() + 1024:
+        return None
+    counts = torch.bincount(key, minlength=top_bound)
+    right_of = torch.cumsum(counts, 0)
+    return torch.stack([right_of - counts, right_of], -1)
+
+
 def _isqrt(n: int) -> int:
     import math
 
     return math.isqrt(n)
 
 
-def _search(key: torch.Tensor, target: torch.Tensor, top_bound: int):
+def _search(key: torch.Tensor, target: torch.Tensor, top_bound: int, table=None):
     """``searchsorted(key, target)`` left and right for a sorted non-negative int64 ``key``
-    and targets in ``[0, top_bound)`` (``top_bound`` above every key): through a table of
-    that range when it is small (O(range + targets), cheaper than a binary search per target
-    on the CPU), else by binary search."""
-    top = top_bound
-    if top <= 4 * key.numel() + 1024:
-        counts = torch.bincount(key, minlength=top)
-        right_of = torch.cumsum(counts, 0)
-        t = target
-        right = right_of[t]
-        return right - counts[t], right
+    and targets in ``[0, top_bound)`` (``top_bound`` above every key): through ``table``
+    (:func:`_search_table`, when the range is small: O(range + targets), cheaper than a binary
+    search per target on the CPU, and one gather per search), else by binary search."""
+    if table is not None:
+        both = table[target]  # [..., 2]: left and right
+        return both[..., 0], both[..., 1]
     flat = target.reshape(-1)
     left = torch.searchsorted(key, flat).view(target.shape)
     return left, torch.searchsorted(key, flat, right=True).view(target.shape)
