@@ -192,9 +192,14 @@ class Lifter:
         if isinstance(v, Pending):
             return self.resolve(v)
         if isinstance(v, Disj):
-            out = self.to_iv(v.parts[0])
-            for part in v.parts[1:]:
-                out = self.lor(out, self.to_iv(part))
+            parts = [self.to_iv(part) for part in v.parts]
+            if len(parts) > 2:  # one sweep over every part instead of one per pair
+                sets = [(p.lo, p.hi) for p in parts]
+                trim = _trim(sum(p.lo.shape[-1] for p in parts))
+                return Iv(*iv.union(sets, self.nk, trim=trim)[:2])
+            out = parts[0]
+            for part in parts[1:]:
+                out = self.lor(out, part)
             return out
         if isinstance(v, QV) and v.t.dtype == torch.bool and v.t.dim() == 1:
             zero, nk = self.consts()
