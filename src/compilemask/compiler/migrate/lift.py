@@ -102,7 +102,11 @@ class Lifter:
         self._runs = {}  # id(g) -> (g, its runs): one key term is compared many times
         self._profiles = {}  # id(g) -> (g, (descents, ascents, min, max))
         self._consts = None
+        self._zero64 = None
         self._arange = None
+        self._tables = {}  # id(key) -> (key, top, its searchsorted table): see ``_search``
+        self._kv_spans = {}  # id(t) -> (t, lo, hi): a KV bool ``t`` true on [lo, hi) alone
+        self._arange32 = None
         self._ints = []  # (tensor, int, version) of the b and h of the current run
 
     def profile_of(self, g: torch.Tensor) -> tuple[int, int, int, int]:
@@ -122,11 +126,18 @@ class Lifter:
         todo = [g for g in todo if self._profiles.get(id(g), (None,))[0] is not g]
         if len(todo) < 2:
             return
-        rows = []
-        for g in todo:
-            lo, hi = torch.aminmax(g)
-            rows.append(torch.stack([(g[1:] < g[:-1]).sum(), (g[1:] > g[:-1]).sum(), lo, hi]))
-        for g, d in zip(todo, torch.stack(rows).tolist()):
+        if len({(g.shape, g.dtype) for g in todo}) == 1:  # all at once: 7 operations
+            gs = torch.stack(todo)  # [T, Nk]
+            lo, hi = torch.aminmax(gs, dim=-1)
+            down, up = (gs[:, 1:] < gs[:, :-1]).sum(-1), (gs[:, 1:] > gs[:, :-1]).sum(-1)
+            table = torch.stack([down, up, lo, hi], -1)
+        else:
+            rows = []
+            for g in todo:
+                lo, hi = torch.aminmax(g)
+                rows.append(torch.stack([(g[1:] < g[:-1]).sum(), (g[1:] > g[:-1]).sum(), lo, hi]))
+            table = torch.stack(rows)
+        for g, d in zip(todo, table.tolist()):
             self._profiles[id(g)] = (g, tuple(d))
 
     def runs_of(self, g: torch.Tensor):
@@ -181,14 +192,24 @@ class Lifter:
         if isinstance(v, Pending):
             return self.resolve(v)
         if isinstance(v, Disj):
-            out = self.to_iv(v.parts[0])
-            for part in v.parts[1:]:
-                out = self.lor(out, self.to_iv(part))
+            parts = [self.to_iv(part) for part in v.parts]
+            if len(parts) > 2:  # one sweep over every part instead of one per pair
+                sets = [(p.lo, p.hi) for p in parts]
+                trim = _trim(sum(p.lo.shape[-1] for p in parts))
+                return Iv(*iv.union(sets, self.nk, trim=trim)[:2])
+            out = parts[0]
+            for part in parts[1:]:
+                out = self.lor(out, part)
             return out
         if isinstance(v, QV) and v.t.dtype == torch.bool and v.t.dim() == 1:
-            lo = torch.where(v.t, 0, self.nk).to(torch.int32)[:, None]
-            return Iv(lo, torch.full_like(lo, self.nk))
+            zero, nk = self.consts()
+            lo = torch.where(v.t[:, None], zero, nk)
+            return Iv(lo, nk.expand(lo.shape))
         if isinstance(v, KV) and v.t.dtype == torch.bool and v.t.dim() == 1:
+            span = self._kv_spans.get(id(v.t))
+            if span is not None and span[0] is v.t:  # one interval: views, no operation
+                ar = self.arange32()
+                return Iv(ar[span[1]].view(1, 1), ar[span[2]].view(1, 1))
             lo, hi, _ = iv.from_dense_rows(v.t[None], self.nk)
             return Iv(lo, hi)
         if isinstance(v, bool):
@@ -213,7 +234,7 @@ class Lifter:
             x0, x1 = torch.where(first, a.lo, b.lo), torch.where(first, a.hi, b.hi)
             y0, y1 = torch.where(first, b.lo, a.lo), torch.where(first, b.hi, a.hi)
             merge = y0 <= x1
-            pad = torch.full((), self.nk, dtype=x0.dtype, device=x0.device)
+            pad = self.consts()[1]
             lo = torch.cat([x0, torch.where(merge, pad, y0)], -1)
             hi = torch.cat(
                 [torch.where(merge, torch.maximum(x1, y1), x1), torch.where(merge, pad, y1)], -1
@@ -250,10 +271,16 @@ class Lifter:
         return Iv(*iv.difference((f.lo, f.hi), (a.lo, a.hi), self.nk, trim=trim)[:2])
 
     # ------------------------------------------------------------------ comparisons
+    def zero64(self) -> torch.Tensor:
+        """0: an int64 0-d tensor, made once (never written to)."""
+        if self._zero64 is None:
+            self._zero64 = torch.zeros((), dtype=torch.int64, device=self.device)
+        return self._zero64
+
     def to_sep(self, v) -> Sep:
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
         if isinstance(v, Sep):
             return v
+        zero = self.zero64()
         if isinstance(v, (QV, KV)):
             if v.t.dim() != 1 or v.t.dtype not in _SEP_DTYPES:
                 raise Unsupported(
@@ -438,10 +465,10 @@ class Lifter:
     def within(self, cur: Iv, runs, op: str, t) -> Iv:
         """The keys of ``cur`` with ``g(kv) op t(q)``: per interval of a row, per run of
         ``g`` it crosses, one interval."""
-        key, run, n_runs, run_start, run_end, gmin, span, sign = runs
+        key, run, n_runs, bounds, gmin, span, sign = runs
         if sign < 0:
             op, t = _FLIP[op], -t
-        lo, hi = cur.lo.long(), cur.hi.long()
+        lo, hi = cur.lo, cur.hi  # int32: indexes and compares as int64 would
         live = lo < hi
         first = run[lo.clamp(max=self.nk - 1)]
         last = run[(hi - 1).clamp(min=0, max=self.nk - 1)]
@@ -466,15 +493,16 @@ class Lifter:
             raise Unsupported(
                 f"a comparison crosses {s_max} monotone runs of its key term in one row"
             )
-        r = first[..., None] + torch.arange(s_max, device=self.device)  # [rows, K, S]
+        r = first[..., None] + self.indices(s_max)[:s_max]  # [rows, K, S]
         ok = live[..., None] & (r <= last[..., None])
         r = r.clamp(max=n_runs - 1)
-        a = torch.maximum(lo[..., None], run_start[r])
-        b = torch.minimum(hi[..., None], run_end[r])
+        ends = bounds[r]  # [rows, K, S, 2]: each run's first key and the key past its last
+        a = torch.maximum(lo[..., None], ends[..., 0])
+        b = torch.minimum(hi[..., None], ends[..., 1])
         tq = t if t.dim() == 0 else t.reshape(*t.shape, 1, 1)
-        tt = (tq - gmin + 1).clamp(0, span - 1)
+        tt = (tq - (gmin - 1)).clamp(0, span - 1)
         target = r * span + tt
-        left, right = _search(key, target, n_runs * span)
+        left, right = self.search(key, target, n_runs * span)
         if op == "ge":
             x, y = left, b
         elif op == "gt":
@@ -486,15 +514,74 @@ class Lifter:
         else:  # eq
             x, y = left, right
         x, y = torch.maximum(x, a), torch.minimum(y, b)
-        x = torch.where(ok & (x < y), x, self.nk)
-        y = torch.where(ok & (x < self.nk), y, self.nk)
+        # a kept slot has x < y <= nk (y <= b <= nk); the others become [nk, nk)
+        keep = ok & (x < y)
+        pad = self.consts()[1]
+        x, y = torch.where(keep, x, pad), torch.where(keep, y, pad)
         # within [0, nk], sorted and disjoint by construction (runs ordered inside each sorted
         # slot, empties at nk): compacted without clipping
         x, y = x.flatten(-2), y.flatten(-2)
         lo, hi, _ = iv.compact_sorted(x, y, self.nk, trim=_trim(x.shape[-1]))
         return Iv(lo.to(torch.int32), hi.to(torch.int32))
 
+    def search(self, key: torch.Tensor, target: torch.Tensor, top_bound: int):
+        """:func:`_search` with the table of ``key`` made once per key (one key term is
+        compared many times)."""
+        hit = self._tables.get(id(key))
+        if hit is None or hit[0] is not key or hit[1] != top_bound:
+            hit = self._tables[id(key)] = (key, top_bound, _search_table(key, top_bound))
+        return _search(key, target, top_bound, hit[2])
+
     # ------------------------------------------------------------------ graph
+    def arange32(self) -> torch.Tensor:
+        """``arange(nk + 1)`` (int32), made once: its elements are the 0-d bounds of one-interval
+        key sets (views, never written to)."""
+        if self._arange32 is None:
+            self._arange32 = torch.arange(self.nk + 1, dtype=torch.int32, device=self.device)
+        return self._arange32
+
+    def note_span(self, name: str, args, out) -> None:
+        """Records the keys ``[lo, hi)`` of a KV bool ``out`` that is one interval by its form:
+        ``a * kv_idx + c op n`` (``a`` = +-1, ``n`` a Python int, either side; ``op`` not
+        ``ne``) or ``~`` of such a value whose interval touches an end of the keys."""
+        if not isinstance(out, KV) or out.t.dtype != torch.bool or out.t.dim() != 1:
+            return
+        nk = self.nk
+        if name == "invert":
+            span = self._kv_spans.get(id(args[0].t)) if isinstance(args[0], KV) else None
+            if span is None or span[0] is not args[0].t:
+                return
+            lo, hi = span[1], span[2]
+            if lo >= hi:
+                lo, hi = 0, nk
+            elif lo == 0:
+                lo, hi = hi, nk
+            elif hi == nk:
+                lo, hi = 0, lo
+            else:
+                return
+        elif name in ("lt", "le", "gt", "ge", "eq") and len(args) == 2:
+            v, n, op = args[0], args[1], name
+            if not isinstance(v, KV):
+                v, n, op = n, v, _FLIP[op]
+            if not isinstance(v, KV) or v.aff is None or type(n) is not int:
+                return
+            a, c = v.aff
+            if v.t.dtype != torch.int64 or abs(a) != 1:
+                return
+            if a < 0:  # -kv + c op n  <=>  kv flip(op) c - n
+                op, x = _FLIP[op], c - n
+            else:
+                x = n - c
+            lo, hi = {"ge": (x, nk), "gt": (x + 1, nk), "le": (0, x + 1), "lt": (0, x),
+                      "eq": (x, x + 1)}[op]  # fmt: skip
+            lo, hi = max(lo, 0), min(hi, nk)
+        else:
+            return
+        if lo >= hi:
+            lo = hi = nk
+        self._kv_spans[id(out.t)] = (out.t, lo, hi)
+
     def indices(self, n: int) -> torch.Tensor:
         """``arange(m)`` (int64, ``m >= n, nq, nk``), one for every run: ``q_idx``, ``kv_idx``,
         ``b`` and ``h`` are views of it."""
@@ -537,6 +624,7 @@ class Lifter:
         if node.op == "call_function" and name in _ELEMENTWISE and not kwargs:
             direct = _elementwise(fn, args)
             if direct is not None:
+                self.note_span(name, args, direct)
                 return direct
         if name == "getitem" and not kwargs:
             direct = _gather(*self._known(args))
@@ -613,15 +701,27 @@ def _runs(g: torch.Tensor, profile):
     if n_runs * span >= 2**62:  # the sort key (and the search targets) would leave int64
         raise Unsupported(f"a key term spans {span} values over {n_runs} runs (int64 keys)")
     run = torch.nn.functional.pad(torch.cumsum(x[1:] < x[:-1], 0), (1, 0))
-    key = run * span + (x - gmin + 1)
+    key = run * span + (x - (gmin - 1))
     counts = torch.bincount(run, minlength=n_runs)
     run_end = torch.cumsum(counts, 0)
-    return key, run, n_runs, run_end - counts, run_end, gmin, span, sign
+    bounds = torch.stack([run_end - counts, run_end], -1)  # [n_runs, 2]: [start, end)
+    return key, run, n_runs, bounds, gmin, span, sign
 
 
 def _trim(k: int) -> bool:
     """Whether an intermediate set of ``k`` slots per row is trimmed (one host read)."""
     return k > _UNTRIMMED_SLOTS
+
+
+def _search_table(key: torch.Tensor, top_bound: int):
+    """``[top_bound, 2]``: for each value ``t`` in ``[0, top_bound)`` the left and right
+    ``searchsorted`` of ``t`` in the sorted ``key``, or None when that range is too large
+    for a table (more than ``4 * key.numel() + 1024``)."""
+    if top_bound > 4 * key.numel() + 1024:
+        return None
+    counts = torch.bincount(key, minlength=top_bound)
+    right_of = torch.cumsum(counts, 0)
+    return torch.stack([right_of - counts, right_of], -1)
 
 
 def _isqrt(n: int) -> int:
@@ -630,18 +730,14 @@ def _isqrt(n: int) -> int:
     return math.isqrt(n)
 
 
-def _search(key: torch.Tensor, target: torch.Tensor, top_bound: int):
+def _search(key: torch.Tensor, target: torch.Tensor, top_bound: int, table=None):
     """``searchsorted(key, target)`` left and right for a sorted non-negative int64 ``key``
-    and targets in ``[0, top_bound)`` (``top_bound`` above every key): through a table of
-    that range when it is small (O(range + targets), cheaper than a binary search per target
-    on the CPU), else by binary search."""
-    top = top_bound
-    if top <= 4 * key.numel() + 1024:
-        counts = torch.bincount(key, minlength=top)
-        right_of = torch.cumsum(counts, 0)
-        t = target
-        right = right_of[t]
-        return right - counts[t], right
+    and targets in ``[0, top_bound)`` (``top_bound`` above every key): through ``table``
+    (:func:`_search_table`, when the range is small: O(range + targets), cheaper than a binary
+    search per target on the CPU, and one gather per search), else by binary search."""
+    if table is not None:
+        both = table[target]  # [..., 2]: left and right
+        return both[..., 0], both[..., 1]
     flat = target.reshape(-1)
     left = torch.searchsorted(key, flat).view(target.shape)
     return left, torch.searchsorted(key, flat, right=True).view(target.shape)
