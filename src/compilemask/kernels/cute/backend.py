@@ -171,8 +171,11 @@ class CuteBackend:
         if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         group = _kv_group(plan, call)
-        key = ("cute", call.batch, call.heads_q, call.heads_kv, group)
-        return plan.cached(key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv, group))
+        ctas = _num_sms(call.device) if call.device.type == "cuda" else 1
+        key = ("cute", call.batch, call.heads_q, call.heads_kv, group, ctas)
+        return plan.cached(
+            key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv, group, ctas)
+        )
 
     def forward(
         self, q, k, v, plan: MaskPlan, prepared: CuteLowered, scale: float, need_lse=True
@@ -224,8 +227,7 @@ def run_forward(q, k, v, low: CuteLowered, scale: float):
     B, Hq, Nq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    num_ctas = max(1, min(low.work.shape[0], _num_sms(q.device)))
-    args = fwd.kernel_args(q, k, v, out, lse, low, scale, num_ctas)
+    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream)
     kernel(*args, stream)

@@ -3,10 +3,9 @@
 One CTA of 384 threads: warpgroup 0 is the producer (one warp issues TMA loads; registers
 lowered with ``setmaxnreg``), warpgroups 1 and 2 are consumers, each owning 64 of the 128
 query rows of a work item (registers raised). The CTAs are persistent and walk the lowered
-work list (``lower.work``, heaviest first) in rounds of ``grid`` entries, in a snake order
-(:func:`work_item`: round ``r`` gives CTA ``c`` entry ``r grid + c`` when ``r`` is even,
-``r grid + grid - 1 - c`` when it is odd), so the CTA that took the heaviest entry of one
-round takes the lightest of the next; the producer and both consumers walk the same sequence
+work list (``lower.work``) in rounds of ``grid`` entries: CTA ``c`` takes entry ``r grid + c``
+in round ``r`` (:func:`work_item`); the lowering places the entries so that this gives each
+CTA its share (:mod:`.rounds`). The producer and both consumers walk the same sequence
 without any shared scheduler state.
 
 Per work item ``(b, hq, qt, m)`` the producer loads the two 64-row Q halves into their own
@@ -82,10 +81,10 @@ def pairwise(values: list, op):
 
 @cute.jit
 def work_item(rnd: Int32, cta: Int32, grid: Int32) -> Int32:
-    """The work-list entry CTA ``cta`` of ``grid`` takes in round ``rnd`` (snake order, see
-    the module docstring). The entries of a round that exist are a prefix of it, so a CTA whose
-    entry is past the list has none in later rounds either."""
-    return rnd * grid + cta + (rnd % 2) * (grid - 1 - 2 * cta)
+    """The work-list entry CTA ``cta`` of ``grid`` takes in round ``rnd``. The entries of a
+    round that exist are a prefix of it (:mod:`.rounds`), so a CTA whose entry is past the list
+    has none in later rounds either."""
+    return rnd * grid + cta
 
 
 @cute.jit
@@ -650,7 +649,7 @@ def example_args(head_dim: int, dtype_name: str, device) -> tuple:
         work=ints(2, 4), kv_list=ints(2, 2, 2), kv_count=ints(2, 2), full_count=ints(2, 2),
         jlo=ints(2, 2, 2), jhi=ints(2, 2, 2), row_lo=ints(2, BLOCK_M, 2),
         row_hi=ints(2, BLOCK_M, 2), bits_index=ints(2, 2, 2), bits=ints(1, BLOCK_M, BLOCK_N // 32),
-        block_m=BLOCK_M, block_n=BLOCK_N,
+        block_m=BLOCK_M, block_n=BLOCK_N, num_ctas=1,
     )  # fmt: skip
     return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1)
 

@@ -51,6 +51,7 @@ from ...compiler.plan import MaskPlan
 from ...compiler.tiles import FULL, unpack_bits
 from ...errors import CompileMaskError
 from ..triton.schedule import split_full_first
+from .rounds import ITEM_COST, cta_positions
 
 #: the kernel's tile: query rows per CTA (2 consumer warpgroups x 64) and keys per kv-tile
 BLOCK_M = 128
@@ -73,6 +74,8 @@ class CuteLowered:
     bits: torch.Tensor
     block_m: int
     block_n: int
+    #: persistent CTAs the work list is placed for (:mod:`.rounds`)
+    num_ctas: int
     #: the kernel's views of the tensors above, made on the first launch and reused (making
     #: them costs tens of microseconds each per call)
     kernel_views: dict = field(default_factory=dict, compare=False, repr=False)
@@ -161,17 +164,24 @@ def l2_kv_group(
 
 
 def lower(
-    plan: MaskPlan, batch: int, heads_q: int, heads_kv: int, kv_group: int | None = None
+    plan: MaskPlan,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    kv_group: int | None = None,
+    num_ctas: int = 1,
 ) -> CuteLowered:
     """The kernel's view of ``plan`` for ``batch`` rows, ``heads_q`` / ``heads_kv`` heads
-    (``kv_group``: see :func:`work_order` and :func:`l2_kv_group`).
+    (``kv_group``: see :func:`work_order` and :func:`l2_kv_group`), its work list placed for
+    ``num_ctas`` persistent CTAs (:mod:`.rounds`; the kernel runs ``min(num_ctas, W)``).
 
     Raises:
         CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
             ``batch`` / heads that are not positive or contradict the plan, or a ``kv_group``
             that is neither None nor a positive int.
     """
-    for name, value in (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv)):
+    named = (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv), ("num_ctas", num_ctas))
+    for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
     if kv_group is not None and (
@@ -189,8 +199,13 @@ def lower(
     s = schedule_for_kernel(plan)
     kv_list, full_count = split_full_first(s.kind, s.q_list, s.q_count)
     work = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads, kv_group)
+    ctas = min(num_ctas, work.shape[0])
+    cost = s.q_count[work[:, 3].long(), work[:, 2].long()] + ITEM_COST
+    placed = torch.empty_like(work)
+    placed[cta_positions(cost, ctas)] = work
     return CuteLowered(
-        work=work,
+        work=placed,
+        num_ctas=ctas,
         kv_list=kv_list,
         kv_count=s.q_count.contiguous(),
         full_count=full_count.contiguous(),
