@@ -105,16 +105,17 @@ def test_work_list_covers_every_q_tile_heaviest_first(name, plan, batch, hq, hkv
             assert h1 == h0 + 1
 
 
-def test_l2_groups_keep_each_pair_of_short_rows_together():
+def test_l2_groups_keep_each_pair_together():
     """B = 32 rows of 1K tokens: the entries of each (batch row, kv head) pair run within
-    its group, heaviest first inside the group; long rows (32K) keep one list."""
+    its group, heaviest first inside the group; at 32K one pair per group."""
     from compilemask.kernels.cute.lower import l2_kv_group, work_order
 
-    l2, ctas, kv_key = 50 << 20, 132, 2 * 128 * 2
-    group = l2_kv_group(32, 16, 1024, 8, kv_key, l2, ctas)
-    assert group is not None and 8 * group >= 2 * ctas and group * 1024 * kv_key <= l2 // 2
-    assert l2_kv_group(1, 16, 32768, 256, kv_key, l2, ctas) is None
-    assert l2_kv_group(2, 2, 1024, 8, kv_key, l2, ctas) is None  # everything fits: one list
+    l2, kv_key = 50 << 20, 2 * 128 * 2
+    group = l2_kv_group(32, 16, 1024, kv_key, l2)
+    assert group == 50 and group * 1024 * kv_key <= l2 // 2 < (group + 1) * 1024 * kv_key
+    assert l2_kv_group(1, 16, 32768, kv_key, l2) == 1
+    assert l2_kv_group(1, 16, 1 << 20, kv_key, l2) == 1  # one pair exceeds L2: still one
+    assert l2_kv_group(2, 2, 1024, kv_key, l2) is None  # everything fits: one list
     plan = cm.compile(cm.masks.causal(), 1024, block_m=128, block_n=128)
     q_count = schedule_for_kernel_count(plan)
     work = work_order(q_count, 6, 4, 2, None, None, kv_group=2).tolist()
@@ -467,3 +468,49 @@ def test_cute_calls_after_the_first_make_no_host_synchronisation():
         torch.cuda.set_sync_debug_mode("default")
     assert plan._cache.keys() == cached.keys()
     assert all(torch.equal(o, first) for o in outs)
+
+
+@pytest.mark.parametrize("entries,ctas", [(1, 1), (5, 3), (131, 132), (264, 132), (1000, 7)])
+def test_rounds_give_each_cta_one_entry_per_round_heaviest_to_least_loaded(entries, ctas):
+    """Positions are a permutation; round r holds the same entries as the list's r-th run of
+    ``ctas`` (the order in time); a CTA's total stays within one entry of the least-loaded
+    CTA's; the last round's entries are a prefix; CPU torch and the Triton program agree."""
+    from compilemask.kernels.cute import rounds
+    from compilemask.kernels.cute._rounds_kernel import rounds_kernel
+
+    cost = torch.randint(0, 40, (entries,), generator=torch.Generator().manual_seed(entries))
+    pos = rounds.cta_positions(cost, ctas)
+    assert sorted(pos.tolist()) == list(range(entries))
+    assert torch.equal(pos // ctas, torch.arange(entries) // ctas)
+    c = min(ctas, entries)
+    load = torch.zeros(ctas, dtype=torch.int64).index_add_(0, pos % ctas, cost)
+    assert int(load[:c].max() - load[:c].min()) <= int(cost.max())
+    cta = torch.empty(entries, dtype=torch.int64)
+    block = max(16, 1 << (ctas - 1).bit_length())
+    rounds_kernel[(1,)](cost, cta, entries, ctas, BLOCK=block, WMAX=1 << 31)
+    assert torch.equal(cta, rounds._rounds_torch(cost, ctas))
+
+
+def test_rounds_refuse_bad_input():
+    from compilemask.kernels.cute import rounds
+
+    with pytest.raises(ValueError, match="num_ctas"):
+        rounds.cta_positions(torch.ones(4, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="1-D"):
+        rounds.cta_positions(torch.ones(2, 2, dtype=torch.int64), 4)
+    assert rounds.cta_positions(torch.zeros(0, dtype=torch.int64), 4).numel() == 0
+
+
+def test_lowered_work_is_placed_for_the_ctas():
+    """With 3 CTAs, entry ``r * 3 + c`` is CTA c's r-th: each round holds the same entries
+    as the heaviest-first list's run of 3, the heaviest to the CTA with least work so far."""
+    plan = cm.compile(cm.masks.causal(), 1024, block_m=128, block_n=128)
+    one = lower(plan, 2, 2, 1, num_ctas=1)
+    three = lower(plan, 2, 2, 1, num_ctas=3)
+    assert three.num_ctas == 3 and one.num_ctas == 1
+    a, b = one.work.tolist(), three.work.tolist()
+    for r in range(0, len(a), 3):
+        assert sorted(a[r : r + 3]) == sorted(b[r : r + 3])
+    assert lower(plan, 1, 1, 1, num_ctas=500).num_ctas == 8  # never more CTAs than entries
+    with pytest.raises(CompileMaskError, match="num_ctas"):
+        lower(plan, 1, 1, 1, num_ctas=0)

@@ -28,7 +28,7 @@ import torch
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
 from ..interface import plain_attention_reason, plan_fit_reason, same_device, under_compile_reason
-from .lower import BLOCK_M, CuteLowered, l2_kv_group, lower
+from .lower import CuteLowered, l2_kv_group, lower
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
 HEAD_DIMS = (64, 128)
@@ -208,12 +208,8 @@ def _kv_group(plan: MaskPlan, call) -> int | None:
     if call.device.type != "cuda":
         return None
     props = torch.cuda.get_device_properties(call.device)
-    q_tiles = -(-call.q_len // BLOCK_M)
-    return l2_kv_group(
-        call.batch, call.heads_kv, call.kv_len, q_tiles * (call.heads_q // call.heads_kv),
-        2 * call.head_dim * call.dtype.itemsize, props.L2_cache_size,
-        props.multi_processor_count,
-    )  # fmt: skip
+    kv_key = 2 * call.head_dim * call.dtype.itemsize
+    return l2_kv_group(call.batch, call.heads_kv, call.kv_len, kv_key, props.L2_cache_size)
 
 
 def run_forward(q, k, v, low: CuteLowered, scale: float):

@@ -139,27 +139,21 @@ def l2_kv_group(
     batch: int,
     heads_kv: int,
     kv_len: int,
-    entries_per_pair: int,
     kv_bytes_per_key: int,
     l2_bytes: int,
-    num_ctas: int,
 ) -> int | None:
     """(batch row, kv head) pairs per group of the work list, or None for one group.
 
-    Heaviest first over the whole list runs a pair's q-tiles far apart when there are many
-    pairs (1K tokens, B = 32: q-tile 7 of every pair, then q-tile 6 ...), and its K and V
-    have left L2 by the time the next one comes: they are read from memory once per q-tile.
-    Groups of pairs whose K and V fill at most half of L2 keep them there, but each group
-    holds at least two entries per CTA so that heaviest first still balances the CTAs. Pairs
-    whose K and V exceed a quarter of L2 (long rows) keep one list.
-    ``entries_per_pair``: q-tiles times query heads per kv head; ``kv_bytes_per_key``: K and V
-    bytes of one key (``2 * head_dim * element size``).
+    Heaviest first over the whole list runs a pair's q-tiles far apart (1K tokens, B = 32:
+    q-tile 7 of every pair, then q-tile 6 ...; 32K hstu: the q-tiles of one weight from every
+    user and head), and its K and V have left L2 by the time the next one comes: they are read
+    from memory once per q-tile. Groups of pairs whose K and V fill at most half of L2 (at
+    least one pair) keep them there while the group's entries run; the CTAs' shares stay
+    balanced by the greedy rounds of :mod:`.rounds`. ``kv_bytes_per_key``: K and V bytes of
+    one key (``2 * head_dim * element size``).
     """
     pairs = batch * heads_kv
-    per_pair = max(1, kv_len * kv_bytes_per_key)
-    if 4 * per_pair > l2_bytes:  # long rows: the CTAs on one pair stream its K, V in step
-        return None
-    group = max(1, l2_bytes // (2 * per_pair), -(-2 * num_ctas // max(1, entries_per_pair)))
+    group = max(1, l2_bytes // (2 * max(1, kv_len * kv_bytes_per_key)))
     return None if group >= pairs else group
 
 
