@@ -112,14 +112,15 @@ def test_work_and_tile_entries_carry_what_the_kernel_looks_up_through_them(
     """Columns 4, 5 of a work entry are its q-tile's kv count and FULL count; row ``i`` of
     ``tiles[m, qt]`` is ``(kt, jlo, jhi, page)`` of kv-list entry ``i``."""
     low = lower(plan, batch, hq, hkv)
-    assert low.work.shape[1] == 6 and low.work.dtype == torch.int32
+    assert low.work.shape[1] == 7 and low.work.dtype == torch.int32
     assert low.tiles.shape == (*low.kv_list.shape, 4) and low.tiles.dtype == torch.int32
-    for _, _, qt, m, n, nf in low.work.tolist():
+    rows = low.tiles.view(-1, 4)  # as the kernel reads it
+    for _, _, qt, m, n, nf, list0 in low.work.tolist():
         assert (n, nf) == (int(low.kv_count[m, qt]), int(low.full_count[m, qt]))
         for i in range(n):
             kt = int(low.kv_list[m, qt, i])
             want = [kt, *(int(t[m, qt, kt]) for t in (low.jlo, low.jhi, low.bits_index))]
-            assert low.tiles[m, qt, i].tolist() == want
+            assert rows[list0 + i].tolist() == want
 
 
 def test_entries_clamp_what_they_read_from_the_plan_to_its_ranges():
@@ -132,7 +133,7 @@ def test_entries_clamp_what_they_read_from_the_plan_to_its_ranges():
     kv_count = torch.tensor([[9, -2]], dtype=torch.int32)
     full_count = torch.tensor([[7, 3]], dtype=torch.int32)
     work = work_entries(order, kv_count, full_count, 3)
-    assert work[:, 4:].tolist() == [[3, 3], [0, 0]]
+    assert work[:, 4:].tolist() == [[3, 3, 0], [0, 0, 3]]
     kv_list = torch.tensor([[[0, 5, -1], [2, 1, 0]]], dtype=torch.int32)
     jlo = torch.tensor([[[-3, 1, 2], [0, 0, 0]]], dtype=torch.int32)
     jhi = torch.tensor([[[9, 2, 4], [1, 1, 1]]], dtype=torch.int32)
@@ -267,7 +268,7 @@ def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
     for bad in (0, -1, 2.5, True, "2"):  # 0 divided by zero, -1 and 2.5 scrambled the groups
         with pytest.raises(CompileMaskError, match="kv_group must be None or a positive int"):
             lower(plan, 2, 2, 1, kv_group=bad)
-    assert lower(plan, 2, 2, 1, kv_group=1).work.shape == (2 * 2 * 2, 6)
+    assert lower(plan, 2, 2, 1, kv_group=1).work.shape == (2 * 2 * 2, 7)
     dense = cm.from_dense(torch.rand(64, 64) < 0.5)
     if dense.encoding == "bits":
         with pytest.raises(CompileMaskError, match="bitmask"):

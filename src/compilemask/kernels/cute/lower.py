@@ -3,15 +3,16 @@
 The kernel runs ``BLOCK_M x BLOCK_N`` = 128 x 128 tiles (two consumer warpgroups of 64 query
 rows share one kv-tile list). Per plan and call shape it reads:
 
-- ``work``: int32 ``[W, 6]``, one entry ``(b, hq, qt, m, n, nf)`` per (batch row, query
-  head, q-tile), ``W = B * Hq * Tq``, in the order the persistent CTAs take them: most touched
+- ``work``: int32 ``[W, 7]``, one entry ``(b, hq, qt, m, n, nf, list0)`` per (batch row,
+  query head, q-tile), ``W = B * Hq * Tq``, in the order the persistent CTAs take them: most touched
   kv-tiles first (stable), ties in ``(b, kv head, qt, head in the group)`` order, so the
   heads of one kv group run side by side and share their K/V tiles in L2; with many short
   (batch row, kv head) pairs, first in groups of pairs whose K and V fit in L2
   (:func:`l2_kv_group`). ``m`` is the
   plan's mask index of ``(b, hq)``; ``n`` / ``nf`` are ``kv_count[m, qt]`` /
-  ``full_count[m, qt]`` (clamped to ``[0, Tk]`` / ``[0, n]``), so that the kernel gets all it
-  needs to start an item from the entry's own row: one memory round trip, not two.
+  ``full_count[m, qt]`` (clamped to ``[0, Tk]`` / ``[0, n]``) and ``list0 = (m Tq + qt) Tk``
+  the q-tile's first row of ``tiles`` seen as ``[M Tq Tk, 4]``, so that the kernel gets all
+  it needs to start an item from the entry's own row: one memory round trip, not two.
 - ``kv_list``: int32 ``[M, Tq, Tk]``: per q-tile its touched kv-tiles, FULL tiles first (each
   group ascending), then PARTIAL ones; ``kv_count`` / ``full_count`` int32 ``[M, Tq]``.
 - ``tiles``: int32 ``[M, Tq, Tk, 4]``: entry ``i`` of the q-tile's kv list with what the kernel
@@ -43,7 +44,7 @@ Example::
     >>> plan = cm.compile(cm.masks.causal(), 256, block_m=128, block_n=128)
     >>> low = lower(plan, batch=1, heads_q=2, heads_kv=1)
     >>> low.work.tolist()  # q-tile 1 touches 2 kv-tiles (1 FULL), q-tile 0 one
-    [[0, 0, 1, 0, 2, 1], [0, 1, 1, 0, 2, 1], [0, 0, 0, 0, 1, 0], [0, 1, 0, 0, 1, 0]]
+    [[0, 0, 1, 0, 2, 1, 2], [0, 1, 1, 0, 2, 1, 2], [0, 0, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 0, 0]]
     >>> low.kv_list[0, 1].tolist(), low.full_count[0].tolist()
     ([0, 1], [0, 1])
 """
@@ -143,13 +144,16 @@ def work_order(
 def work_entries(
     order: torch.Tensor, kv_count: torch.Tensor, full_count: torch.Tensor, length: int
 ) -> torch.Tensor:
-    """int32 ``[W, 6]`` ``(b, hq, qt, m, n, nf)``: the ``[W, 4]`` entries of
+    """int32 ``[W, 7]`` ``(b, hq, qt, m, n, nf, list0)``: the ``[W, 4]`` entries of
     :func:`work_order` with their q-tile's kv count ``n`` (clamped to ``[0, length]``, the kv
-    list's length) and FULL count ``nf`` (clamped to ``[0, n]``) as columns 4 and 5."""
+    list's length), FULL count ``nf`` (clamped to ``[0, n]``) and first row of ``tiles``
+    ``list0 = (m Tq + qt) length`` as columns 4, 5 and 6 (``kv_count`` ``[M, Tq]``)."""
     m, qt = order[:, 3].long(), order[:, 2].long()
     n = kv_count[m, qt].clamp(0, length)
     nf = torch.minimum(full_count[m, qt], n).clamp(min=0)
-    return torch.cat((order, n[:, None], nf[:, None]), 1).to(torch.int32).contiguous()
+    list0 = (m * kv_count.shape[1] + qt) * length
+    cols = (order, n[:, None], nf[:, None], list0[:, None])
+    return torch.cat([c.to(torch.int64) for c in cols], 1).to(torch.int32).contiguous()
 
 
 def tile_entries(
@@ -263,20 +267,21 @@ def seen_from_word(x, w: int):
 
 def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> torch.Tensor:
     """Boolean ``[Nq, Nk]`` of mask ``m`` as the kernel sees it, through what it reads: per
-    q-tile the counts of its work entries (columns 4, 5) and the rows of ``tiles``; FULL
+    q-tile the columns 4-6 of its work entries and the rows ``list0 + i`` of ``tiles``; FULL
     tiles whole, PARTIAL tiles with a bitmask (``page >= 0``) through it, other PARTIAL tiles
     through the rows' intervals in slots ``[jlo, jhi)``, untouched tiles hidden (the kernel's
     rule, for tests). O(Nq * Nk * K)."""
     bm, bn = low.block_m, low.block_n
     dense = torch.zeros(q_len, kv_len, dtype=torch.bool)
-    counts = {(e[3], e[2]): (e[4], e[5]) for e in low.work.tolist()}
-    tiles, lo, hi, bits = (t.cpu() for t in (low.tiles, low.row_lo, low.row_hi, low.bits))
+    counts = {(e[3], e[2]): (e[4], e[5], e[6]) for e in low.work.tolist()}
+    rows = low.tiles.cpu().view(-1, 4)  # as the kernel reads them: row list0 + i
+    lo, hi, bits = (t.cpu() for t in (low.row_lo, low.row_hi, low.bits))
     key = torch.arange(kv_len)
-    for qt in range(tiles.shape[1]):
+    for qt in range(low.tiles.shape[1]):
         r0, r1 = qt * bm, min(q_len, qt * bm + bm)
-        n, nf = counts[(m, qt)]
+        n, nf, list0 = counts[(m, qt)]
         for i in range(n):
-            kt, j0, j1, page = tiles[m, qt, i].tolist()
+            kt, j0, j1, page = rows[list0 + i].tolist()
             c0, c1 = kt * bn, min(kv_len, kt * bn + bn)
             if i < nf:
                 dense[r0:r1, c0:c1] = True
