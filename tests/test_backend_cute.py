@@ -90,19 +90,57 @@ def test_work_list_covers_every_q_tile_heaviest_first(name, plan, batch, hq, hkv
     tq = low.kv_count.shape[1]
     work = low.work.tolist()
     assert len(work) == batch * hq * tq
-    assert sorted((b, h, t) for b, h, t, _ in work) == [
+    assert sorted((b, h, t) for b, h, t, *_ in work) == [
         (b, h, t) for b in range(batch) for h in range(hq) for t in range(tq)
     ]
-    weights = [int(low.kv_count[m, t]) for _, _, t, m in work]
+    weights = [int(low.kv_count[m, t]) for _, _, t, m, *_ in work]
     assert weights == sorted(weights, reverse=True)
-    for b, h, _, m in work:
+    for b, h, _, m, *_ in work:
         assert m == plan.mask_index(b, h)
     # ties: the heads of one kv group are adjacent
     group = hq // hkv
     for i in range(len(work) - 1):
-        (b0, h0, t0, _), (b1, h1, t1, _) = work[i], work[i + 1]
+        (b0, h0, t0, *_), (b1, h1, t1, *_) = work[i], work[i + 1]
         if weights[i] == weights[i + 1] and (b0, h0 // group, t0) == (b1, h1 // group, t1):
             assert h1 == h0 + 1
+
+
+@pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
+def test_work_and_tile_entries_carry_what_the_kernel_looks_up_through_them(
+    name, plan, batch, hq, hkv
+):
+    """Columns 4, 5 of a work entry are its q-tile's kv count and FULL count; row ``i`` of
+    ``tiles[m, qt]`` is ``(kt, jlo, jhi, page)`` of kv-list entry ``i``."""
+    low = lower(plan, batch, hq, hkv)
+    assert low.work.shape[1] == 7 and low.work.dtype == torch.int32
+    assert low.tiles.shape == (*low.kv_list.shape, 4) and low.tiles.dtype == torch.int32
+    rows = low.tiles.view(-1, 4)  # as the kernel reads it
+    for _, _, qt, m, n, nf, list0 in low.work.tolist():
+        assert (n, nf) == (int(low.kv_count[m, qt]), int(low.full_count[m, qt]))
+        for i in range(n):
+            kt = int(low.kv_list[m, qt, i])
+            want = [kt, *(int(t[m, qt, kt]) for t in (low.jlo, low.jhi, low.bits_index))]
+            assert rows[list0 + i].tolist() == want
+
+
+def test_entries_clamp_what_they_read_from_the_plan_to_its_ranges():
+    """A schedule out of its ranges (counts past the list, FULL past the count, tiles past
+    Tk, slots past K, pages past P) lowers to entries inside them: the kernel indexes with
+    them unchecked."""
+    from compilemask.kernels.cute.lower import tile_entries, work_entries
+
+    order = torch.tensor([[0, 0, 0, 0], [0, 0, 1, 0]], dtype=torch.int32)
+    kv_count = torch.tensor([[9, -2]], dtype=torch.int32)
+    full_count = torch.tensor([[7, 3]], dtype=torch.int32)
+    work = work_entries(order, kv_count, full_count, 3)
+    assert work[:, 4:].tolist() == [[3, 3, 0], [0, 0, 3]]
+    kv_list = torch.tensor([[[0, 5, -1], [2, 1, 0]]], dtype=torch.int32)
+    jlo = torch.tensor([[[-3, 1, 2], [0, 0, 0]]], dtype=torch.int32)
+    jhi = torch.tensor([[[9, 2, 4], [1, 1, 1]]], dtype=torch.int32)
+    page = torch.tensor([[[5, -1, -7], [0, 0, 1]]], dtype=torch.int32)
+    tiles = tile_entries(kv_list, jlo, jhi, page, slots=4, pages=2)
+    assert tiles[0, 0].tolist() == [[0, 0, 4, 1], [2, 2, 4, -1], [0, 0, 4, 1]]
+    assert tiles[0, 1].tolist() == [[2, 0, 1, 1], [1, 0, 1, 0], [0, 0, 1, 0]]
 
 
 def test_l2_groups_keep_each_pair_together():
@@ -231,7 +269,7 @@ def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
     for bad in (0, -1, 2.5, True, "2"):  # 0 divided by zero, -1 and 2.5 scrambled the groups
         with pytest.raises(CompileMaskError, match="kv_group must be None or a positive int"):
             lower(plan, 2, 2, 1, kv_group=bad)
-    assert lower(plan, 2, 2, 1, kv_group=1).work.shape == (2 * 2 * 2, 4)
+    assert lower(plan, 2, 2, 1, kv_group=1).work.shape == (2 * 2 * 2, 7)
     dense = cm.from_dense(torch.rand(64, 64) < 0.5)
     if dense.encoding == "bits":
         with pytest.raises(CompileMaskError, match="bitmask"):

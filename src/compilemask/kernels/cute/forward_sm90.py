@@ -8,17 +8,20 @@ in round ``r`` (:func:`work_item`); the lowering places the entries so that this
 CTA its share (:mod:`.rounds`). The producer and both consumers walk the same sequence
 without any shared scheduler state.
 
-Per work item ``(b, hq, qt, m)`` the producer loads the two 64-row Q halves into their own
+Per work item ``(b, hq, qt, m, n, nf, list0)`` (one row of ``lower.work``: the q-tile's kv
+count ``n``, FULL count ``nf`` and first row ``list0`` of ``tiles`` ride in the entry, so one
+round trip of loads starts an item) the producer loads the two 64-row Q halves into their own
 stages (``Q_STAGES`` = 4: two items' halves, so the next item's Q loads while the current
 one runs; a consumer gives its stage back after its last S GEMM), then K and V of every
-kv-tile of ``kv_list[m, qt]`` into one shared-memory ring of ``KV_STAGES`` stages
-guarded by mbarriers (``PipelineTmaAsync``: full barriers count the TMA bytes, empty
-barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
+kv-tile of the q-tile's kv list (``tiles[list0 + i, 0]``) into one shared-memory ring of
+``KV_STAGES`` stages guarded by mbarriers (``PipelineTmaAsync``: full barriers count the TMA
+bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
-registers. FULL kv-tiles (the first ``full_count`` of the list) run without mask arithmetic;
-PARTIAL ones hide every key the tile's bitmask does not show (tiles with ``bits_index >= 0``,
-:func:`bits_seen`) or, for the others, every key outside the row's intervals, read through
-:func:`row_bounds`.
+registers. FULL kv-tiles (the first ``nf`` of the list) run without mask arithmetic;
+PARTIAL ones hide every key the tile's bitmask does not show (``page >= 0`` in the entry's
+``tiles`` row, :func:`bits_seen`) or, for the others, every key outside the row's intervals,
+read through :func:`row_bounds`; those reads are issued right after the tile's GEMMs, before
+the wait for S (:meth:`FlashFwdSm90.mask_seen`), so their latency runs under the GEMMs.
 A row that sees no key ends with a zero sum: out 0, lse -inf. O leaves through shared
 memory: ``stmatrix`` into the warpgroup's 64 x D tile, then one TMA store (lse: per element).
 
@@ -88,6 +91,23 @@ def work_item(rnd: Int32, cta: Int32, grid: Int32) -> Int32:
 
 
 @cute.jit
+def read_entry(work: cute.Tensor, tiles: cute.Tensor, row_lo: cute.Tensor, item: Int32):
+    """Work entry ``item``: ``(b, hq, qt, m, n, nf, list0)``, its columns read together (one
+    memory round trip). What indexes the plan's tensors is clamped to their ranges: ``m`` to
+    the masks of ``row_lo``, ``list0`` (the q-tile's first row of ``tiles``) and ``n`` so that
+    rows ``list0 .. list0 + n - 1`` exist, ``nf`` to ``n``; a few integer instructions per
+    item, none per kv-tile. (``b`` / ``hq`` / ``qt`` only place TMA boxes, which the TMA unit
+    clips, and the lse stores, which the lowering builds from the call's own shape.)"""
+    b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
+    n, nf, list0 = work[item, 4], work[item, 5], work[item, 6]
+    m = cutlass.max(cutlass.min(m, row_lo.shape[0] - 1), 0)
+    list0 = cutlass.max(cutlass.min(list0, tiles.shape[0]), 0)
+    n = cutlass.min(n, tiles.shape[0] - list0)
+    nf = cutlass.min(nf, n)
+    return b, hq, qt, m, n, nf, list0
+
+
+@cute.jit
 def row_bounds(row_lo: cute.Tensor, row_hi: cute.Tensor, m: Int32, row: Int32, slot: Int32):
     """Interval ``slot`` of query row ``row`` of mask ``m``: keys ``[lo, hi)`` (empty when
     ``lo >= hi``). The one place the kernel reads the row descriptor: PARTIAL tiles ask for
@@ -126,14 +146,9 @@ class FlashFwdSm90:
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         work: cute.Tensor,
-        kv_list: cute.Tensor,
-        kv_count: cute.Tensor,
-        full_count: cute.Tensor,
-        jlo: cute.Tensor,
-        jhi: cute.Tensor,
+        tiles: cute.Tensor,
         row_lo: cute.Tensor,
         row_hi: cute.Tensor,
-        bits_index: cute.Tensor,
         bits: cute.Tensor,
         scale_log2: Float32,
         num_ctas: Int32,
@@ -193,8 +208,8 @@ class FlashFwdSm90:
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
-            work, kv_list, kv_count, full_count, jlo, jhi, row_lo, row_hi, bits_index, bits,
-            scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
+            work, tiles, row_lo, row_hi, bits, scale_log2, sQ_layout, sK_layout, sV_layout,
+            sO_layout,
         ).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream
         )  # fmt: skip
@@ -215,14 +230,9 @@ class FlashFwdSm90:
         tO: cute.Tensor,
         mLSE: cute.Tensor,
         work: cute.Tensor,
-        kv_list: cute.Tensor,
-        kv_count: cute.Tensor,
-        full_count: cute.Tensor,
-        jlo: cute.Tensor,
-        jhi: cute.Tensor,
+        tiles: cute.Tensor,
         row_lo: cute.Tensor,
         row_hi: cute.Tensor,
-        bits_index: cute.Tensor,
         bits: cute.Tensor,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
@@ -276,7 +286,7 @@ class FlashFwdSm90:
                 rnd = Int32(0)
                 item = bidx
                 while item < num_work:
-                    b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
+                    b, hq, qt, _, n, _, list0 = read_entry(work, tiles, row_lo, item)
                     hk = hq // group
                     gQ = cute.local_tile(tQ[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
                     tQs, tQg = cpasync.tma_partition(
@@ -299,9 +309,8 @@ class FlashFwdSm90:
                         tma_v, 0, cute.make_layout(1),
                         cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
                     )  # fmt: skip
-                    n = kv_count[m, qt]
                     for i in cutlass.range(n, unroll=1):
-                        kt = kv_list[m, qt, i]
+                        kt = tiles[list0 + i, 0]
                         h = kv_prod.acquire_and_advance()
                         cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
                         h = kv_prod.acquire_and_advance()
@@ -328,12 +337,11 @@ class FlashFwdSm90:
             s_shape = qk_thr.partition_shape_C((ROWS_PER_WG, N))
             o_shape = pv_thr.partition_shape_C((ROWS_PER_WG, D))
             q_len = tQ.shape[0]
+            row_cap = cutlass.min(q_len, row_lo.shape[1]) - 1  # the last row row_bounds reads
             rnd = Int32(0)
             item = bidx
             while item < num_work:
-                b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
-                n = kv_count[m, qt]
-                nf = full_count[m, qt]
+                b, hq, qt, m, n, nf, list0 = read_entry(work, tiles, row_lo, item)
                 tile_row0 = cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4  # in the q-tile
                 row0 = qt * (2 * ROWS_PER_WG) + tile_row0
                 if cw == 1:
@@ -356,10 +364,9 @@ class FlashFwdSm90:
                 ts = SimpleNamespace(
                     qh=qh, qk_mma=qk_mma, qk_mma_acc=qk_mma_acc, pv_mma=pv_mma, tSrQ=tSrQ,
                     tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
-                    row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, kv_list=kv_list,
-                    jlo=jlo, jhi=jhi, row_lo=row_lo, row_hi=row_hi, bits_index=bits_index,
-                    bits=bits, m=m, qt=qt, row0=row0, tile_row0=tile_row0, q_len=q_len,
-                    lane=lane, cw=cw,
+                    row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, tiles=tiles,
+                    row_lo=row_lo, row_hi=row_hi, bits=bits, m=m, list0=list0, row0=row0,
+                    tile_row0=tile_row0, row_cap=row_cap, lane=lane, cw=cw,
                 )  # fmt: skip
                 if n > 0:
                     kv_cons = self.first_tile(kv_cons, nf, ts)
@@ -368,6 +375,8 @@ class FlashFwdSm90:
                 # every S GEMM has completed (each step waits for all its wgmma groups): the
                 # Q stage goes back to the producer before the last PV GEMM and the epilogue
                 qh.release()
+                rnd += 1
+                item = work_item(rnd, bidx, grid)
                 if n > 0:
                     kv_cons = self.last_pv(kv_cons, ts)
                 if cw == 0:
@@ -377,8 +386,6 @@ class FlashFwdSm90:
                     acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
                     cw, row0, q_len, wtid, lane,
                 )  # fmt: skip
-                rnd += 1
-                item = work_item(rnd, bidx, grid)
             if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -403,19 +410,18 @@ class FlashFwdSm90:
             )  # fmt: skip
 
     @cute.jit
-    def softmax(self, masked: cutlass.Constexpr, acc_s, i: Int32, ts):
-        """Tile ``i`` of the kv list: (mask,) online softmax of S in place (S becomes P),
-        row max / sum updated, ``ts.corr[r]`` the factor that rescales the O of the old max."""
+    def softmax(self, masked: cutlass.Constexpr, acc_s, seen, ts):
+        """(Mask,) online softmax of S in place (S becomes P), row max / sum updated,
+        ``ts.corr[r]`` the factor that rescales the O of the old max. ``seen``: the rows'
+        visibility words of the tile (:meth:`mask_seen`) when ``masked``, else None."""
         N = self.block_n
         # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
         s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
         if cutlass.const_expr(masked):
-            kt = ts.kv_list[ts.m, ts.qt, i]
-            self.apply_mask(
-                s_mn, kt, ts.jlo[ts.m, ts.qt, kt], ts.jhi[ts.m, ts.qt, kt],
-                ts.bits_index[ts.m, ts.qt, kt], ts.row_lo, ts.row_hi, ts.bits, ts.m, ts.row0,
-                ts.tile_row0, ts.q_len, ts.lane,
-            )  # fmt: skip
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(N // 4):
+                    if (seen[r] & Uint32(1 << c)) == Uint32(0):
+                        s_mn[r, c] = -Float32.inf
         # the row max and sum over a thread's N/4 scores run in ACC independent partial
         # chains (N/4/ACC dependent steps each, not N/4): with ping-pong one warp per SM
         # sub-partition is in its softmax at a time, so the latency of a chain is not hidden
@@ -449,12 +455,15 @@ class FlashFwdSm90:
         warpgroup.fence()
         self.qk_gemm(ts, acc_s, kh.index)
         warpgroup.commit_group()
+        seen0, seen1 = Uint32(0), Uint32(0)
+        if nf == 0:  # PARTIAL: its mask is read while the S GEMM runs
+            seen0, seen1 = self.mask_seen(Int32(0), ts)
         warpgroup.wait_group(0)
         kh.release()
         if nf > 0:
-            self.softmax(False, acc_s, Int32(0), ts)
+            self.softmax(False, acc_s, None, ts)
         else:
-            self.softmax(True, acc_s, Int32(0), ts)
+            self.softmax(True, acc_s, (seen0, seen1), ts)
         # P as the A operand of the PV wgmma (16-bit: same element order as the accumulator)
         ts.rP.store(acc_s.load().to(self.dtype))
         return kv_cons
@@ -466,8 +475,10 @@ class FlashFwdSm90:
         entries.
 
         Per entry ``i``: wait for V_{i-1} then K_i (the ring holds them in that order); issue
-        S_i = Q K_i^T and O += P_{i-1} V_{i-1} (two wgmma groups); wait for the first group
-        only and release K_i; mask and softmax S_i while the PV GEMM runs; wait for it and
+        S_i = Q K_i^T and O += P_{i-1} V_{i-1} (two wgmma groups); on PARTIAL entries read the
+        tile's mask into the rows' ``seen`` words while both GEMMs run (global loads, off the
+        softmax's critical path); wait for the first group only and release K_i; mask and
+        softmax S_i while the PV GEMM runs; wait for it and
         release V_{i-1}; only then rescale O (its registers are the PV accumulator) and
         overwrite ``ts.rP`` with P_i (they were the PV operand)."""
         D = self.head_dim
@@ -487,9 +498,12 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(
                 barrier_id=SCHED_BARRIER + 1 - ts.cw, number_of_threads=2 * WG_THREADS
             )
+            seen = None
+            if cutlass.const_expr(masked):  # the mask's loads do not wait for S
+                seen = self.mask_seen(i, ts)
             warpgroup.wait_group(1)
             kh.release()
-            self.softmax(masked, acc_s, i, ts)
+            self.softmax(masked, acc_s, seen, ts)
             warpgroup.wait_group(0)
             vh.release()
             for r in cutlass.range_constexpr(2):
@@ -521,32 +535,33 @@ class FlashFwdSm90:
         return cute.make_layout(((2, 2, 2), 1, n // 16), stride=((1, 2, 4), 0, 8))
 
     @cute.jit
-    def apply_mask(
-        self, s_mn, kt, j0, j1, page, row_lo, row_hi, bits, m, row0, tile_row0, q_len, lane
-    ):
-        """Hide (-inf) every key of kv-tile ``kt`` that each row does not see. The keys a
-        thread holds in a row (N/4 = 32) are one bit each of a 32-bit word ``seen``: from the
-        tile's bitmask when it has one (``page >= 0``: 4 word loads per row, rows past
-        ``q_len`` read their zero rows of the page), else from the row's interval slots
-        ``[j0, j1)`` (the row clamped to ``q_len - 1``): one register, not a row of saved
-        scores."""
+    def mask_seen(self, i: Int32, ts):
+        """The two ``seen`` words (one per row of the thread) of entry ``i`` of the q-tile's
+        kv list: bit ``c`` says the thread's column ``c`` of the row is visible. One load of
+        the entry's ``tiles`` row ``(kt, jlo, jhi, page)``; then from the tile's bitmask when
+        it has one (``page >= 0``: 4 word loads per row; rows past ``q_len`` read their zero
+        rows of the page), else from the row's interval slots ``[jlo, jhi)`` through
+        :func:`row_bounds` (the row clamped to ``ts.row_cap``). Reads no S: issued before the
+        S GEMM's wait. The lowering clamps ``kt``, the slots and the page to their ranges."""
         N = self.block_n
-        col0 = kt * N + 2 * (lane % 4)
+        at = ts.list0 + i
+        kt, j0, j1, page = ts.tiles[at, 0], ts.tiles[at, 1], ts.tiles[at, 2], ts.tiles[at, 3]
+        col0 = kt * N + 2 * (ts.lane % 4)
+        seen = [Uint32(0), Uint32(0)]
         for r in cutlass.range_constexpr(2):
-            seen = Uint32(0)
+            word = Uint32(0)
             if page >= 0:
-                seen = bits_seen(bits, page, tile_row0 + 8 * r, lane)
+                word = bits_seen(ts.bits, page, ts.tile_row0 + 8 * r, ts.lane)
             else:
-                row = cutlass.min(row0 + 8 * r, q_len - 1)
+                row = cutlass.min(ts.row0 + 8 * r, ts.row_cap)
                 for slot in cutlass.range(j0, j1, unroll=1):
-                    lo, hi = row_bounds(row_lo, row_hi, m, row, slot)
+                    lo, hi = row_bounds(ts.row_lo, ts.row_hi, ts.m, row, slot)
                     for c in cutlass.range_constexpr(N // 4):
                         col = col0 + 8 * (c // 2) + c % 2
                         if col >= lo and col < hi:
-                            seen = seen | Uint32(1 << c)
-            for c in cutlass.range_constexpr(N // 4):
-                if (seen & Uint32(1 << c)) == Uint32(0):
-                    s_mn[r, c] = -Float32.inf
+                            word = word | Uint32(1 << c)
+            seen[r] = word
+        return seen[0], seen[1]
 
     @cute.jit
     def epilogue(
@@ -615,8 +630,7 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
     if plan_views is None:  # the plan's tensors do not change: their views are made once
         plan_views = low.kernel_views["ints"] = tuple(
             ints(t)
-            for t in (low.work, low.kv_list, low.kv_count, low.full_count, low.jlo, low.jhi,
-                      low.row_lo, low.row_hi, low.bits_index, low.bits)
+            for t in (low.work, low.tiles.view(-1, 4), low.row_lo, low.row_hi, low.bits)
         )  # fmt: skip
     return (
         dyn(q.permute(2, 3, 1, 0), 1),
@@ -646,8 +660,8 @@ def example_args(head_dim: int, dtype_name: str, device) -> tuple:
         return torch.zeros(*shape, dtype=torch.int32, device=device)
 
     low = CuteLowered(
-        work=ints(2, 4), kv_list=ints(2, 2, 2), kv_count=ints(2, 2), full_count=ints(2, 2),
-        jlo=ints(2, 2, 2), jhi=ints(2, 2, 2), row_lo=ints(2, BLOCK_M, 2),
+        work=ints(2, 7), kv_list=ints(2, 2, 2), kv_count=ints(2, 2), full_count=ints(2, 2),
+        tiles=ints(2, 2, 2, 4), jlo=ints(2, 2, 2), jhi=ints(2, 2, 2), row_lo=ints(2, BLOCK_M, 2),
         row_hi=ints(2, BLOCK_M, 2), bits_index=ints(2, 2, 2), bits=ints(1, BLOCK_M, BLOCK_N // 32),
         block_m=BLOCK_M, block_n=BLOCK_N, num_ctas=1,
     )  # fmt: skip

@@ -3,15 +3,23 @@
 The kernel runs ``BLOCK_M x BLOCK_N`` = 128 x 128 tiles (two consumer warpgroups of 64 query
 rows share one kv-tile list). Per plan and call shape it reads:
 
-- ``work``: int32 ``[W, 4]``, one entry ``(b, hq, qt, m)`` per (batch row, query head,
-  q-tile), ``W = B * Hq * Tq``, in the order the persistent CTAs take them: most touched
+- ``work``: int32 ``[W, 7]``, one entry ``(b, hq, qt, m, n, nf, list0)`` per (batch row,
+  query head, q-tile), ``W = B * Hq * Tq``, in the order the persistent CTAs take them: most touched
   kv-tiles first (stable), ties in ``(b, kv head, qt, head in the group)`` order, so the
   heads of one kv group run side by side and share their K/V tiles in L2; with many short
   (batch row, kv head) pairs, first in groups of pairs whose K and V fit in L2
   (:func:`l2_kv_group`). ``m`` is the
-  plan's mask index of ``(b, hq)``.
+  plan's mask index of ``(b, hq)``; ``n`` / ``nf`` are ``kv_count[m, qt]`` /
+  ``full_count[m, qt]`` (clamped to ``[0, Tk]`` / ``[0, n]``) and ``list0 = (m Tq + qt) Tk``
+  the q-tile's first row of ``tiles`` seen as ``[M Tq Tk, 4]``, so that the kernel gets all
+  it needs to start an item from the entry's own row: one memory round trip, not two.
 - ``kv_list``: int32 ``[M, Tq, Tk]``: per q-tile its touched kv-tiles, FULL tiles first (each
   group ascending), then PARTIAL ones; ``kv_count`` / ``full_count`` int32 ``[M, Tq]``.
+- ``tiles``: int32 ``[M, Tq, Tk, 4]``: entry ``i`` of the q-tile's kv list with what the kernel
+  looks up through it, ``(kt, jlo, jhi, page)`` = ``kv_list[m, qt, i]`` and that tile's
+  ``jlo`` / ``jhi`` / ``bits_index`` (below), clamped to their ranges (``kt`` to
+  ``[0, Tk)``, slots to ``[0, K]``, ``page`` to ``[-1, P)``): the kernel reads one row of it
+  per kv-tile and indexes nothing else of the plan's per-tile tables.
 - ``jlo`` / ``jhi``: int32 ``[M, Tq, Tk]``: the slots ``[jlo, jhi)`` of ``row_lo`` /
   ``row_hi`` whose intervals can meet a PARTIAL tile (the plan's own, see
   ``compiler.tiles``); the kernel's ``row_bounds`` reads the intervals of one row from them.
@@ -35,8 +43,8 @@ Example::
     >>> import compilemask as cm
     >>> plan = cm.compile(cm.masks.causal(), 256, block_m=128, block_n=128)
     >>> low = lower(plan, batch=1, heads_q=2, heads_kv=1)
-    >>> low.work.tolist()  # q-tile 1 touches 2 kv-tiles, q-tile 0 one
-    [[0, 0, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0], [0, 1, 0, 0]]
+    >>> low.work.tolist()  # q-tile 1 touches 2 kv-tiles (1 FULL), q-tile 0 one
+    [[0, 0, 1, 0, 2, 1, 2], [0, 1, 1, 0, 2, 1, 2], [0, 0, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 0, 0]]
     >>> low.kv_list[0, 1].tolist(), low.full_count[0].tolist()
     ([0, 1], [0, 1])
 """
@@ -66,6 +74,7 @@ class CuteLowered:
     kv_list: torch.Tensor
     kv_count: torch.Tensor
     full_count: torch.Tensor
+    tiles: torch.Tensor
     jlo: torch.Tensor
     jhi: torch.Tensor
     row_lo: torch.Tensor
@@ -135,6 +144,40 @@ def work_order(
     return work.to(torch.int32).contiguous()
 
 
+def work_entries(
+    order: torch.Tensor, kv_count: torch.Tensor, full_count: torch.Tensor, length: int
+) -> torch.Tensor:
+    """int32 ``[W, 7]`` ``(b, hq, qt, m, n, nf, list0)``: the ``[W, 4]`` entries of
+    :func:`work_order` with their q-tile's kv count ``n`` (clamped to ``[0, length]``, the kv
+    list's length), FULL count ``nf`` (clamped to ``[0, n]``) and first row of ``tiles``
+    ``list0 = (m Tq + qt) length`` as columns 4, 5 and 6 (``kv_count`` ``[M, Tq]``)."""
+    m, qt = order[:, 3].long(), order[:, 2].long()
+    n = kv_count[m, qt].clamp(0, length)
+    nf = torch.minimum(full_count[m, qt], n).clamp(min=0)
+    list0 = (m * kv_count.shape[1] + qt) * length
+    cols = (order, n[:, None], nf[:, None], list0[:, None])
+    return torch.cat([c.to(torch.int64) for c in cols], 1).to(torch.int32).contiguous()
+
+
+def tile_entries(
+    kv_list: torch.Tensor,
+    jlo: torch.Tensor,
+    jhi: torch.Tensor,
+    bits_index: torch.Tensor,
+    slots: int,
+    pages: int,
+) -> torch.Tensor:
+    """int32 ``[M, Tq, Tk, 4]`` ``(kt, jlo, jhi, page)`` per kv-list entry (module docstring):
+    ``kt`` clamped to ``[0, Tk)``, ``jlo`` / ``jhi`` to ``[0, slots]``, ``page`` to
+    ``[-1, pages)``. Gathers of static shapes on the plan's device."""
+    tk = kv_list.shape[-1]
+    kt = kv_list.long().clamp(0, max(tk - 1, 0))
+    j0 = jlo.gather(-1, kt).clamp(0, slots)
+    j1 = jhi.gather(-1, kt).clamp(0, slots)
+    page = bits_index.gather(-1, kt).clamp(-1, pages - 1)
+    return torch.stack((kt, j0.long(), j1.long(), page.long()), -1).to(torch.int32).contiguous()
+
+
 def l2_kv_group(
     batch: int,
     heads_kv: int,
@@ -192,23 +235,27 @@ def lower(
         raise CompileMaskError(f"heads_q={heads_q} but the plan is per-head for {plan.heads}")
     s = schedule_for_kernel(plan)
     kv_list, full_count = split_full_first(s.kind, s.q_list, s.q_count)
-    work = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads, kv_group)
+    order = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads, kv_group)
+    kv_count, full_count = s.q_count.to(torch.int32).contiguous(), full_count.contiguous()
+    bits_index, bits = s.bits_index.to(torch.int32).contiguous(), bitmask_pages(s)
+    jlo, jhi = s.jlo.contiguous(), s.jhi.contiguous()
+    work = work_entries(order, kv_count, full_count, kv_list.shape[-1])
     ctas = min(num_ctas, work.shape[0])
-    cost = s.q_count[work[:, 3].long(), work[:, 2].long()] + ITEM_COST
     placed = torch.empty_like(work)
-    placed[cta_positions(cost, ctas)] = work
+    placed[cta_positions(work[:, 4].long() + ITEM_COST, ctas)] = work
     return CuteLowered(
         work=placed,
         num_ctas=ctas,
         kv_list=kv_list,
-        kv_count=s.q_count.contiguous(),
-        full_count=full_count.contiguous(),
-        jlo=s.jlo.contiguous(),
-        jhi=s.jhi.contiguous(),
+        kv_count=kv_count,
+        full_count=full_count,
+        tiles=tile_entries(kv_list, jlo, jhi, bits_index, plan.row_lo.shape[-1], bits.shape[0]),
+        jlo=jlo,
+        jhi=jhi,
         row_lo=plan.row_lo,
         row_hi=plan.row_hi,
-        bits_index=s.bits_index.to(torch.int32).contiguous(),
-        bits=bitmask_pages(s),
+        bits_index=bits_index,
+        bits=bits,
         block_m=s.block_m,
         block_n=s.block_n,
     )
@@ -228,31 +275,32 @@ def seen_from_word(x, w: int):
 
 
 def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> torch.Tensor:
-    """Boolean ``[Nq, Nk]`` of mask ``m`` as the kernel sees it: FULL tiles whole, PARTIAL
-    tiles with a bitmask (``bits_index >= 0``) through it, other PARTIAL tiles through the
-    rows' intervals in slots ``[jlo, jhi)``, untouched tiles hidden (the kernel's rule, for
-    tests). O(Nq * Nk * K)."""
+    """Boolean ``[Nq, Nk]`` of mask ``m`` as the kernel sees it, through what it reads: per
+    q-tile the columns 4-6 of its work entries and the rows ``list0 + i`` of ``tiles``; FULL
+    tiles whole, PARTIAL tiles with a bitmask (``page >= 0``) through it, other PARTIAL tiles
+    through the rows' intervals in slots ``[jlo, jhi)``, untouched tiles hidden (the kernel's
+    rule, for tests). O(Nq * Nk * K)."""
     bm, bn = low.block_m, low.block_n
     dense = torch.zeros(q_len, kv_len, dtype=torch.bool)
-    kv_list, count, full = (t.cpu() for t in (low.kv_list, low.kv_count, low.full_count))
-    jlo, jhi, lo, hi = (t.cpu() for t in (low.jlo, low.jhi, low.row_lo, low.row_hi))
-    bits_index, bits = low.bits_index.cpu(), low.bits.cpu()
+    counts = {(e[3], e[2]): (e[4], e[5], e[6]) for e in low.work.tolist()}
+    rows = low.tiles.cpu().view(-1, 4)  # as the kernel reads them: row list0 + i
+    lo, hi, bits = (t.cpu() for t in (low.row_lo, low.row_hi, low.bits))
     key = torch.arange(kv_len)
-    for qt in range(count.shape[1]):
+    for qt in range(low.tiles.shape[1]):
         r0, r1 = qt * bm, min(q_len, qt * bm + bm)
-        for i in range(int(count[m, qt])):
-            kt = int(kv_list[m, qt, i])
+        n, nf, list0 = counts[(m, qt)]
+        for i in range(n):
+            kt, j0, j1, page = rows[list0 + i].tolist()
             c0, c1 = kt * bn, min(kv_len, kt * bn + bn)
-            if i < int(full[m, qt]):
+            if i < nf:
                 dense[r0:r1, c0:c1] = True
                 continue
-            page = int(bits_index[m, qt, kt])
             if page >= 0:
                 vis = unpack_bits(bits[page])[: r1 - r0, : c1 - c0]
                 dense[r0:r1, c0:c1] = vis
                 continue
             for r in range(r0, r1):
-                for j in range(int(jlo[m, qt, kt]), int(jhi[m, qt, kt])):
+                for j in range(j0, j1):
                     l_, h_ = int(lo[m, r, j]), int(hi[m, r, j])
                     sel = (key[c0:c1] >= l_) & (key[c0:c1] < h_)
                     dense[r, c0:c1] |= sel
@@ -261,5 +309,5 @@ def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> tor
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "bitmask_pages", "l2_kv_group", "lower",
-    "schedule_for_kernel", "seen_from_word", "work_order",
+    "schedule_for_kernel", "seen_from_word", "tile_entries", "work_entries", "work_order",
 ]  # fmt: skip
