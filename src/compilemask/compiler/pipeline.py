@@ -328,7 +328,7 @@ def build_plan(
     if perm is not None:
         lo, hi, count = permute_rows(lo, hi, perm, kv_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
-    with built_plans():  # correct by construction: the host-side checks only
+    with built_plans(own_tensors=True):  # correct by construction, its own fresh tensors
         return MaskPlan(
             q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
         )
