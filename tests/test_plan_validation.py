@@ -9,6 +9,7 @@ On a machine without CUDA the module sets TRITON_INTERPRET=1 before Triton is im
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -524,3 +525,38 @@ def test_meta_device_is_refused_with_a_reason():
         cm.compile(cm.masks.causal(), 16, device="meta", cache=False)
     with pytest.raises(cm.CompileMaskError, match="meta"):
         cm.compile(cm.masks.causal(), 16, cache=False).to("meta")
+
+
+@pytest.mark.parametrize("device_style", [False, True])
+@pytest.mark.parametrize("inference", [False, True])
+def test_compiled_plans_meet_the_structure_checks_they_skip(monkeypatch, device_style, inference):
+    """``compile`` admits its plans without the structure checks and the contiguity pass (it
+    made every tensor itself): they must hold anyway, for CPU builds and device-style ones (K
+    untrimmed, no bitmasks, the Triton tile builder: what a GPU build makes), in inference
+    mode too."""
+    from compilemask.compiler import plan_check
+    from compilemask.kernels.triton import tile_builder
+
+    builder = tile_builder.using(True) if device_style else contextlib.nullcontext()
+    if device_style:
+        build_plan = pipeline.build_plan
+
+        def untrimmed(*args, host_sync, **kwargs):
+            return build_plan(*args, host_sync=False, **kwargs)
+
+        monkeypatch.setattr(pipeline, "build_plan", untrimmed)
+    M = cm.masks
+    masks = [
+        (M.causal(), 70), (M.sliding_window(9), 90), (M.document([30, 40, 20]), None),
+        (M.shared_prompt(9, [5, 7, 4]), None), (M.hstu([20, 14], [3, 2], contextual=2), None),
+        (M.tile_grid(M.clear((6, 8), 3, 20), (2, 4)), None),
+        (M.per_head([M.causal(), M.chunked(8)]), 40), (M.causal() - M.sliding_window(3), 50),
+    ]  # fmt: skip
+    with builder:
+        for mask, n in masks:
+            with torch.inference_mode(inference):
+                plan = cm.compile(mask, n, block_m=16, block_n=32, cache=False)
+            plan_check.check_structure(plan)
+            for name, t in plan_check.plan_tensor_fields(plan):
+                if t is not None:
+                    assert t.is_contiguous() and not t.is_inference(), (mask, name)

@@ -64,13 +64,18 @@ _SCHEDULE_TENSORS = tuple(
 
 
 @contextlib.contextmanager
-def built_plans():
+def built_plans(*, own_tensors: bool = False):
     """Plans constructed inside are the output of the library's builders (``compile``,
     ``MaskPlan.to``): their values hold by construction, so only the host-side checks of
     their fields, dtypes, devices and shapes run (the value checks would double a GPU build's
-    kernel launches). Plans from anywhere else get every check."""
+    kernel launches). Plans from anywhere else get every check.
+
+    ``own_tensors``: the builder made every tensor itself, contiguous, outside inference mode
+    and of the shapes the plan's fields give (``pipeline.build_plan``; its fields checked by
+    ``compile``): the structure checks and the contiguity pass are skipped too
+    (``tests/test_plan_validation.py`` holds built plans to them)."""
     before = getattr(_BUILDING, "on", False)
-    _BUILDING.on = True
+    _BUILDING.on = "own" if own_tensors else True
     try:
         yield
     finally:
@@ -214,14 +219,16 @@ class MaskPlan:
         """Make the tensors contiguous, check the plan (values: at once on the CPU, queued on
         a GPU), record its state, and keep ``_cache`` only when it was derived from these
         very tensors."""
-        self._make_contiguous()
-        plan_check.check_structure(self)
+        building = getattr(_BUILDING, "on", False)
+        if building != "own":
+            self._make_contiguous()
+            plan_check.check_structure(self)
         objs = self._objects()
         versions = tuple(t._version if isinstance(t, torch.Tensor) else None for t in objs)
         core = self._core_state(objs, versions)
         with _VERIFIED_LOCK:
             prior = _VERIFIED.get(core)
-        if getattr(_BUILDING, "on", False):
+        if building:
             pending, checks = [], []
         elif prior is not None:  # the same tensors as a checked live plan
             pending = list(prior._pending or [])
