@@ -1,14 +1,16 @@
-"""A :class:`~compilemask.MaskPlan` lowered to what the sm90 CuTe forward reads (pure torch).
+"""A :class:`~compilemask.MaskPlan` lowered to what the sm90 CuTe forward reads (torch; the CTA
+placement of :mod:`.rounds` is one Triton program on CUDA).
 
 The kernel runs ``BLOCK_M x BLOCK_N`` = 128 x 128 tiles (two consumer warpgroups of 64 query
 rows share one kv-tile list). Per plan and call shape it reads:
 
 - ``work``: int32 ``[W, 7]``, one entry ``(b, hq, qt, m, n, nf, list0)`` per (batch row,
-  query head, q-tile), ``W = B * Hq * Tq``, in the order the persistent CTAs take them: most touched
-  kv-tiles first (stable), ties in ``(b, kv head, qt, head in the group)`` order, so the
-  heads of one kv group run side by side and share their K/V tiles in L2; with many short
-  (batch row, kv head) pairs, first in groups of pairs whose K and V fit in L2
-  (:func:`l2_kv_group`). ``m`` is the
+  query head, q-tile), ``W = B * Hq * Tq``: in groups of (batch row, kv head) pairs whose K
+  and V fit in half of L2 (:func:`l2_kv_group`), most touched kv-tiles first within a group
+  (stable), ties in ``(b, kv head, qt, head in the group)`` order, so the heads of one kv
+  group run side by side and share their K/V tiles in L2; that list is taken one round of
+  ``num_ctas`` entries at a time, entry ``r num_ctas + c`` by CTA ``c`` (placed by
+  :func:`.rounds.cta_positions`). ``m`` is the
   plan's mask index of ``(b, hq)``; ``n`` / ``nf`` are ``kv_count[m, qt]`` /
   ``full_count[m, qt]`` (clamped to ``[0, Tk]`` / ``[0, n]``) and ``list0 = (m Tq + qt) Tk``
   the q-tile's first row of ``tiles`` seen as ``[M Tq Tk, 4]``, so that the kernel gets all
