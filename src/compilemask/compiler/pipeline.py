@@ -322,7 +322,7 @@ def build_plan(
         mask = mask.mask
     # a device build of rows lowered before: the tile builder copies them into the plan's own
     # allocation in its launch (no lowering operation, no copy launched)
-    kept_key = None if host_sync or perm is not None else (mask_text(mask), q_len, kv_len, device)
+    kept_key = None if host_sync or perm is not None else (source, q_len, kv_len, device)
     kept = None if kept_key is None else kept_rows(kept_key)
     if kept is not None:
         built = build_tiles_copying(*kept, q_len, kv_len, block_m, block_n)
