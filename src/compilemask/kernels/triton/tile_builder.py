@@ -436,9 +436,9 @@ def _layout(
     [M, Tk, Tq]; q_count, q full counts, q_order [M, Tq]; the same for the kv-tiles; q_work
     [M, Tq, 8]; kv_work; the tickets [M] (none without the fused ordering); the bitmask words
     (none); with ``rows`` = ``(Nq, K)``, the plan's row_lo, row_hi [M, Nq, K] and row_count
-    [M, Nq] (else nothing). ``runs``: ``(size, count, shape)`` per run of consecutive outputs
-    of one shape (made as one view and one ``unbind``); ``where[i]``: the position in memory
-    order of the i-th output in the order :func:`build_tiles_triton` unpacks them."""
+    [M, Nq] (else nothing). ``runs``: ``(size, count, shape)`` per run of consecutive outputs of one shape
+    (made as one view and one ``unbind``); ``where[i]``: the position in memory order of the
+    i-th output in the order :func:`build_tiles_triton` unpacks them."""
     key = (m, tq, tk, block_m, block_n, order, rows)
     hit = _LAYOUTS.get(key)
     if hit is None:
