@@ -91,11 +91,10 @@ def test_schedules_ordered_in_a_second_launch(monkeypatch):
     _assert_same(lo, hi, count, 75, 75, 32, 32)
 
 
-@pytest.mark.parametrize("rows", [None, (70, 3)])
 @pytest.mark.parametrize("m, tq, tk, order", [(2, 5, 3, True), (3, 4, 4, True), (1, 7, 9, False)])
-def test_outputs_tile_one_allocation(m, tq, tk, order, rows):
+def test_outputs_tile_one_allocation(m, tq, tk, order):
     # the views _build_schedule's offsets assume: contiguous, in memory order, back to back
-    runs, where = tile_builder._layout(m, tq, tk, 32, 64, order, rows)
+    runs, where = tile_builder._layout(m, tq, tk, 32, 64, order)
     flat, out = tile_builder._outputs(runs, where, torch.device("cpu"))
     memory = sorted(range(len(out)), key=where.__getitem__)
     offset = 0
@@ -108,11 +107,7 @@ def test_outputs_tile_one_allocation(m, tq, tk, order, rows):
     assert offset == flat.numel()
     tiles, per_q, per_kv = m * tq * tk, m * tq, m * tk
     assert [out[i].numel() for i in memory] == (
-        [tiles] * 10
-        + [per_q] * 3
-        + [per_kv] * 3
-        + [8 * per_q, 8 * per_kv, m if order else 0, 0]
-        + ([m * 70 * 3] * 2 + [m * 70] if rows else [])
+        [tiles] * 10 + [per_q] * 3 + [per_kv] * 3 + [8 * per_q, 8 * per_kv, m if order else 0, 0]
     )
 
 
@@ -232,42 +227,3 @@ def test_heaviest_first_kernel_equals_a_stable_argsort(monkeypatch):
         monkeypatch.setattr(tile_builder, "_ORDER_KERNEL_MAX_TILES", limit)
         got = tile_builder.heaviest_first(q_count, kv_count)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-@pytest.mark.parametrize(
-    "mask, n, heads",
-    [
-        (cm.masks.causal(), 100, None),
-        (KERNEL_MASKS["shared_prompt"](), None, None),
-        (cm.masks.hstu([30, 25, 15], [3, 2, 4], contextual=2), None, None),
-        (cm.masks.per_head([cm.masks.causal(), cm.masks.dilated(30, 4)]), 75, 2),
-    ],
-    ids=["causal", "shared_prompt", "hstu", "per_head"],
-)
-def test_device_builds_copy_the_kept_rows_in_the_launch(mask, n, heads):
-    # a device build keeps its lowered rows; the next build of the mask has the launch copy
-    # them into its own allocation: both plans equal the tensor builder's, field by field
-    from compilemask.compiler import lower as lower_mod
-    from compilemask.compiler import pipeline
-
-    n = n or cm.compile(mask).q_len
-    args = (mask, n, n, None, heads, 16, 32, torch.device(DEVICE))
-    text = pipeline.mask_text(mask)
-    lower_mod.clear_tables()
-    with tile_builder.using(False):
-        want = pipeline.build_plan(*args, host_sync=False, source=text)
-    with tile_builder.using(True):
-        first = pipeline.build_plan(*args, host_sync=False, source=text)
-        kept = lower_mod.kept_rows((text, n, n, torch.device(DEVICE)))
-        assert kept is not None
-        again = pipeline.build_plan(*args, host_sync=False, source=text)
-    for got in (first, again):
-        for name in ("row_lo", "row_hi", "row_count"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
-        for name in FIELDS:
-            assert torch.equal(getattr(got.schedule, name), getattr(want.schedule, name)), name
-        # the plan's rows: its own, in the schedule's allocation, not the kept ones
-        storage = got.schedule.kind.untyped_storage().data_ptr()
-        assert got.row_lo.untyped_storage().data_ptr() == storage
-        assert all(got.row_lo.data_ptr() != t.data_ptr() for t in kept)
-    again.verify()

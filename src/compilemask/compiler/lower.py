@@ -84,34 +84,9 @@ def _keep(cache: dict, key, value):
 
 
 def clear_tables() -> None:
-    """Forget the device tables, query rows and lowered rows kept between lowerings."""
+    """Forget the device tables and query rows kept between lowerings."""
     _TABLES.clear()
     _ROWS.clear()
-    _LOWERED.clear()
-
-
-# (mask text, Nq, Nk, device) -> (lo, hi, count) [M, Nq, K] of an untrimmed lowering, kept for
-# device builds whose tile builder copies them into the plan's own allocation in its launch
-# (``pipeline.build_plan``): never returned, never written. At most _LOWERED_KEPT entries of
-# at most _LOWERED_MAX_INTS int32 values each.
-_LOWERED: dict[tuple, tuple] = {}
-_LOWERED_KEPT = 8
-_LOWERED_MAX_INTS = 1 << 24
-
-
-def kept_rows(key: tuple):
-    """The rows :func:`keep_rows` kept for ``key``, or None."""
-    return _LOWERED.get(key)
-
-
-def keep_rows(key: tuple, rows: tuple) -> None:
-    """Keep ``rows`` (``(lo, hi, count)``, made outside inference mode) for ``key`` when
-    small enough (64 MiB), dropping the oldest entry beyond :data:`_LOWERED_KEPT`."""
-    if 2 * rows[0].numel() + rows[2].numel() > _LOWERED_MAX_INTS:
-        return
-    if len(_LOWERED) >= _LOWERED_KEPT:
-        _LOWERED.pop(next(iter(_LOWERED)))
-    _LOWERED[key] = rows
 
 
 class _Ctx:

@@ -15,10 +15,10 @@ from ..language.ast import Mask, TiledGrid
 from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
 from . import intervals as iv
-from .lower import keep_rows, kept_rows, lower
+from .lower import lower
 from .permute import permute_rows
 from .plan import MaskPlan, built_plans, outside_inference_mode
-from .tiles import build_tiles, build_tiles_copying
+from .tiles import build_tiles
 
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64
@@ -320,16 +320,6 @@ def build_plan(
     if isinstance(mask, TiledGrid):
         perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)
         mask = mask.mask
-    # a device build of rows lowered before: the tile builder copies them into the plan's own
-    # allocation in its launch (no lowering operation, no copy launched)
-    kept_key = None if host_sync or perm is not None else (source, q_len, kv_len, device)
-    kept = None if kept_key is None else kept_rows(kept_key)
-    if kept is not None:
-        built = build_tiles_copying(*kept, q_len, kv_len, block_m, block_n)
-        if built is not None:
-            lo, hi, count, schedule = built
-            with built_plans(own_tensors=True):
-                return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
     lo, hi, count = lower(mask, q_len, kv_len, device, trim=host_sync)
     m = lo.shape[0] * lo.shape[1]
     lo = lo.reshape(m, q_len, -1).contiguous()
@@ -337,13 +327,7 @@ def build_plan(
     count = count.reshape(m, q_len).contiguous()
     if perm is not None:
         lo, hi, count = permute_rows(lo, hi, perm, kv_len)
-    built = None if kept_key is None else build_tiles_copying(lo, hi, count, q_len, kv_len,
-                                                              block_m, block_n)  # fmt: skip
-    if built is not None:  # the plan holds the copies; the lowered rows are kept
-        keep_rows(kept_key, (lo, hi, count))
-        lo, hi, count, schedule = built
-    else:
-        schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
+    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
     with built_plans(own_tensors=True):  # correct by construction, its own fresh tensors
         return MaskPlan(
             q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm

@@ -59,18 +59,6 @@ def device_tile_builder():
     return _DEVICE_TILE_BUILDER
 
 
-def build_tiles_copying(lo, hi, count, q_len: int, kv_len: int, block_m: int, block_n: int):
-    """``(lo', hi', count', schedule)``: the schedule of ``build_tiles(..., use_bits=False)``
-    and copies of the rows, made by the registered device builder in one launch and one
-    allocation (``builder.copies_rows``); None where it declines or cannot copy."""
-    builder = _DEVICE_TILE_BUILDER
-    if builder is None or not getattr(builder, "copies_rows", False):
-        return None
-    if torch.compiler.is_compiling():
-        return None
-    return builder(lo, hi, count, q_len, kv_len, block_m, block_n, copy_rows=True)
-
-
 @dataclass(frozen=True)
 class TileSchedule:
     """Tile classes and work lists of one tiling. All tensors int32, contiguous, on the plan's

@@ -32,18 +32,17 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return serves_device(t.device)
 
 
-def triton_tile_builder(lo, hi, count, q_len, kv_len, block_m, block_n, *, copy_rows=False):
+def triton_tile_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     """The registered hook (arguments as for ``compiler.tiles.register_device_tile_builder``):
     the Triton builder for CUDA tensors, None (decline) elsewhere or without Triton."""
     if not _on_cuda(lo):
         return None
     from .tile_builder import _device_builder
 
-    return _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n, copy_rows=copy_rows)
+    return _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n)
 
 
 triton_tile_builder.serves = _on_cuda  # type: ignore[attr-defined]
-triton_tile_builder.copies_rows = True  # type: ignore[attr-defined]
 
 
 def install_default() -> None:

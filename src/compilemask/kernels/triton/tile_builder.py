@@ -141,23 +141,20 @@ def _order_side(count, full_count, full_first, order, work, n, length,
 
 @triton.jit
 def _build_schedule(
-    Lo, Hi, Count, Out,
+    Lo, Hi, Out,
     q_len, kv_len, n_slots, Tq, Tk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_PAD: tl.constexpr,
     CHUNK_Q: tl.constexpr,
     ORDER: tl.constexpr,
-    ROWS: tl.constexpr,
 ):  # fmt: skip
     """The whole schedule in one launch, grid (Tq + Tk, M). Programs ``[0, Tq)`` classify a
     q-tile's row of tiles and write its lists; programs
     ``[Tq, Tq + Tk)`` classify a kv-tile's column (``CHUNK_Q`` q-tiles at a time, into the
     scratch ``KindT`` [M, Tk, Tq]) and write its lists. ORDER: every program then takes a
     ticket of its mask (``Tickets`` [M], zero before the launch); the program that takes the
-    last one writes the mask's heaviest-first orders and work entries. ROWS: the q-tile
-    programs also copy their rows' intervals and counts (``Lo``, ``Hi``, ``Count``) into the
-    allocation's last three regions (the plan's own rows, no copy launched on their own).
+    last one writes the mask's heaviest-first orders and work entries.
 
     ``Out``: every output in one int32 allocation, in the order of :func:`_layout` (one
     pointer argument instead of nineteen: each costs the host a specialisation and a pointer
@@ -181,9 +178,6 @@ def _build_schedule(
     QWork = KvCount + 3 * per_kv
     KvWork = QWork + 8 * per_q
     Tickets = KvWork + 8 * per_kv
-    RowLo = Tickets + tl.where(ORDER, n_masks, 0)  # the bitmask words: none
-    RowHi = RowLo + n_masks * q_len * n_slots
-    RowCount = RowHi + n_masks * q_len * n_slots
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     slots = tl.arange(0, K_PAD)
@@ -197,11 +191,6 @@ def _build_schedule(
         # padding (rows past q_len, slots past n_slots) reads as an empty interval at kv_len
         lo = tl.load(Lo + offs, mask=ok, other=kv_len)
         hi = tl.load(Hi + offs, mask=ok, other=kv_len)
-        if ROWS:
-            tl.store(RowLo + offs, lo, mask=ok)
-            tl.store(RowHi + offs, hi, mask=ok)
-            counts = m * q_len + rows.to(tl.int64)
-            tl.store(RowCount + counts, tl.load(Count + counts, mask=row_ok), mask=row_ok)
         h_max = tl.max(tl.where(row_ok[:, None], hi, -1), axis=0)
         l_min = tl.min(tl.where(row_ok[:, None], lo, 2147483647), axis=0)
         rows_in = tl.minimum(q_len - qt * BLOCK_M, BLOCK_M)
@@ -425,9 +414,7 @@ def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
-def _layout(
-    m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool, rows: tuple
-) -> tuple:
+def _layout(m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool) -> tuple:
     """``(runs, where)``: the outputs of :func:`build_tiles_triton` as slices of one int32
     allocation, kept per tiling (on a GPU host every allocation costs about as much as a
     launch, and every tensor view about a microsecond). Memory order (what
@@ -435,11 +422,10 @@ def _layout(
     bits_index, q_list, q full-first [M, Tq, Tk]; the scratch, kv_list, kv full-first
     [M, Tk, Tq]; q_count, q full counts, q_order [M, Tq]; the same for the kv-tiles; q_work
     [M, Tq, 8]; kv_work; the tickets [M] (none without the fused ordering); the bitmask words
-    (none); with ``rows`` = ``(Nq, K)``, the plan's row_lo, row_hi [M, Nq, K] and row_count
-    [M, Nq] (else nothing). ``runs``: ``(size, count, shape)`` per run of consecutive outputs of one shape
+    (none). ``runs``: ``(size, count, shape)`` per run of consecutive outputs of one shape
     (made as one view and one ``unbind``); ``where[i]``: the position in memory order of the
     i-th output in the order :func:`build_tiles_triton` unpacks them."""
-    key = (m, tq, tk, block_m, block_n, order, rows)
+    key = (m, tq, tk, block_m, block_n, order)
     hit = _LAYOUTS.get(key)
     if hit is None:
         per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
@@ -448,9 +434,6 @@ def _layout(
         shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), (m if order else 0,)]
         shapes += [(0, block_m, -(-block_n // 32))]
         memory = [0, 1, 2, 3, 4, 7, 8, 5, 11, 12, 6, 9, 14, 10, 13, 15, 16, 17, 18, 19]
-        if rows:
-            shapes += [(m, *rows), (m, *rows), (m, rows[0])]
-            memory += [20, 21, 22]
         runs: list[list] = []
         for i in memory:
             shape = shapes[i]
@@ -484,13 +467,10 @@ def build_tiles_triton(
     kv_len: int,
     block_m: int,
     block_n: int,
-    count: torch.Tensor | None = None,
-):
+) -> TileSchedule:
     """The :class:`TileSchedule` of row intervals ``lo, hi`` (int32 ``[M, Nq, K]``
     contiguous), without bitmask tiles: equal to ``compiler.tiles.build_tiles(...,
-    use_bits=False)``. With ``count`` (int32 ``[M, Nq]`` contiguous): ``(lo', hi', count',
-    schedule)``, the rows copied by the same launch into the same allocation (a plan's own
-    tensors made from rows kept between builds).
+    use_bits=False)``.
 
     One ``_build_schedule`` launch writes everything (and the FULL-first lists and work
     entries the kernels' schedules reuse, :func:`full_first_lists`) when neither axis has more
@@ -500,20 +480,18 @@ def build_tiles_triton(
     m, n, k = lo.shape
     tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
     order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
-    rows = None if count is None else (n, k)
-    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order, rows), lo.device)
+    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order), lo.device)
     kind, pairs, jlo, jhi, bits_index = out[:5]
     q_count, q_list, q_full_first, q_full_count = out[6:10]
     kv_count, kv_list, kv_full_first, kv_full_count = out[10:14]
-    q_order, kv_order, q_work, kv_work, tickets, bits = out[14:20]
+    q_order, kv_order, q_work, kv_work, tickets, bits = out[14:]
     if m * tq * tk:
         if order:
             tickets.zero_()
         k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
         _build_schedule[(tq + tk, m)](
-            lo, hi, lo if count is None else count, flat, q_len, kv_len, k, tq, tk,
-            BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=k_pad,
-            CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order, ROWS=rows is not None,
+            lo, hi, flat, q_len, kv_len, k, tq, tk, BLOCK_M=block_m, BLOCK_N=block_n,
+            K_PAD=k_pad, CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
         )  # fmt: skip
         if not order:
             lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
@@ -526,19 +504,15 @@ def build_tiles_triton(
         for t in (q_count, q_full_count, kv_count, kv_full_count, q_order, kv_order):
             t.zero_()  # not reached by the seeds: an empty axis has no tiles to list
         q_work = kv_work = None
-        if rows is not None:
-            for mine, given in zip(out[20:], (lo, hi, count)):
-                mine.copy_(given)
     key = id(kind)
     ref = weakref.ref(kind, lambda _, key=key: _FULL_FIRST.pop(key, None))
     _FULL_FIRST[key] = (
         ref, (q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)
     )  # fmt: skip
-    schedule = TileSchedule(
+    return TileSchedule(
         block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits,
         q_count, q_list, kv_count, kv_list, q_order, kv_order,
     )  # fmt: skip
-    return schedule if rows is None else (*out[20:], schedule)
 
 
 def full_first_lists(kind: torch.Tensor, transposed: bool):
@@ -563,24 +537,18 @@ def serves(t: torch.Tensor) -> bool:
 MAX_SLOTS = 64
 
 
-def _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n, *, copy_rows=False):
+def _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     """The hook ``compiler.tiles.build_tiles`` calls; None declines (the CPU without Triton's
     interpreter, or shapes the kernels do not take: block_m not a power of two >= 16, more
-    than :data:`MAX_SLOTS` interval slots per row). ``copy_rows``: ``(lo', hi', count',
-    schedule)``, the rows copied by the same launch (``compiler.tiles.build_tiles_copying``)."""
+    than :data:`MAX_SLOTS` interval slots per row)."""
     if not serves(lo):
         return None
     if block_m & (block_m - 1) or block_m < 16 or lo.shape[-1] > MAX_SLOTS:
         return None
-    lo, hi = lo.contiguous(), hi.contiguous()
-    if copy_rows:
-        count = count.contiguous()
-        return build_tiles_triton(lo, hi, q_len, kv_len, block_m, block_n, count)
-    return build_tiles_triton(lo, hi, q_len, kv_len, block_m, block_n)
+    return build_tiles_triton(lo.contiguous(), hi.contiguous(), q_len, kv_len, block_m, block_n)
 
 
 _device_builder.serves = serves  # type: ignore[attr-defined]
-_device_builder.copies_rows = True  # type: ignore[attr-defined]
 
 
 def enable(on: bool = True) -> None:
