@@ -202,25 +202,51 @@ def _slot_ranges(lo, hi, count, tq: int, tk: int, block_m: int, block_n: int, kv
 
 
 def _tile_bits(lo, hi, tiles, jlo, jhi, block_m: int, block_n: int, q_len: int) -> torch.Tensor:
-    """Bitmasks ``[P, block_m, ceil(block_n / 32)]`` for the listed tiles ``(m, qt, kt)``."""
+    """Bitmasks ``[P, block_m, ceil(block_n / 32)]`` for the listed tiles ``(m, qt, kt)``
+    (``lo``, ``hi``: canonical intervals, each row sorted and disjoint).
+
+    Per row of a tile only the slots meeting the tile's keys are read: the first with
+    ``hi > start`` and the first with ``lo >= end``, by a binary search inside the tile's slot
+    range ``[jlo, jhi)`` (a whole row, or a few wide rows, widen that range for every row of
+    the tile). Each 32-bit word is the sum of the bit runs of those intervals (disjoint, so
+    the sum is their union): ``O(P * block_m * (log span + slots))``, no per-key pass."""
     dev = lo.device
+    k = lo.shape[-1]
     mi, qt, kt = tiles.unbind(1)
-    span = int((jhi - jlo).max())
     rows = qt[:, None] * block_m + torch.arange(block_m, device=dev)[None, :]  # [P, BM]
     row_ok = rows < q_len
-    rows_c = rows.clamp(max=q_len - 1)
-    j = jlo[:, None] + torch.arange(span, device=dev)[None, :]  # [P, S]
-    j_ok = j < jhi[:, None]
-    j_c = j.clamp(max=lo.shape[-1] - 1)
-    sel = (mi[:, None, None], rows_c[:, :, None], j_c[:, None, :])
-    t0 = (kt * block_n)[:, None, None]
-    a = (lo[sel] - t0).clamp(0, block_n)
-    b = (hi[sel] - t0).clamp(0, block_n)
-    live = (row_ok[:, :, None] & j_ok[:, None, :] & (a < b)).to(torch.int32)
-    diff = torch.zeros((tiles.shape[0], block_m, block_n + 1), dtype=torch.int32, device=dev)
-    diff.scatter_add_(2, a.to(torch.int64), live)
-    diff.scatter_add_(2, b.to(torch.int64), -live)
-    return pack_bits(torch.cumsum(diff[..., :block_n], -1) > 0)
+    flat = (mi[:, None] * lo.shape[1] + rows.clamp(max=q_len - 1)) * k  # [P, BM]
+    lo_f, hi_f = lo.reshape(-1), hi.reshape(-1)
+    t0 = (kt * block_n)[:, None]
+    span = int((jhi - jlo).max())
+
+    def first(vals, target, a):  # the first slot j in [a, jhi) with vals[j] >= target
+        b = jhi[:, None].expand_as(a)
+        for _ in range(max(1, span).bit_length()):
+            mid = (a + b) >> 1
+            go_left = vals[flat + mid.clamp(max=k - 1)] >= target
+            open_ = a < b
+            a, b = torch.where(open_ & ~go_left, mid + 1, a), torch.where(open_ & go_left, mid, b)
+        return a
+
+    j0 = first(hi_f, t0 + 1, jlo[:, None].expand(-1, block_m))  # hi > start
+    j1 = first(lo_f, t0 + block_n, j0)  # lo >= end
+    s = int((j1 - j0).max()) if j0.numel() else 0
+    words = -(-block_n // 32)
+    if s == 0:
+        return torch.zeros((tiles.shape[0], block_m, words), dtype=torch.int32, device=dev)
+    j = j0[..., None] + torch.arange(s, device=dev)  # [P, BM, S]
+    at = flat[..., None] + j.clamp(max=k - 1)
+    a = (lo_f[at] - t0[..., None]).clamp(0, block_n)
+    b = (hi_f[at] - t0[..., None]).clamp(0, block_n)
+    live = row_ok[..., None] & (j < j1[..., None]) & (a < b)
+    base = torch.arange(words, device=dev, dtype=torch.int64) * 32
+    aw = (a[..., None].to(torch.int64) - base).clamp(0, 32)  # [P, BM, S, W]
+    bw = (b[..., None].to(torch.int64) - base).clamp(0, 32)
+    one = torch.ones((), dtype=torch.int64, device=dev)
+    run = (torch.bitwise_left_shift(one, bw) - torch.bitwise_left_shift(one, aw)) * live[..., None]
+    packed = run.sum(2)  # [P, BM, W], below 2**32
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def _lists(touched: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
