@@ -136,3 +136,19 @@ def test_cache_is_bounded(monkeypatch):
         trace.symbolic_trace(_window(w))
     assert len(trace._CACHE) == 2
     assert _key(_window(1)) not in trace._CACHE  # the least recently used went first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_new_mask_mod_over_new_cuda_tables_reuses_the_trace():
+    dev = torch.device("cuda")
+    plans = []
+    for lengths in ([300, 200, 524], [1000, 24], [1024]):
+        off = fm.lengths_to_offsets(lengths).to(dev)
+        mm = fm.document(fm.causal, off)
+        got = cm.from_mask_mod(mm, 1024, device=dev)
+        assert got.source == "from_mask_mod:lifted"
+        cpu = fm.document(fm.causal, off.cpu())
+        assert torch.equal(got.to_dense().cpu(), flex_dense(cpu, 1024))
+        plans.append(got)
+    assert len(trace._CACHE) == 1

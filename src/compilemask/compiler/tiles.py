@@ -209,7 +209,8 @@ def _tile_bits(lo, hi, tiles, jlo, jhi, block_m: int, block_n: int, q_len: int) 
     ``hi > start`` and the first with ``lo >= end``, by a binary search inside the tile's slot
     range ``[jlo, jhi)`` (a whole row, or a few wide rows, widen that range for every row of
     the tile). Each 32-bit word is the sum of the bit runs of those intervals (disjoint, so
-    the sum is their union): ``O(P * block_m * (log span + slots))``, no per-key pass."""
+    the sum is their union), for the rows with a slot in their tile only:
+    ``O(P * block_m * log span + rows * slots)``, no per-key pass; three host reads."""
     dev = lo.device
     k = lo.shape[-1]
     mi, qt, kt = tiles.unbind(1)
@@ -231,22 +232,28 @@ def _tile_bits(lo, hi, tiles, jlo, jhi, block_m: int, block_n: int, q_len: int) 
 
     j0 = first(hi_f, t0 + 1, jlo[:, None].expand(-1, block_m))  # hi > start
     j1 = first(lo_f, t0 + block_n, j0)  # lo >= end
-    s = int((j1 - j0).max()) if j0.numel() else 0
     words = -(-block_n // 32)
-    if s == 0:
-        return torch.zeros((tiles.shape[0], block_m, words), dtype=torch.int32, device=dev)
-    j = j0[..., None] + torch.arange(s, device=dev)  # [P, BM, S]
-    at = flat[..., None] + j.clamp(max=k - 1)
-    a = (lo_f[at] - t0[..., None]).clamp(0, block_n)
-    b = (hi_f[at] - t0[..., None]).clamp(0, block_n)
-    live = row_ok[..., None] & (j < j1[..., None]) & (a < b)
+    out = torch.zeros((tiles.shape[0] * block_m, words), dtype=torch.int64, device=dev)
+    s = int((j1 - j0).max()) if j0.numel() else 0
+    live = ((j1 > j0) & row_ok).view(-1).nonzero().squeeze(1) if s else None
+    if live is None or not live.numel():
+        return out.to(torch.int32).view(tiles.shape[0], block_m, words)
+    # only the rows with a slot in their tile (a whole row in a tile of empty rows: one)
+    j0, j1 = j0.reshape(-1)[live], j1.reshape(-1)[live]
+    flat, t0 = flat.reshape(-1)[live], t0.expand(-1, block_m).reshape(-1)[live]
+    j = j0[:, None] + torch.arange(s, device=dev)  # [L, S]
+    at = flat[:, None] + j.clamp(max=k - 1)
+    a = (lo_f[at] - t0[:, None]).clamp(0, block_n)
+    b = (hi_f[at] - t0[:, None]).clamp(0, block_n)
+    ok = (j < j1[:, None]) & (a < b)
     base = torch.arange(words, device=dev, dtype=torch.int64) * 32
-    aw = (a[..., None].to(torch.int64) - base).clamp(0, 32)  # [P, BM, S, W]
+    aw = (a[..., None].to(torch.int64) - base).clamp(0, 32)  # [L, S, W]
     bw = (b[..., None].to(torch.int64) - base).clamp(0, 32)
     one = torch.ones((), dtype=torch.int64, device=dev)
-    run = (torch.bitwise_left_shift(one, bw) - torch.bitwise_left_shift(one, aw)) * live[..., None]
-    packed = run.sum(2)  # [P, BM, W], below 2**32
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    run = (torch.bitwise_left_shift(one, bw) - torch.bitwise_left_shift(one, aw)) * ok[..., None]
+    out[live] = run.sum(1)  # below 2**32: the union of disjoint runs
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.view(tiles.shape[0], block_m, words)
 
 
 def _lists(touched: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
