@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compilemask.compiler.intervals import from_dense_rows
+from compilemask.compiler import tiles as tiles_mod
 from compilemask.compiler.tiles import _slot_ranges, _tile_bits, unpack_bits
 
 
@@ -32,7 +33,18 @@ def test_tile_bits_equal_the_dense_tiles(nq, nk, blocks, seed, p):
     grid = torch.meshgrid(torch.arange(2), torch.arange(tq), torch.arange(tk), indexing="ij")
     tiles = torch.stack(grid, -1).reshape(-1, 3)
     sel = tiles.unbind(1)
-    got = unpack_bits(_tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], bm, bn, nq))
+    words = _tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], bm, bn, nq)
+    # in chunks of a few rows, and each way of making words (runs, dense rows) for every row
+    saved = tiles_mod._BITS_ELEMS, tiles_mod._runs_to_words, tiles_mod._dense_to_words
+    try:
+        for elems, runs, dense_rows in ((5, saved[1], saved[2]), (saved[0], saved[1], saved[1]),
+                                        (saved[0], saved[2], saved[2])):  # fmt: skip
+            tiles_mod._BITS_ELEMS, tiles_mod._runs_to_words = elems, runs
+            tiles_mod._dense_to_words = dense_rows
+            assert torch.equal(_tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], bm, bn, nq), words)
+    finally:
+        tiles_mod._BITS_ELEMS, tiles_mod._runs_to_words, tiles_mod._dense_to_words = saved
+    got = unpack_bits(words)
     assert not got[..., bn:].any()  # the padding bits of the last word
     pad = torch.zeros(2, tq * bm, tk * bn, dtype=torch.bool)
     pad[:, :nq, :nk] = dense

@@ -10,8 +10,8 @@ under ``torch.vmap`` with FlexAttention's scalar semantics (``modeval.py``). ``p
 (and ``plan.stats()["source"]``) names the path taken: ``from_mask_mod:lifted``,
 ``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. These plans are never cached: a closure's
 captured tensors can change between calls (only the ``torch.fx`` trace is reused, cached by the
-mask_mod's structure in ``trace.py``, and it reads them fresh). They are admitted as compiler output (host-side checks only, as
-``compile``'s plans; ``plan.verify()`` runs every check).
+mask_mod's structure in ``trace.py``, and it reads them fresh). They are admitted as compiler
+output (host-side checks only, as ``compile``'s plans; ``plan.verify()`` runs every check).
 """
 
 from __future__ import annotations
