@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compilemask.compiler.intervals import from_dense_rows
 from compilemask.compiler import tiles as tiles_mod
+from compilemask.compiler.intervals import from_dense_rows
 from compilemask.compiler.tiles import _slot_ranges, _tile_bits, unpack_bits
 
 
