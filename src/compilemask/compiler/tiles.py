@@ -36,6 +36,8 @@ EMPTY, FULL, PARTIAL, PARTIAL_BITS = 0, 1, 2, 3
 #: BITS_MIN_SLOTS slots per row keep intervals: the kernels load them once per q-tile.
 BITS_MIN_SPAN = 2
 BITS_MIN_SLOTS = 4
+#: the most elements of one intermediate ``[rows, slots, words]`` of ``_tile_bits``
+_BITS_ELEMS = 1 << 24
 
 # An optional builder of schedules without bitmask tiles (the Triton kernels of
 # ``kernels/triton/tile_builder.py``: registered for CUDA plans by ``api/device_builder.py``,
@@ -202,25 +204,81 @@ def _slot_ranges(lo, hi, count, tq: int, tk: int, block_m: int, block_n: int, kv
 
 
 def _tile_bits(lo, hi, tiles, jlo, jhi, block_m: int, block_n: int, q_len: int) -> torch.Tensor:
-    """Bitmasks ``[P, block_m, ceil(block_n / 32)]`` for the listed tiles ``(m, qt, kt)``."""
+    """Bitmasks ``[P, block_m, ceil(block_n / 32)]`` for the listed tiles ``(m, qt, kt)``
+    (``lo``, ``hi``: canonical intervals, each row sorted and disjoint).
+
+    Per row of a tile only the slots meeting the tile's keys are read: the first with
+    ``hi > start`` and the first with ``lo >= end``, by a binary search inside the tile's slot
+    range ``[jlo, jhi)`` (a whole row, or a few wide rows, widen that range for every row of
+    the tile). Each 32-bit word is the sum of the bit runs of those intervals (disjoint, so
+    the sum is their union), or, when rows hold many slots in a tile, read off a dense row of
+    ``block_n`` bits; for the rows with a slot in their tile only: ``O(P * block_m * log span
+    + rows * min(slots * words, block_n))``; three host reads."""
     dev = lo.device
+    k = lo.shape[-1]
     mi, qt, kt = tiles.unbind(1)
-    span = int((jhi - jlo).max())
     rows = qt[:, None] * block_m + torch.arange(block_m, device=dev)[None, :]  # [P, BM]
     row_ok = rows < q_len
-    rows_c = rows.clamp(max=q_len - 1)
-    j = jlo[:, None] + torch.arange(span, device=dev)[None, :]  # [P, S]
-    j_ok = j < jhi[:, None]
-    j_c = j.clamp(max=lo.shape[-1] - 1)
-    sel = (mi[:, None, None], rows_c[:, :, None], j_c[:, None, :])
-    t0 = (kt * block_n)[:, None, None]
-    a = (lo[sel] - t0).clamp(0, block_n)
-    b = (hi[sel] - t0).clamp(0, block_n)
-    live = (row_ok[:, :, None] & j_ok[:, None, :] & (a < b)).to(torch.int32)
-    diff = torch.zeros((tiles.shape[0], block_m, block_n + 1), dtype=torch.int32, device=dev)
-    diff.scatter_add_(2, a.to(torch.int64), live)
-    diff.scatter_add_(2, b.to(torch.int64), -live)
-    return pack_bits(torch.cumsum(diff[..., :block_n], -1) > 0)
+    flat = (mi[:, None] * lo.shape[1] + rows.clamp(max=q_len - 1)) * k  # [P, BM]
+    lo_f, hi_f = lo.reshape(-1), hi.reshape(-1)
+    t0 = (kt * block_n)[:, None]
+    span = int((jhi - jlo).max())
+
+    def first(vals, target, a):  # the first slot j in [a, jhi) with vals[j] >= target
+        b = jhi[:, None].expand_as(a)
+        for _ in range(max(1, span).bit_length()):
+            mid = (a + b) >> 1
+            go_left = vals[flat + mid.clamp(max=k - 1)] >= target
+            open_ = a < b
+            a, b = torch.where(open_ & ~go_left, mid + 1, a), torch.where(open_ & go_left, mid, b)
+        return a
+
+    j0 = first(hi_f, t0 + 1, jlo[:, None].expand(-1, block_m))  # hi > start
+    j1 = first(lo_f, t0 + block_n, j0)  # lo >= end
+    words = -(-block_n // 32)
+    out = torch.zeros((tiles.shape[0] * block_m, words), dtype=torch.int32, device=dev)
+    s = int((j1 - j0).max()) if j0.numel() else 0
+    live = ((j1 > j0) & row_ok).view(-1).nonzero().squeeze(1) if s else None
+    if live is None or not live.numel():
+        return out.view(tiles.shape[0], block_m, words)
+    # only the rows with a slot in their tile (a whole row in a tile of empty rows: one), in
+    # chunks of at most _BITS_ELEMS elements of [rows, S, W] (or [rows, block_n + 1])
+    j0, j1 = j0.reshape(-1)[live], j1.reshape(-1)[live]
+    flat, t0 = flat.reshape(-1)[live], t0.expand(-1, block_m).reshape(-1)[live]
+    base = torch.arange(words, device=dev, dtype=torch.int64) * 32
+    one = torch.ones((), dtype=torch.int64, device=dev)
+    by_runs = 2 * s * words <= block_n  # else a dense row per live row is the less work
+    step = max(1, _BITS_ELEMS // (s * words if by_runs else block_n + 1))
+    for c in range(0, live.numel(), step):
+        c_j0, c_j1, c_t0 = j0[c : c + step], j1[c : c + step], t0[c : c + step, None]
+        j = c_j0[:, None] + torch.arange(s, device=dev)  # [L, S]
+        at = flat[c : c + step, None] + j.clamp(max=k - 1)
+        a = (lo_f[at] - c_t0).clamp(0, block_n)
+        b = (hi_f[at] - c_t0).clamp(0, block_n)
+        ok = (j < c_j1[:, None]) & (a < b)
+        out[live[c : c + step]] = (_runs_to_words if by_runs else _dense_to_words)(
+            a, b, ok, base, one, block_n
+        )
+    return out.view(tiles.shape[0], block_m, words)
+
+
+def _runs_to_words(a, b, ok, base, one, block_n: int) -> torch.Tensor:
+    """int32 ``[L, W]`` words of the disjoint runs ``[a, b)`` where ``ok`` (``[L, S]``): each
+    word the sum of the runs' bits in it (their union)."""
+    aw = (a[..., None].to(torch.int64) - base).clamp(0, 32)  # [L, S, W]
+    bw = (b[..., None].to(torch.int64) - base).clamp(0, 32)
+    run = torch.bitwise_left_shift(one, bw) - torch.bitwise_left_shift(one, aw)
+    w = (run * ok[..., None]).sum(1)  # below 2**32
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def _dense_to_words(a, b, ok, base, one, block_n: int) -> torch.Tensor:
+    """:func:`_runs_to_words` through a dense row of ``block_n`` bits per row."""
+    live = ok.to(torch.int32)
+    diff = torch.zeros((a.shape[0], block_n + 1), dtype=torch.int32, device=a.device)
+    diff.scatter_add_(1, a.to(torch.int64), live)
+    diff.scatter_add_(1, b.to(torch.int64), -live)
+    return pack_bits(torch.cumsum(diff[:, :block_n], -1) > 0)
 
 
 def _lists(touched: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

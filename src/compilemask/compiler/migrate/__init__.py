@@ -9,9 +9,9 @@ in blocks (``evaluate.py``), on broadcast indices when that gives FlexAttention'
 under ``torch.vmap`` with FlexAttention's scalar semantics (``modeval.py``). ``plan.source``
 (and ``plan.stats()["source"]``) names the path taken: ``from_mask_mod:lifted``,
 ``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. These plans are never cached: a closure's
-captured tensors can change between calls (only the ``torch.fx`` trace is reused, ``trace.py``,
-and it reads them fresh). They are admitted as compiler output (host-side checks only, as
-``compile``'s plans; ``plan.verify()`` runs every check).
+captured tensors can change between calls (only the ``torch.fx`` trace is reused, cached by the
+mask_mod's structure in ``trace.py``, and it reads them fresh). They are admitted as compiler
+output (host-side checks only, as ``compile``'s plans; ``plan.verify()`` runs every check).
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ def from_mask_mod(
     1. ``lifted``: the mask_mod is traced with ``torch.fx`` and lowered to row intervals
        symbolically (comparisons, ``&``, ``|``, ``~``, integer ``+ - * // %``, ``abs``,
        ``clamp``, ``min``/``max``, gathers from tensors indexed by ``q_idx`` or ``kv_idx``),
-       O(N * K) work without evaluating the N x N pairs.
+       O(N * K) work without evaluating the N x N pairs. The trace is cached by the mask_mod's
+       code and the structure of what it captures (scalars by value, tensors by dtype, rank
+       and device, read fresh on each call): a new closure over new tables of the same kind
+       is not traced again.
     2. ``broadcast``: blocked evaluation with ``q_idx`` ``[rows, 1]`` and ``kv_idx``
        ``[1, Nk]`` int64 tensors, when a probe shows it gives the same answer as (3).
     3. ``vmap``: blocked evaluation under ``torch.vmap`` with 0-d indices (FlexAttention's

@@ -38,6 +38,7 @@ same integer semantics on FlexAttention's top-left indices as the mask it maps t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -50,7 +51,7 @@ import torch
 from ... import masks
 from ...language.ast import Mask
 from ...language.parser import parse
-from . import packed
+from . import packed, trace
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -274,18 +275,37 @@ def _attr(gm, target: str):
     return obj
 
 
-#: formulas per trace: a reused trace (``trace.py``) holds the same graph and captured tensor
-#: objects, and a formula depends on nothing else (no tensor value is read here)
+#: formulas per trace: a formula depends on the graph and its captured tensor objects alone
+#: (no tensor value is read here); a cached trace bound to other tensors (``trace.Bound``)
+#: takes its template's formula with those tensors swapped in
 _FORMULAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
+def _rebind(f, swap: dict):
+    """``f`` (a formula) with each tensor ``t`` replaced by ``swap[id(t)]``."""
+    if isinstance(f, torch.Tensor):
+        return swap.get(id(f), f)
+    if isinstance(f, list):
+        return [_rebind(x, swap) for x in f]
+    if isinstance(f, tuple):
+        return tuple(_rebind(x, swap) for x in f)
+    if dataclasses.is_dataclass(f) and not isinstance(f, type):
+        new = {x.name: _rebind(getattr(f, x.name), swap) for x in dataclasses.fields(f)}
+        return dataclasses.replace(f, **new)
+    return f
+
+
 def formula(gm):
-    """The boolean formula of a traced mask_mod (``_Band`` ... ``_Or``), kept per ``gm``.
+    """The boolean formula of a traced mask_mod (``_Band`` ... ``_Or``), kept per ``gm`` (per
+    template of a ``trace.Bound``).
 
     Raises:
         _No: not built from the recognised forms only.
     """
+    swap = getattr(gm, "swap", None) if isinstance(gm, trace.Bound) else None
+    if swap is not None:
+        gm = gm.template
     with _LOCK:
         hit = _FORMULAS.get(gm)
     if hit is None:
@@ -297,7 +317,7 @@ def formula(gm):
             _FORMULAS[gm] = hit
     if hit[1] is not None:
         raise _No(hit[1])
-    return hit[0]
+    return hit[0] if swap is None else _rebind(hit[0], swap)
 
 
 def _formula(gm):

@@ -1,38 +1,58 @@
-"""``torch.fx`` traces of mask_mods, kept per function while nothing they depend on changed.
+"""``torch.fx`` traces of mask_mods, cached by the structure of the function, not its identity.
 
-A trace is reused only when it provably depends on nothing but what :func:`_state` records:
+Users build a new mask_mod per batch (a new closure over new document-id tensors), so a trace
+is kept under a key of what it can depend on (:func:`structure`), walked recursively through
+the function's closure cells, defaults and the global names its code reads:
 
-* ``mask_mod`` is a plain Python function without defaults whose code (and nested code) reads
-  no global name (``LOAD_GLOBAL``/``LOAD_NAME``/``IMPORT_NAME``): it sees only its arguments
-  and its closure;
-* its closure holds only ``None``, bools, ints, floats, strings and plain (non-inference)
-  tensors; the state is the code object, each closure object by identity (held by the entry,
-  so an identity cannot be reused) and, for a tensor, its shape, dtype, device and version
-  counter (an in-place update traces again: ``tolist()`` reads values without a dispatched
-  operation, so a trace may hold them);
-* the trace ran no tensor operation on real data (a dispatch mode watches it): the graph
-  reads each captured tensor itself (its ``get_attr`` nodes hold the very objects), so no
-  value of a captured tensor -- nor anything computed from one -- is kept; a tensor updated in
-  place is read fresh by the next call.
+* a Python function: its code object (nested code included) and the key of each closure cell,
+  default and global it reads (a global not found: a builtin, by identity);
+* ``None``, bools, ints, floats (by ``repr``), strings, dtypes, devices: by type and value, so
+  a window of 128 and one of 256 are two entries;
+* a tensor (exactly ``torch.Tensor``): by dtype, number of dimensions and device -- its values
+  and shape are not in the key; the tensor itself is a *leaf*, bound at call time (and which
+  leaves are the same object);
+* tuples and lists (e.g. the mask_mods of attention-gym's ``and_masks``): element by element;
+  ``functools.partial``: its function, arguments and keywords; modules and builtin functions:
+  by identity.
 
-Anything else is traced on every call. Entries live as long as their function (weak keys).
+Anything else (an object, a dict, a bound method, a function that writes a global or imports)
+has no key and is traced on every call. A trace is kept only when it provably reads nothing
+but its leaves, and those only as inputs of the graph:
+
+* no tensor operation ran on real data while tracing (a dispatch mode counts them), and no
+  torch function was called on real tensors alone (a torch-function mode: ``tolist()``,
+  ``.shape``, ``len()``, ``.numel()`` of a captured tensor would freeze a value or a shape);
+* every ``get_attr`` node of the graph reads a leaf (by identity).
+
+A call whose key is cached gets :class:`Bound`: the cached graph with its ``get_attr`` targets
+bound to this call's leaves (the very tensors, read fresh; an in-place update is seen). The
+cache is an LRU of :data:`MAX_ENTRIES` keys.
 """
 
 from __future__ import annotations
 
+import builtins
 import dis
 import functools
 import threading
 import types
-import weakref
+from collections import OrderedDict
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL",
-                         "IMPORT_NAME", "STORE_NAME", "DELETE_NAME"})  # fmt: skip
-_SCALARS = (type(None), bool, int, float, str)
-_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the most traces kept (least recently used dropped first)
+MAX_ENTRIES = 128
+#: the deepest nesting of closures / containers walked for a key
+_MAX_DEPTH = 16
+
+_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "IMPORT_NAME", "IMPORT_FROM",
+                     "STORE_NAME", "DELETE_NAME"})  # fmt: skip
+_READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_VALUES = (type(None), bool, int, str, torch.dtype, torch.device, torch.layout)
+_IDENTITY = (types.ModuleType, types.BuiltinFunctionType)
+_CACHE: OrderedDict = OrderedDict()
 _LOCK = threading.Lock()
 
 
@@ -60,6 +80,24 @@ class _RealOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _RealReads(TorchFunctionMode):
+    """Counts torch functions called on real tensors and no proxy (``tolist``, ``.shape``,
+    ``len``: reads that do not dispatch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(type(x) is torch.Tensor or isinstance(x, torch.Tensor) for x in leaves) and not any(
+            isinstance(x, torch.fx.Proxy) for x in leaves
+        ):
+            self.n += 1
+        return func(*args, **kwargs)
+
+
 def _has_random(gm) -> bool:
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method"):
@@ -69,40 +107,135 @@ def _has_random(gm) -> bool:
     return False
 
 
+class _NoKey(Exception):
+    pass
+
+
 @functools.lru_cache(maxsize=1024)  # code objects are immutable (a scan costs ~0.2 ms)
-def _reads_globals(code: types.CodeType) -> bool:
-    if any(ins.opname in _GLOBAL_OPS for ins in dis.get_instructions(code)):
-        return True
-    return any(isinstance(c, types.CodeType) and _reads_globals(c) for c in code.co_consts)
+def _global_names(code: types.CodeType) -> tuple[str, ...] | None:
+    """The global names ``code`` (nested code included) reads, or None when it writes one or
+    imports."""
+    names = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in _WRITES:
+            return None
+        if ins.opname in _READS:
+            names.append(ins.argval)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            inner = _global_names(c)
+            if inner is None:
+                return None
+            names.extend(inner)
+    return tuple(dict.fromkeys(names))
 
 
-def _state(fn):
-    """``(key, objects)`` of what a trace of ``fn`` depends on, or None (not cacheable)."""
-    if type(fn) is not types.FunctionType or fn.__defaults__ or fn.__kwdefaults__:
+def _walk(v, leaves: list, depth: int):
+    if depth > _MAX_DEPTH:
+        raise _NoKey
+    t = type(v)
+    if t in _VALUES:
+        return (t, v)
+    if t is float:
+        return (t, repr(v))
+    if t is torch.Tensor:
+        same = next((i for i, x in enumerate(leaves) if x is v), -1)
+        leaves.append(v)
+        return ("tensor", v.dtype, v.dim(), v.device, same)
+    if t is tuple or t is list:
+        return (t, tuple(_walk(x, leaves, depth + 1) for x in v))
+    if t is types.FunctionType:
+        names = _global_names(v.__code__)
+        if names is None:
+            raise _NoKey
+        key = [v.__code__, _walk(v.__defaults__, leaves, depth + 1)]
+        kw = v.__kwdefaults__ or {}
+        key.append(tuple((k, _walk(kw[k], leaves, depth + 1)) for k in sorted(kw)))
+        for cell in v.__closure__ or ():
+            try:
+                key.append(_walk(cell.cell_contents, leaves, depth + 1))
+            except ValueError:  # an empty cell
+                raise _NoKey from None
+        g = v.__globals__
+        for name in names:
+            if name in g:
+                key.append(_walk(g[name], leaves, depth + 1))
+            elif hasattr(builtins, name):
+                key.append(("builtin", getattr(builtins, name)))
+            else:
+                raise _NoKey
+        return tuple(key)
+    if t is functools.partial:
+        kw = v.keywords
+        return ("partial", _walk(v.func, leaves, depth + 1), _walk(v.args, leaves, depth + 1),
+                tuple((k, _walk(kw[k], leaves, depth + 1)) for k in sorted(kw)))  # fmt: skip
+    if isinstance(v, _IDENTITY):
+        return ("same", v)
+    raise _NoKey
+
+
+def structure(fn):
+    """``(key, leaves)``: the hashable key of what a trace of ``fn`` may depend on and the
+    tensors it captures (in walk order), or None when something in it has no key."""
+    if type(fn) is not types.FunctionType and type(fn) is not functools.partial:
         return None
-    code = fn.__code__
-    if _reads_globals(code):
+    leaves: list = []
+    try:
+        key = _walk(fn, leaves, 0)
+        hash(key)
+    except (_NoKey, TypeError, RecursionError):
         return None
-    key, objs = [code], []
-    for cell in fn.__closure__ or ():
-        try:
-            v = cell.cell_contents
-        except ValueError:  # an empty cell
-            return None
-        if type(v) in _SCALARS:
-            key.append((type(v), v))
-        elif type(v) is torch.Tensor and not v.is_inference():
-            # the version counter too: a value read outside the dispatcher (``tolist()``) is
-            # frozen into the trace, so an in-place update must trace again
-            key.append((tuple(v.shape), v.dtype, v.device, v._version))
-        else:
-            return None
-        objs.append(v)
-    return tuple(key), objs
+    return key, leaves
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class Bound:
+    """A cached trace ``template`` with its ``get_attr`` targets bound to other tensors:
+    ``graph`` is the template's, ``getattr(bound, target)`` the tensor of this call;
+    ``swap`` maps ``id`` of a template tensor to this call's tensor."""
+
+    def __init__(self, template, attrs: dict, swap: dict):
+        self.template, self.graph, self.attrs, self.swap = template, template.graph, attrs, swap
+
+    def __getattr__(self, name):  # only for names not set in __init__
+        attrs = self.__dict__["attrs"]
+        if name in attrs:
+            return attrs[name]
+        return getattr(self.__dict__["template"], name)
+
+
+def _targets(gm, leaves: list) -> dict | None:
+    """``{get_attr target: leaf index}``, or None when a target is not a leaf."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            obj = _attr(gm, node.target)
+            i = next((i for i, x in enumerate(leaves) if x is obj), None)
+            if i is None:
+                return None
+            out[node.target] = i
+    return out
+
+
+def _bind(entry, leaves: list):
+    gm, targets = entry
+    attrs = {t: leaves[i] for t, i in targets.items()}
+    template = {t: _attr(gm, t) for t in targets}
+    if all(attrs[t] is template[t] for t in targets):
+        return gm
+    swap = {id(template[t]): attrs[t] for t in targets}
+    return Bound(gm, attrs, swap)
 
 
 def symbolic_trace(fn):
-    """``torch.fx.symbolic_trace(fn)``, reused for ``fn`` while :func:`_state` is unchanged.
+    """``torch.fx.symbolic_trace(fn)``, or the cached trace of a mask_mod of the same
+    structure (:func:`structure`) bound to ``fn``'s tensors (:class:`Bound`).
 
     Raises:
         whatever ``torch.fx.symbolic_trace`` raises; RuntimeError: the mask_mod draws random
@@ -110,18 +243,30 @@ def symbolic_trace(fn):
     """
     import torch.fx
 
-    state = _state(fn)
+    state = structure(fn)
     if state is not None:
         with _LOCK:
-            hit = _TRACES.get(fn)
-        if hit is not None and hit[0] == state[0] and all(a is b for a, b in zip(hit[1], state[1])):
-            return hit[2]
-    watch = _RealOps()
-    with watch:
+            entry = _CACHE.get(state[0])
+            if entry is not None:
+                _CACHE.move_to_end(state[0])
+        if entry is not None:
+            return _bind(entry, state[1])
+    ops, reads = _RealOps(), _RealReads()
+    with ops, reads:
         gm = torch.fx.symbolic_trace(fn)
-    if watch.random or _has_random(gm):
+    if ops.random or _has_random(gm):
         raise RuntimeError("the mask_mod draws random numbers")
-    if state is not None and watch.n == 0:
-        with _LOCK:
-            _TRACES[fn] = (state[0], state[1], gm)
+    if state is not None and ops.n == 0 and reads.n == 0:
+        targets = _targets(gm, state[1])
+        if targets is not None:
+            with _LOCK:
+                _CACHE[state[0]] = (gm, targets)
+                while len(_CACHE) > MAX_ENTRIES:
+                    _CACHE.popitem(last=False)
     return gm
+
+
+def clear() -> None:
+    """Drops every cached trace."""
+    with _LOCK:
+        _CACHE.clear()

@@ -1,0 +1,154 @@
+"""The structural trace cache of ``from_mask_mod`` (``compiler/migrate/trace.py``): a new
+closure over new tensors of the same kind reuses the trace and gives the mask a fresh trace
+gives; different captured scalars, code, dtypes or aliasing do not share an entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import and_masks, create_mask, or_masks
+
+import compilemask as cm
+import flex_masks as fm
+from compilemask.compiler.migrate import trace
+
+
+def flex_dense(mask_mod, n):
+    return create_mask(mask_mod, None, None, n, n, device="cpu")[0, 0]
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    trace.clear()
+    yield
+    trace.clear()
+
+
+def _key(fn):
+    state = trace.structure(fn)
+    assert state is not None
+    return state[0]
+
+
+def _window(w):
+    return lambda b, h, q, k: (q - k).abs() <= w
+
+
+def test_captured_scalars_are_part_of_the_key():
+    assert _key(_window(128)) != _key(_window(256))
+    assert _key(_window(128)) == _key(_window(128))
+    assert _key(_window(2)) != _key(_window(2.0))  # an int and a float are two entries
+    a, b = _window(3), _window(5)
+    got_a = cm.from_mask_mod(a, 64, block_m=16, block_n=16)
+    got_b = cm.from_mask_mod(b, 64, block_m=16, block_n=16)
+    assert torch.equal(got_a.to_dense(), flex_dense(a, 64))
+    assert torch.equal(got_b.to_dense(), flex_dense(b, 64))
+    assert len(trace._CACHE) == 2
+
+
+def test_tensors_keyed_by_kind_and_aliasing():
+    def gather(t, u):
+        return lambda b, h, q, k: t[q] == u[k]
+
+    x, y = torch.zeros(8, dtype=torch.int64), torch.ones(8, dtype=torch.int64)
+    assert _key(gather(x, y)) == _key(gather(y, x))
+    assert _key(gather(x, x)) != _key(gather(x, y))  # one tensor twice vs two tensors
+    assert _key(gather(x, y)) != _key(gather(x.int(), y))
+    assert _key(gather(x, y)) != _key(gather(x[None], y))
+
+
+def test_nested_mask_mods_in_and_masks_and_or_masks():
+    causal = fm.causal
+    assert _key(and_masks(causal, _window(4))) == _key(and_masks(causal, _window(4)))
+    assert _key(and_masks(causal, _window(4))) != _key(and_masks(causal, _window(8)))
+    assert _key(and_masks(causal, _window(4))) != _key(or_masks(causal, _window(4)))
+    assert _key(and_masks(causal, _window(4))) != _key(and_masks(_window(4), _window(4)))
+
+
+def _docs(lengths):
+    return fm.document(fm.causal, fm.lengths_to_offsets(lengths))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.integers(0, 2**31))
+def test_new_closure_over_new_tensors_reuses_the_trace_and_is_exact(first, seed):
+    n = sum(first)
+    lengths = torch.randint(1, 9, (n,), generator=torch.Generator().manual_seed(seed))
+    second = lengths[torch.cumsum(lengths, 0) <= n].tolist()
+    second.append(n - sum(second)) if sum(second) < n else None
+    one, two = _docs(first), _docs(second)
+    assert _key(one) == _key(two)
+    trace.clear()  # per example
+    p1 = cm.from_mask_mod(one, n, block_m=16, block_n=16)
+    traced_one = trace.symbolic_trace(one)
+    p2 = cm.from_mask_mod(two, n, block_m=16, block_n=16)
+    assert p1.source == p2.source == "from_mask_mod:lifted"
+    bound = trace.symbolic_trace(two)
+    assert len(trace._CACHE) == 1
+    assert getattr(bound, "template", bound) is traced_one
+    assert torch.equal(p1.to_dense(), flex_dense(one, n))
+    assert torch.equal(p2.to_dense(), flex_dense(two, n))
+
+
+def test_recognised_document_form_rebinds_its_table():
+    def doc_mod(doc):
+        return lambda b, h, q, k: (doc[q] == doc[k]) & (k <= q)
+
+    a = doc_mod(torch.tensor([0] * 5 + [1] * 7 + [2] * 4))
+    b = doc_mod(torch.tensor([0] * 9 + [1] * 7))
+    pa, pb = cm.from_mask_mod(a, 16), cm.from_mask_mod(b, 16)
+    assert isinstance(trace.symbolic_trace(b), trace.Bound)
+    assert torch.equal(pa.to_dense(), flex_dense(a, 16))
+    assert torch.equal(pb.to_dense(), flex_dense(b, 16))
+
+
+def test_values_or_shapes_read_while_tracing_are_not_cached():
+    def by_tolist(cfg):
+        return lambda b, h, q, k: (k <= q) & (q != cfg.tolist()[0])
+
+    def by_len(t):
+        return lambda b, h, q, k: (k <= q) & (q < len(t))
+
+    for make, vals in ((by_tolist, ([2, 0], [7, 0])), (by_len, ([1] * 5, [1] * 11))):
+        for v in vals:
+            mm = make(torch.tensor(v))
+            assert trace.symbolic_trace(mm) is not trace.symbolic_trace(mm)
+            got = cm.from_mask_mod(mm, 16, block_m=16, block_n=16).to_dense()
+            assert torch.equal(got, flex_dense(mm, 16))
+    assert not trace._CACHE
+
+
+def test_unrecognised_captures_are_traced_every_call():
+    table = {"w": 3}
+
+    def reads_dict(b, h, q, k):
+        return (q - k).abs() <= table["w"]
+
+    assert trace.structure(reads_dict) is None
+    assert trace.symbolic_trace(reads_dict) is not trace.symbolic_trace(reads_dict)
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(trace, "MAX_ENTRIES", 2)
+    for w in (1, 2, 3):
+        trace.symbolic_trace(_window(w))
+    assert len(trace._CACHE) == 2
+    assert _key(_window(1)) not in trace._CACHE  # the least recently used went first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_new_mask_mod_over_new_cuda_tables_reuses_the_trace():
+    dev = torch.device("cuda")
+    plans = []
+    for lengths in ([300, 200, 524], [1000, 24], [1024]):
+        off = fm.lengths_to_offsets(lengths).to(dev)
+        mm = fm.document(fm.causal, off)
+        got = cm.from_mask_mod(mm, 1024, device=dev)
+        assert got.source == "from_mask_mod:lifted"
+        cpu = fm.document(fm.causal, off.cpu())
+        assert torch.equal(got.to_dense().cpu(), flex_dense(cpu, 1024))
+        plans.append(got)
+    assert len(trace._CACHE) == 1
