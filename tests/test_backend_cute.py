@@ -514,7 +514,7 @@ def test_rounds_give_each_cta_one_entry_per_round_heaviest_to_least_loaded(entri
     ``ctas`` (the order in time); a CTA's total stays within one entry of the least-loaded
     CTA's; the last round's entries are a prefix; CPU torch and the Triton program agree."""
     from compilemask.kernels.cute import rounds
-    from compilemask.kernels.cute._rounds_kernel import rounds_kernel
+    from compilemask.kernels.triton.cta_rounds import rounds_kernel
 
     cost = torch.randint(0, 40, (entries,), generator=torch.Generator().manual_seed(entries))
     pos = rounds.cta_positions(cost, ctas)

@@ -65,7 +65,7 @@ def _rounds_torch(cost: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _rounds_triton(cost: torch.Tensor, c: int) -> torch.Tensor:
-    from ._rounds_kernel import rounds_kernel
+    from ..triton.cta_rounds import rounds_kernel
 
     w = cost.numel()
     cta = torch.empty(w, dtype=torch.int64, device=cost.device)

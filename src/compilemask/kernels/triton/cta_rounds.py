@@ -1,4 +1,5 @@
-"""The greedy rounds of :mod:`.rounds` in one Triton program (see there)."""
+"""The greedy rounds of :mod:`compilemask.kernels.cute.rounds` in one Triton program (see
+there): which persistent CTA of the CuTe forward runs which work-list entry."""
 
 from __future__ import annotations
 
