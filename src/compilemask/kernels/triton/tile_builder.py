@@ -16,6 +16,11 @@ in one kernel, ``_build_schedule``, grid (Tq + Tk, M):
 3. the last program of each mask to finish (a ticket counter) orders the q- and kv-tiles
    heaviest first and writes the kernels' work entries (``schedule.work_list``).
 
+For a mask with a piece table (``compiler.lower.piece_table``: causal, document,
+shared_prompt, hstu) the same launch also makes the rows (:func:`build_from_table`): every
+program evaluates its rows from the table, and the q-tile programs write them into the plan's
+``row_lo`` / ``row_hi`` / ``row_count``, regions of the schedule's allocation.
+
 ``_tile_lists`` (the lists of a schedule built elsewhere) and ``_heaviest_first_kernel`` (the
 orders of axes longer than ``_FUSED_ORDER_MAX_TILES``) are launched on their own.
 
