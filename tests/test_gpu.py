@@ -164,6 +164,8 @@ def test_triton_tile_builder_equals_the_tensor_builder(name):
     for field in ("kind", "pairs", "jlo", "jhi", "q_count", "q_list", "kv_count", "kv_list",
                   "q_order", "kv_order"):  # fmt: skip
         assert torch.equal(getattr(plan.schedule, field), getattr(ref.schedule, field)), field
+    for field in ("row_lo", "row_hi", "row_count"):  # written by the launch from a piece table
+        assert torch.equal(getattr(plan, field), getattr(ref, field)), field
     for a, b in zip(got, want):
         for key in a:
             assert torch.equal(a[key], b[key]), key

@@ -111,6 +111,67 @@ def test_outputs_tile_one_allocation(m, tq, tk, order):
     )
 
 
+def test_outputs_with_the_rows_tile_one_allocation():
+    # a build from a piece table: the plan's rows after the schedule, in the same allocation
+    runs, where = tile_builder._layout(1, 4, 3, 32, 64, True, (100, 2))
+    flat, out = tile_builder._outputs(runs, where, torch.device("cpu"))
+    assert [tuple(t.shape) for t in out[20:]] == [(1, 100, 2), (1, 100, 2), (1, 100)]
+    assert out[20].storage_offset() == out[18].storage_offset() + 1  # after the one ticket
+    assert out[21].storage_offset() == out[20].storage_offset() + 200
+    assert out[22].storage_offset() + 100 == flat.numel()
+
+
+TABLED = [
+    (cm.masks.causal(), 100, 100),
+    (cm.masks.causal(), 100, 70),  # rows past Nk: a second piece
+    (cm.masks.causal(), 70, 100),
+    (cm.masks.document([40, 25, 35]), 100, 100),
+    (cm.masks.document([40, 25, 35], causal=False), 100, 100),
+    (cm.masks.shared_prompt([10, 0, 7], [[20, 5], [9], [1, 1, 12]]), 65, 65),
+    (cm.masks.hstu([30, 25, 15], [3, 2, 4], contextual=2), 70, 70),
+    (cm.masks.hstu([1, 9, 33, 2, 20], [0, 8, 1, 1, 0], contextual=40), 65, 65),
+]
+
+
+@pytest.mark.parametrize("tiles", [(16, 32), (32, 16), (64, 64)], ids=str)
+@pytest.mark.parametrize("mask, n, kv", TABLED, ids=[f"{m}-{n}-{kv}" for m, n, kv in TABLED])
+def test_rows_from_a_piece_table_in_the_launch(mask, n, kv, tiles, monkeypatch):
+    """A device build of a mask with a piece table: the one launch evaluates the table and
+    writes the plan's rows into its allocation. Rows equal the lowering's, bit for bit (and
+    the dense evaluator's), the schedule the tensor builder's of those rows."""
+    from compilemask.compiler import pipeline
+    from compilemask.compiler.lower import clear_tables, lower
+    from compilemask.tools.op_counts import counting_builder_launches
+
+    monkeypatch.setattr(tile_builder, "_FUSED_ORDER_MAX_TILES", 4)  # both ordering paths
+    clear_tables()  # a new mask
+    with counting_builder_launches() as launches, tile_builder.using(True):
+        plan = pipeline.build_plan(mask, n, kv, None, None, *tiles, "cpu", host_sync=False,
+                                   source="")  # fmt: skip
+    assert launches["_build_schedule"].n == 1
+    flat = plan.schedule.kind.untyped_storage().data_ptr()
+    for name, want in zip(("row_lo", "row_hi", "row_count"), lower(mask, n, kv, "cpu", trim=False)):
+        got = getattr(plan, name)
+        assert got.untyped_storage().data_ptr() == flat, name
+        assert got.shape == want.shape[1:] and torch.equal(got, want[0]), name
+    rows = torch.arange(kv)
+    seen = ((plan.row_lo[0, :, :, None] <= rows) & (rows < plan.row_hi[0, :, :, None])).any(1)
+    assert torch.equal(seen, dense(mask, n, kv).reshape(n, kv))
+    ref = build_tiles(plan.row_lo, plan.row_hi, plan.row_count, n, kv, *tiles, use_bits=False)
+    for name in FIELDS:
+        assert torch.equal(getattr(plan.schedule, name), getattr(ref, name)), name
+
+
+def test_masks_without_a_piece_table_lower_their_rows_first():
+    from compilemask.compiler import pipeline
+
+    args = (cm.masks.sliding_window(9), 50, 50, None, None, 16, 16, "cpu")
+    with tile_builder.using(True):
+        plan = pipeline.build_plan(*args, host_sync=False, source="")
+    flat = plan.schedule.kind.untyped_storage().data_ptr()
+    assert plan.row_lo.untyped_storage().data_ptr() != flat
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cases())
 def test_random_masks(case):

@@ -69,6 +69,9 @@ def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
 #: Catalogue masks lowered as piecewise-affine rows (:meth:`_Ctx.pieces`): their device table
 #: is kept per (mask, Nk, trim, device) (:data:`_TABLES`).
 PIECEWISE = frozenset({"document", "shared_prompt", "hstu"})
+#: Catalogue masks with a piece table (:func:`piece_table`): the piecewise ones and ``causal``
+#: (whose own lowering is a closed form of three operations).
+TABLED = PIECEWISE | {"causal"}
 _CACHED = 32  # entries kept in each of _TABLES and _ROWS (least recently made dropped first)
 # (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table`;
 # the query rows (Nq, device) -> arange. Both read only (never returned or written), shared.
@@ -87,6 +90,27 @@ def clear_tables() -> None:
     """Forget the device tables and query rows kept between lowerings."""
     _TABLES.clear()
     _ROWS.clear()
+
+
+class PieceTable(NamedTuple):
+    """The rows of a piecewise-affine mask as one int32 device tensor ``flat``: ``ends [P]``
+    (ascending, the last one ``Nq``), ``ab [2, 2, P, K]`` (``lo_a, hi_a, lo_b, hi_b``: row
+    ``q`` of piece ``p`` has ``[lo_a q + lo_b, hi_a q + hi_b)`` in slot ``j``; unused slots
+    ``[Nk, Nk)``) and ``counts [P]``, back to back (:meth:`_Ctx.table`)."""
+
+    flat: torch.Tensor
+    pieces: int
+    k: int
+
+
+def piece_table(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = False):
+    """The :class:`PieceTable` of a :data:`TABLED` catalogue mask (one host-to-device copy,
+    none for a mask whose table is kept), or None for any other mask. A device builder that
+    evaluates the table itself (``kernels/triton/tile_builder.py``) makes the rows
+    :func:`lower` would, bit for bit, without its ``searchsorted``, gathers and ``addcmul``."""
+    if not isinstance(mask, Builtin) or mask.name not in TABLED:
+        return None
+    return _TableCtx(q_len, kv_len, torch.device(device), trim)._table_of(mask)
 
 
 class _Ctx:
@@ -217,6 +241,11 @@ class _Ctx:
             s = e
         return self.table(pieces, 1)
 
+    def _t_causal(self):
+        # [0, q + 1) up to Nk, then [0, Nk): the rows of _b_causal as a table
+        nq, nk = self.q_len, self.kv_len
+        return self.table([(min(nq, nk), (0,), (0,), (1,), (1,)), (nq, (0,), (0,), (0,), (nk,))], 1)
+
     def _b_prefix_lm(self, prefix_len):
         # [0, max(q + 1, P)) clipped
         zeros = torch.zeros(self.q_len, device=self.device, dtype=I32)
@@ -310,7 +339,13 @@ class _Ctx:
 
     def table(self, pieces, k: int) -> tuple:
         """``(ends [P], ab [2, 2, P, K], counts [P])`` on the device, one host-to-device copy:
-        the pieces of :meth:`pieces` with rows, their coefficients padded to ``K`` slots."""
+        the pieces of :meth:`pieces` with rows, their coefficients padded to ``K`` slots
+        (views of :meth:`flat_table`)."""
+        host, n, k = self.flat_table(pieces, k)
+        return host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
+
+    def flat_table(self, pieces, k: int) -> PieceTable:
+        """The :class:`PieceTable` of :meth:`table`."""
         rows, start = [], 0
         for piece in pieces:
             if piece[0] > start:
@@ -325,9 +360,7 @@ class _Ctx:
             for piece in rows:
                 table += piece[field] + pads[len(piece[field])]
         table += counts
-        n = len(rows)
-        host = self.t(table)  # one host-to-device copy
-        return host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
+        return PieceTable(self.t(table), len(rows), k)  # one host-to-device copy
 
     def expand(self, ends: torch.Tensor, ab: torch.Tensor, counts: torch.Tensor) -> _Rows:
         """The rows of a :meth:`table`: a ``searchsorted``, two gathers, an ``addcmul``."""
@@ -552,3 +585,10 @@ class _Ctx:
         zero = torch.zeros_like(a)
         a, b = torch.where(inside[:, None], a, zero), torch.where(inside[:, None], b, zero)
         return iv.clip(a.to(I32), b.to(I32), self.kv_len)
+
+
+class _TableCtx(_Ctx):
+    """Makes the :class:`PieceTable` of a :data:`TABLED` mask instead of its rows (kept apart
+    from :class:`_Ctx`'s tables: the context class is part of :data:`_TABLES`' key)."""
+
+    table = _Ctx.flat_table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -11,14 +12,14 @@ from collections import OrderedDict
 import torch
 
 from ..errors import CompileMaskError, LengthError, too_deep
-from ..language.ast import Mask, TiledGrid
+from ..language.ast import Builtin, Mask, TiledGrid
 from ..language.permutation import grid_permutation
 from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
 from . import intervals as iv
-from .lower import lower
+from .lower import TABLED, lower, piece_table
 from .permute import permute_rows
 from .plan import MaskPlan, built_plans, outside_inference_mode
-from .tiles import build_tiles
+from .tiles import build_tiles, device_tile_builder
 
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 64
@@ -316,6 +317,11 @@ def build_plan(
     """Lower and tile (lengths already validated). ``host_sync=False`` is the device build:
     K stays at its static bound and no tile is stored as a bitmask, so nothing waits for the
     device (no ``.item()``, no ``nonzero``); CPU builds trim K and use bitmasks."""
+    if not host_sync and isinstance(mask, Builtin) and mask.name in TABLED:
+        built = _rows_in_the_launch(mask, q_len, kv_len, block_m, block_n, device)
+        if built is not None:
+            with built_plans(own_tensors=True):
+                return MaskPlan(q_len, kv_len, batch, heads, *built, source=source)
     perm = None
     if isinstance(mask, TiledGrid):
         perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)
@@ -332,6 +338,19 @@ def build_plan(
         return MaskPlan(
             q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
         )
+
+
+def _rows_in_the_launch(mask: Builtin, q_len, kv_len, block_m, block_n, device):
+    """``(row_lo, row_hi, row_count, schedule)`` of a device build of a mask with a piece
+    table, from the registered device builder's ``from_table`` (its launch evaluates the
+    table: no operation expands the rows), or None where there is none or it declines."""
+    build = getattr(device_tile_builder(), "from_table", None)
+    if build is None or torch.compiler.is_compiling():
+        return None
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    table = functools.partial(piece_table, mask, q_len, kv_len, device, trim=False)
+    return build(table, q_len, kv_len, device, block_m, block_n)
 
 
 def clear_cache() -> None:

@@ -42,7 +42,19 @@ def triton_tile_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     return _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n)
 
 
+def triton_table_builder(make_table, q_len, kv_len, device, block_m, block_n):
+    """The registered hook for masks with a piece table (``compiler.lower.piece_table``): the
+    rows and the schedule in the one launch (``tile_builder.build_from_table``) on CUDA
+    devices; None (decline: the pipeline lowers the rows itself) elsewhere."""
+    if not serves_device(device):
+        return None
+    from .tile_builder import _device_builder_from_table
+
+    return _device_builder_from_table(make_table, q_len, kv_len, device, block_m, block_n)
+
+
 triton_tile_builder.serves = _on_cuda  # type: ignore[attr-defined]
+triton_tile_builder.from_table = triton_table_builder  # type: ignore[attr-defined]
 
 
 def install_default() -> None:

@@ -16,6 +16,11 @@ in one kernel, ``_build_schedule``, grid (Tq + Tk, M):
 3. the last program of each mask to finish (a ticket counter) orders the q- and kv-tiles
    heaviest first and writes the kernels' work entries (``schedule.work_list``).
 
+For a mask with a piece table (``compiler.lower.piece_table``: causal, document,
+shared_prompt, hstu) the same launch also makes the rows (:func:`build_from_table`): every
+program evaluates its rows from the table, and the q-tile programs write them into the plan's
+``row_lo`` / ``row_hi`` / ``row_count``, regions of the schedule's allocation.
+
 ``_tile_lists`` (the lists of a schedule built elsewhere) and ``_heaviest_first_kernel`` (the
 orders of axes longer than ``_FUSED_ORDER_MAX_TILES``) are launched on their own.
 
@@ -140,14 +145,45 @@ def _order_side(count, full_count, full_first, order, work, n, length,
 
 
 @triton.jit
+def _piece_of(Table, rows, n_pieces, steps):
+    """The piece of each of ``rows`` (any shape): ``#{i : ends[i] <= row}`` over the ascending
+    ``ends`` at ``Table`` (``n_pieces`` of them, the last one ``Nq``), what ``searchsorted(ends,
+    rows, right=True)`` gives, by ``steps`` halvings (``2**steps > n_pieces``)."""
+    pos = tl.zeros_like(rows)
+    step = 1 << steps
+    for _ in range(steps):
+        step = step // 2
+        cand = pos + step
+        take = cand <= n_pieces
+        end = tl.load(Table + cand - 1, mask=take, other=0)
+        pos = tl.where(take & (end <= rows), cand, pos)
+    return pos
+
+
+@triton.jit
+def _table_bounds(Table, piece, q, slot, ok, n_pieces, n_slots, kv_len):
+    """``(lo, hi)`` of slot ``slot`` of row ``q`` in piece ``piece`` (broadcast shapes) from a
+    piece table (``lower.PieceTable``): ``[lo_a q + lo_b, hi_a q + hi_b)``, ``kv_len`` where
+    not ``ok`` (rows past ``q_len``, slots past ``n_slots``: the padding of the loads)."""
+    size = n_pieces * n_slots
+    at = Table + n_pieces + piece * n_slots + slot
+    lo_a = tl.load(at, mask=ok, other=0)
+    hi_a = tl.load(at + size, mask=ok, other=0)
+    lo_b = tl.load(at + 2 * size, mask=ok, other=kv_len)
+    hi_b = tl.load(at + 3 * size, mask=ok, other=kv_len)
+    return lo_b + lo_a * q, hi_b + hi_a * q
+
+
+@triton.jit
 def _build_schedule(
     Lo, Hi, Out,
-    q_len, kv_len, n_slots, Tq, Tk,
+    q_len, kv_len, n_slots, Tq, Tk, n_pieces, steps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_PAD: tl.constexpr,
     CHUNK_Q: tl.constexpr,
     ORDER: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
 ):  # fmt: skip
     """The whole schedule in one launch, grid (Tq + Tk, M). Programs ``[0, Tq)`` classify a
     q-tile's row of tiles and write its lists; programs
@@ -158,7 +194,13 @@ def _build_schedule(
 
     ``Out``: every output in one int32 allocation, in the order of :func:`_layout` (one
     pointer argument instead of nineteen: each costs the host a specialisation and a pointer
-    read per launch)."""
+    read per launch).
+
+    FROM_TABLE (one mask): ``Lo`` is a piece table (``lower.PieceTable``, ``n_pieces`` pieces,
+    ``steps`` halvings to find a row's piece, :func:`_piece_of`) instead of the intervals
+    (``Hi`` unused): every program evaluates its rows from it, and the q-tile programs write
+    them, with their counts, into the plan's ``row_lo``, ``row_hi``, ``row_count`` (the last
+    regions of ``Out``)."""
     n_masks = tl.num_programs(1).to(tl.int64)
     tiles = n_masks * Tq * Tk  # ten [M, Tq, Tk] / [M, Tk, Tq] regions, then the per-tile ones
     Kind, Pairs, Jlo, Jhi, BitsIndex = (
@@ -178,6 +220,12 @@ def _build_schedule(
     QWork = KvCount + 3 * per_kv
     KvWork = QWork + 8 * per_q
     Tickets = KvWork + 8 * per_kv
+    if ORDER:
+        RowLo = Tickets + n_masks
+    else:
+        RowLo = Tickets
+    RowHi = RowLo + n_masks * q_len * n_slots
+    RowCount = RowHi + n_masks * q_len * n_slots
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     slots = tl.arange(0, K_PAD)
@@ -188,9 +236,18 @@ def _build_schedule(
         row_ok = rows < q_len
         ok = row_ok[:, None] & (slots < n_slots)[None, :]
         offs = lo_hi_base + rows.to(tl.int64)[:, None] * n_slots + slots[None, :]
-        # padding (rows past q_len, slots past n_slots) reads as an empty interval at kv_len
-        lo = tl.load(Lo + offs, mask=ok, other=kv_len)
-        hi = tl.load(Hi + offs, mask=ok, other=kv_len)
+        if FROM_TABLE:
+            piece = _piece_of(Lo, rows, n_pieces, steps)
+            lo, hi = _table_bounds(Lo, piece[:, None], rows[:, None], slots[None, :], ok,
+                                   n_pieces, n_slots, kv_len)  # fmt: skip
+            tl.store(RowLo + offs, lo, mask=ok)
+            tl.store(RowHi + offs, hi, mask=ok)
+            count = tl.load(Lo + n_pieces * (1 + 4 * n_slots) + piece, mask=row_ok, other=0)
+            tl.store(RowCount + m * q_len + rows, count, mask=row_ok)
+        else:
+            # padding (rows past q_len, slots past n_slots) reads as an empty interval at kv_len
+            lo = tl.load(Lo + offs, mask=ok, other=kv_len)
+            hi = tl.load(Hi + offs, mask=ok, other=kv_len)
         h_max = tl.max(tl.where(row_ok[:, None], hi, -1), axis=0)
         l_min = tl.min(tl.where(row_ok[:, None], lo, 2147483647), axis=0)
         rows_in = tl.minimum(q_len - qt * BLOCK_M, BLOCK_M)
@@ -228,9 +285,16 @@ def _build_schedule(
             rows = qts[:, None] * BLOCK_M + r[None, :]  # [CHUNK_Q, BLOCK_M]
             row_ok = rows < q_len
             ok = row_ok[:, :, None] & (slots < n_slots)[None, None, :]
-            offs = lo_hi_base + rows.to(tl.int64)[:, :, None] * n_slots + slots[None, None, :]
-            lo = tl.load(Lo + offs, mask=ok, other=kv_len)
-            hi = tl.load(Hi + offs, mask=ok, other=kv_len)
+            if FROM_TABLE:  # the rows again from the table (the q-tile programs write them)
+                piece = _piece_of(Lo, rows, n_pieces, steps)
+                lo, hi = _table_bounds(Lo, piece[:, :, None], rows[:, :, None],
+                                       slots[None, None, :], ok, n_pieces, n_slots,
+                                       kv_len)  # fmt: skip
+            else:
+                offs = lo_hi_base + rows.to(tl.int64)[:, :, None] * n_slots
+                offs += slots[None, None, :]
+                lo = tl.load(Lo + offs, mask=ok, other=kv_len)
+                hi = tl.load(Hi + offs, mask=ok, other=kv_len)
             overlap = tl.maximum(tl.minimum(hi, t1) - tl.maximum(lo, t0), 0)
             pairs = tl.sum(tl.sum(overlap, axis=2), axis=1)  # [CHUNK_Q]
             rows_in = tl.minimum(q_len - qts * BLOCK_M, BLOCK_M)
@@ -414,7 +478,9 @@ def tile_lists(kind: torch.Tensor, *, transposed: bool = False):
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
-def _layout(m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool) -> tuple:
+def _layout(
+    m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool, rows: tuple = ()
+) -> tuple:
     """``(runs, where)``: the outputs of :func:`build_tiles_triton` as slices of one int32
     allocation, kept per tiling (on a GPU host every allocation costs about as much as a
     launch, and every tensor view about a microsecond). Memory order (what
@@ -422,10 +488,12 @@ def _layout(m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool) -
     bits_index, q_list, q full-first [M, Tq, Tk]; the scratch, kv_list, kv full-first
     [M, Tk, Tq]; q_count, q full counts, q_order [M, Tq]; the same for the kv-tiles; q_work
     [M, Tq, 8]; kv_work; the tickets [M] (none without the fused ordering); the bitmask words
-    (none). ``runs``: ``(size, count, shape)`` per run of consecutive outputs of one shape
-    (made as one view and one ``unbind``); ``where[i]``: the position in memory order of the
-    i-th output in the order :func:`build_tiles_triton` unpacks them."""
-    key = (m, tq, tk, block_m, block_n, order)
+    (none); with ``rows = (Nq, K)``, the plan's row_lo, row_hi [M, Nq, K] and row_count
+    [M, Nq] (a build from a piece table). ``runs``: ``(size, count, shape)`` per run of
+    consecutive outputs of one shape (made as one view and one ``unbind``); ``where[i]``: the
+    position in memory order of the i-th output in the order :func:`build_tiles_triton`
+    unpacks them."""
+    key = (m, tq, tk, block_m, block_n, order, rows)
     hit = _LAYOUTS.get(key)
     if hit is None:
         per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
@@ -434,6 +502,9 @@ def _layout(m: int, tq: int, tk: int, block_m: int, block_n: int, order: bool) -
         shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), (m if order else 0,)]
         shapes += [(0, block_m, -(-block_n // 32))]
         memory = [0, 1, 2, 3, 4, 7, 8, 5, 11, 12, 6, 9, 14, 10, 13, 15, 16, 17, 18, 19]
+        if rows:
+            shapes += [(m, *rows), (m, *rows), (m, rows[0])]
+            memory += [20, 21, 22]
         runs: list[list] = []
         for i in memory:
             shape = shapes[i]
@@ -477,21 +548,44 @@ def build_tiles_triton(
     than :data:`_FUSED_ORDER_MAX_TILES` tiles; longer axes order their tiles in a second
     launch (:func:`heaviest_first`). Outputs are views of one allocation; the tickets of the
     fused ordering are its only zeroed part (one fill)."""
-    m, n, k = lo.shape
+    m, _, k = lo.shape
+    return _build(lo, hi, None, m, k, q_len, kv_len, block_m, block_n)[0]
+
+
+def build_from_table(table, q_len: int, kv_len: int, block_m: int, block_n: int):
+    """``(row_lo, row_hi, row_count, schedule)`` of one mask's piece table (``table``: a
+    ``compiler.lower.PieceTable``): the rows ``lower`` makes from it (int32 ``[1, Nq, K]``,
+    ``[1, Nq]``) and their :func:`build_tiles_triton` schedule, bit for bit, all written by
+    the one ``_build_schedule`` launch into its one allocation (no ``searchsorted``, gathers
+    or ``addcmul`` before it). Needs ``q_len, kv_len >= 1``."""
+    schedule, rows = _build(
+        table.flat, table.flat, table, 1, table.k, q_len, kv_len, block_m, block_n
+    )  # fmt: skip
+    return (*rows, schedule)
+
+
+def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n):
+    """``(schedule, rows)``: :func:`build_tiles_triton` of the intervals ``lo, hi``, or with a
+    piece ``table`` (``lo`` and ``hi`` its tensor) of the rows it evaluates, ``rows`` then
+    their ``(row_lo, row_hi, row_count)`` (else empty)."""
     tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
     order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
-    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order), lo.device)
+    shape = (q_len, k) if table is not None else ()
+    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order, shape), lo.device)
     kind, pairs, jlo, jhi, bits_index = out[:5]
     q_count, q_list, q_full_first, q_full_count = out[6:10]
     kv_count, kv_list, kv_full_first, kv_full_count = out[10:14]
-    q_order, kv_order, q_work, kv_work, tickets, bits = out[14:]
+    q_order, kv_order, q_work, kv_work, tickets, bits = out[14:20]
     if m * tq * tk:
         if order:
             tickets.zero_()
         k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
+        pieces = table.pieces if table is not None else 1
         _build_schedule[(tq + tk, m)](
-            lo, hi, flat, q_len, kv_len, k, tq, tk, BLOCK_M=block_m, BLOCK_N=block_n,
-            K_PAD=k_pad, CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
+            lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length(),
+            BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=k_pad,
+            CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
+            FROM_TABLE=table is not None,
         )  # fmt: skip
         if not order:
             lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
@@ -509,10 +603,11 @@ def build_tiles_triton(
     _FULL_FIRST[key] = (
         ref, (q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)
     )  # fmt: skip
-    return TileSchedule(
+    schedule = TileSchedule(
         block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits,
         q_count, q_list, kv_count, kv_list, q_order, kv_order,
     )  # fmt: skip
+    return schedule, out[20:]
 
 
 def full_first_lists(kind: torch.Tensor, transposed: bool):
@@ -548,7 +643,23 @@ def _device_builder(lo, hi, count, q_len, kv_len, block_m, block_n):
     return build_tiles_triton(lo.contiguous(), hi.contiguous(), q_len, kv_len, block_m, block_n)
 
 
+def _device_builder_from_table(make_table, q_len, kv_len, device, block_m, block_n):
+    """The pipeline's hook for masks with a piece table (``compiler.lower.piece_table``):
+    ``(row_lo, row_hi, row_count, schedule)`` by :func:`build_from_table`, or None (decline,
+    before ``make_table()`` is called where the device or the tiling decides it) where
+    :func:`_device_builder` would decline or an axis is empty."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    if block_m & (block_m - 1) or block_m < 16 or q_len < 1 or kv_len < 1:
+        return None
+    table = make_table()
+    if table is None or table.k > MAX_SLOTS:
+        return None
+    return build_from_table(table, q_len, kv_len, block_m, block_n)
+
+
 _device_builder.serves = serves  # type: ignore[attr-defined]
+_device_builder.from_table = _device_builder_from_table  # type: ignore[attr-defined]
 
 
 def enable(on: bool = True) -> None:
