@@ -1,7 +1,7 @@
 """Plan build time on the GPU, for A/B runs of two source trees (one process per tree).
 
     PYTHONPATH=src python benchmarks/bench_build.py [--n0 1024 32768] [--variant NAME]
-        [--repeats 100] [--out FILE.jsonl]
+        [--repeats 100] [--out FILE.jsonl] [--fresh]
 
 Times what ``compilemask bench --modes plan`` times (``compile(mask, N, device="cuda",
 cache=False)`` plus the forward and dK/dV schedules at 128 x 128) for causal, hstu and
@@ -10,6 +10,8 @@ after (wall time), ``host_ms`` the median host time of a build issued without wa
 device (what the CPU spends; builds do not synchronise). Uses only the public API and the
 schedule functions, so an older tree runs it too (``PYTHONPATH=<its src>``); run the trees as
 alternating processes (``--variant`` names the tree, ``COMPILEMASK_COMMIT`` its commit).
+``--fresh`` forgets the lowering's per-mask tables before each build (``tables`` column), as a
+new mask every step would.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import torch
 
 import compilemask as cm
+from compilemask.compiler import lower as lower_mod
 from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
 from compilemask.tools.bench_report import append_rows, environment
 from compilemask.workloads import workload
@@ -35,7 +38,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--variant", default="this tree")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fresh", action="store_true",
+                    help="forget the lowering's per-mask tables before every build (untimed): "
+                         "what a new mask each step costs")  # fmt: skip
     a = ap.parse_args()
+    clear_tables = getattr(lower_mod, "clear_tables", lambda: None)
     dev = torch.device("cuda")
     env = environment()
     rows = []
@@ -52,6 +59,8 @@ def main() -> None:
                 build()
             wall, host = [], []
             for _ in range(a.repeats):
+                if a.fresh:
+                    clear_tables()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 build()
@@ -64,7 +73,7 @@ def main() -> None:
                 **env, "kind": "plan_build", "workload": name, "N0": n0, "N": w.N,
                 "variant": a.variant, "ms": round(statistics.median(wall), 4),
                 "min_ms": round(min(wall), 4), "host_ms": round(statistics.median(host), 4),
-                "repeats": a.repeats,
+                "repeats": a.repeats, "tables": "fresh" if a.fresh else "kept",
                 "includes": "compile + forward and dK/dV schedules, 128x128, cache off",
             }  # fmt: skip
             rows.append(row)
