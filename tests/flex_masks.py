@@ -50,7 +50,8 @@ def lengths_to_offsets(lengths):
 
 def doc_ids(offsets):
     counts = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts)
+    ids = torch.arange(len(counts), dtype=torch.int32, device=offsets.device)
+    return torch.repeat_interleave(ids, counts)
 
 
 def document(mask_mod, offsets):
