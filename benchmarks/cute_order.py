@@ -1,7 +1,8 @@
 """Forward times of ``backend="cute"`` for several work-list orders of one plan, beside
 cuDNN-frontend in the same process: the L2 groups of ``lower.work_order`` (``kv_group``:
 ``none`` for one list heaviest first, or a number of (batch row, kv head) pairs per group)
-with the CTA placement of ``kernels/cute/rounds.py``.
+with the CTA placement of ``kernels/cute/rounds.py`` under the entry costs of ``--costs``
+(FULL kv-tile, PARTIAL kv-tile, per entry).
 
     PYTHONPATH=src python benchmarks/cute_order.py --out rows.jsonl --commit abc1234
 
@@ -34,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), help="workload:N0 ...")
     p.add_argument("--groups", nargs="+", default=list(GROUPS))
+    p.add_argument(
+        "--costs",
+        nargs="+",
+        default=["1,1,1"],
+        help="entry costs FULL,PARTIAL,ITEM for the CTA placement (rounds.entry_cost)",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default="unknown")
     args = p.parse_args(argv)
@@ -69,15 +76,18 @@ def main(argv: list[str] | None = None) -> int:
                     group = int(g)
                     if group >= B * H:
                         continue
-                low = lower(case.plan, B, H, H, group, sms)
-                scale = D**-0.5
-                o, _ = run_forward(case.q, case.k, case.v, low, scale)
-                diff = None if ref is None else (o.float() - ref.float()).abs().max().item()
-                call_once = partial(run_forward, case.q, case.k, case.v, low, scale)
-                ms = do_bench(call_once, warmup=25, rep=100, return_mode="median")
-                emit({**base, "system": "compilemask-cute", "kv_group": g if g != "auto" else
-                      f"auto={group}", "ms": round(ms, 4), "max_abs_diff": diff})  # fmt: skip
-                del low, o
+                for cost_spec in args.costs:
+                    costs = tuple(int(c) for c in cost_spec.split(","))
+                    low = lower(case.plan, B, H, H, group, sms, costs)
+                    scale = D**-0.5
+                    o, _ = run_forward(case.q, case.k, case.v, low, scale)
+                    diff = None if ref is None else (o.float() - ref.float()).abs().max().item()
+                    call_once = partial(run_forward, case.q, case.k, case.v, low, scale)
+                    ms = do_bench(call_once, warmup=25, rep=100, return_mode="median")
+                    emit({**base, "system": "compilemask-cute", "kv_group": g if g != "auto"
+                          else f"auto={group}", "costs": cost_spec, "ms": round(ms, 4),
+                          "max_abs_diff": diff})  # fmt: skip
+                    del low, o
             del case, ref
             torch.cuda.empty_cache()
     return 0

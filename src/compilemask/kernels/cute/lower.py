@@ -61,7 +61,7 @@ from ...compiler.plan import MaskPlan
 from ...compiler.tiles import FULL, unpack_bits
 from ...errors import CompileMaskError
 from ..triton.schedule import split_full_first
-from .rounds import ITEM_COST, cta_positions
+from .rounds import cta_positions, entry_cost
 
 #: the kernel's tile: query rows per CTA (2 consumer warpgroups x 64) and keys per kv-tile
 BLOCK_M = 128
@@ -209,10 +209,12 @@ def lower(
     heads_kv: int,
     kv_group: int | None = None,
     num_ctas: int = 1,
+    costs: tuple[int, int, int] | None = None,
 ) -> CuteLowered:
     """The kernel's view of ``plan`` for ``batch`` rows, ``heads_q`` / ``heads_kv`` heads
     (``kv_group``: see :func:`work_order` and :func:`l2_kv_group`), its work list placed for
-    ``num_ctas`` persistent CTAs (:mod:`.rounds`; the kernel runs ``min(num_ctas, W)``).
+    ``num_ctas`` persistent CTAs (:mod:`.rounds`; the kernel runs ``min(num_ctas, W)``) by
+    the entries' ``costs`` (:func:`.rounds.entry_cost`).
 
     Raises:
         CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
@@ -244,7 +246,7 @@ def lower(
     work = work_entries(order, kv_count, full_count, kv_list.shape[-1])
     ctas = min(num_ctas, work.shape[0])
     placed = torch.empty_like(work)
-    placed[cta_positions(work[:, 4].long() + ITEM_COST, ctas)] = work
+    placed[cta_positions(entry_cost(work, costs), ctas)] = work
     return CuteLowered(
         work=placed,
         num_ctas=ctas,

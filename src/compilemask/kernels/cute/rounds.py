@@ -5,7 +5,7 @@ positions ``r * num_ctas + c`` of the work list, ``r = 0, 1, ...``, while that i
 list's length. :func:`cta_positions` chooses the positions: the entries are taken in their
 given order (heaviest first, in L2 groups: :func:`.lower.work_order`) one round of
 ``num_ctas`` at a time, and within a round the heaviest entry goes to the CTA with the least
-work so far (cost of an entry: its kv-tiles plus :data:`ITEM_COST`). The CTAs that get an
+work so far (cost of an entry: :func:`entry_cost`). The CTAs that get an
 entry in the last, partial round are renumbered to come first, so the last round fills
 positions ``[R num_ctas, W)``. Entries of one round run at about the same time on every CTA,
 so the order of the list (its L2 groups) is the order in time, and the greedy choice keeps
@@ -21,9 +21,18 @@ from __future__ import annotations
 
 import torch
 
-#: the cost of one entry beyond its kv-tiles, in kv-tiles (its Q load, pipeline start and
-#: epilogue)
-ITEM_COST = 1
+#: the cost of an entry in relative units: per FULL kv-tile, per PARTIAL kv-tile (its mask),
+#: and once per entry (its Q load, pipeline start and epilogue)
+COSTS = (1, 1, 1)
+
+
+def entry_cost(work: torch.Tensor, costs: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """int64 ``[W]`` cost of each work entry ``(b, hq, qt, m, n, nf, ...)`` (``n`` kv-tiles,
+    ``nf`` of them FULL) under ``costs`` (default :data:`COSTS`)."""
+    full, partial, item = COSTS if costs is None else costs
+    n, nf = work[:, 4].long(), work[:, 5].long()
+    return full * nf + partial * (n - nf) + item
+
 
 _LANE_BITS = 16  # lanes (CTAs, entries of a round) below 2**16
 _MAX_CTAS = 1 << 10
@@ -88,4 +97,4 @@ def _positions(cta: torch.Tensor, w: int, c: int) -> torch.Tensor:
     return rnd * c + label[cta]
 
 
-__all__ = ["ITEM_COST", "cta_positions"]
+__all__ = ["COSTS", "cta_positions", "entry_cost"]
