@@ -23,7 +23,7 @@ import torch
 
 #: the cost of an entry in relative units: per FULL kv-tile, per PARTIAL kv-tile (its mask),
 #: and once per entry (its Q load, pipeline start and epilogue)
-COSTS = (1, 1, 1)
+COSTS = (2, 4, 3)
 
 
 def entry_cost(work: torch.Tensor, costs: tuple[int, int, int] | None = None) -> torch.Tensor:
