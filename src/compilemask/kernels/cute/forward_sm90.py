@@ -6,7 +6,10 @@ query rows of a work item (registers raised). The CTAs are persistent and walk t
 work list (``lower.work``) in rounds of ``grid`` entries: CTA ``c`` takes entry ``r grid + c``
 in round ``r`` (:func:`work_item`); the lowering places the entries so that this gives each
 CTA its share (:mod:`.rounds`). The producer and both consumers walk the same sequence
-without any shared scheduler state.
+without any shared scheduler state. The dynamic variant (:class:`FlashFwdSm90Dynamic`) takes
+the unplaced list in order instead: the producer draws entries from a global counter and hands
+each one to the consumers through a shared-memory slot per Q stage
+(:meth:`FlashFwdSm90.produce_dynamic`).
 
 Per work item ``(b, hq, qt, m, n, nf, list0)`` (one row of ``lower.work``: the q-tile's kv
 count ``n``, FULL count ``nf`` and first row ``list0`` of ``tiles`` ride in the entry, so one
