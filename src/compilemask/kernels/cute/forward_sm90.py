@@ -485,7 +485,7 @@ class FlashFwdSm90:
             at = cutlass.max(cutlass.min(item, num_work - 1), 0)
             b, hq, qt, _, n, _, list0 = read_entry(work, tiles, row_lo, at)
             stage0 = q_state.index
-            for _ in cutlass.range_constexpr(2):
+            for half in cutlass.range_constexpr(2):  # noqa: B007 (the DSL refuses `_` here)
                 q_pipe.sync_object_empty.wait(q_state.index, q_state.phase)
                 bar = q_pipe.sync_object_full.get_barrier(q_state.index)
                 with cute.arch.elect_one():
