@@ -552,3 +552,20 @@ def test_lowered_work_is_placed_for_the_ctas():
     assert lower(plan, 1, 1, 1, num_ctas=500).num_ctas == 8  # never more CTAs than entries
     with pytest.raises(CompileMaskError, match="num_ctas"):
         lower(plan, 1, 1, 1, num_ctas=0)
+
+
+def test_unplaced_work_is_in_list_order_for_the_dynamic_kernel():
+    """``placed=False`` keeps ``work_order``'s list (what one CTA would get) for any CTA count,
+    so the dynamic kernel's CTAs take the entries heaviest first within each L2 group."""
+    from compilemask.kernels.cute import disk_cache
+
+    plan = cm.compile(cm.masks.causal(), 1024, block_m=128, block_n=128)
+    one = lower(plan, 2, 2, 1, kv_group=1, num_ctas=1)
+    dyn = lower(plan, 2, 2, 1, kv_group=1, num_ctas=3, placed=False)
+    placed = lower(plan, 2, 2, 1, kv_group=1, num_ctas=3)
+    assert dyn.num_ctas == 3 and not dyn.placed and placed.placed
+    assert torch.equal(dyn.work, one.work)
+    assert not torch.equal(dyn.work, placed.work)
+    static = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda")
+    dynamic = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda", dynamic=True)
+    assert static != dynamic and dynamic.isidentifier()

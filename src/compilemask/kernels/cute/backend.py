@@ -35,7 +35,13 @@ HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 UNDER_COMPILE = under_compile_reason("cute")
 
-#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type)
+#: the kernel's work scheduler: False, the static placement of :mod:`.rounds` (CTA ``c`` runs
+#: entry ``r grid + c`` of the placed list); True, the dynamic variant (the CTAs take the
+#: unplaced list in order through a global counter, ``forward_sm90.FlashFwdSm90Dynamic``).
+#: Read per call.
+DYNAMIC = False
+
+#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type, dynamic)
 _KERNELS: dict[tuple, object] = {}
 #: seconds the first call of each key spent getting its kernel (compiling or loading it)
 _COMPILE_SECONDS: dict[tuple, float] = {}
@@ -44,7 +50,7 @@ _ORIGINS: dict[tuple, str] = {}
 
 
 def compile_seconds() -> dict[tuple, float]:
-    """``{(head_dim, dtype, block_m, block_n, device_type): seconds}`` this process spent
+    """``{(head_dim, dtype, block_m, block_n, device_type, dynamic): seconds}`` this process spent
     getting each kernel: ``cute.compile`` (and writing the disk cache), or loading it from the
     disk cache (see :func:`kernel_origins`). Later calls reuse the kernel."""
     return dict(_COMPILE_SECONDS)
@@ -55,13 +61,16 @@ def kernel_origins() -> dict[tuple, str]:
     return dict(_ORIGINS)
 
 
-def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, stream):
-    """The kernel of ``(head_dim, dtype)`` for arguments on ``device_type``: from this
-    process, else from the disk cache, else compiled on ``args`` (and stored)."""
+def _kernel(
+    head_dim: int, dtype_name: str, device_type: str, args: tuple, stream, dynamic: bool = False
+):
+    """The kernel of ``(head_dim, dtype)`` (``dynamic``: its dynamic-scheduler variant) for
+    arguments on ``device_type``: from this process, else from the disk cache, else compiled
+    on ``args`` (and stored)."""
     from . import disk_cache
     from . import forward_sm90 as fwd
 
-    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type)
+    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type, dynamic)
     kernel = _KERNELS.get(key)
     if kernel is None:
         start = time.perf_counter()
@@ -69,7 +78,7 @@ def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, strea
         kernel = disk_cache.load(name)
         origin = "disk"
         if kernel is None:
-            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream)
+            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream, dynamic)
             disk_cache.store(kernel, name)
             origin = "compiled"
         _COMPILE_SECONDS[key] = time.perf_counter() - start
@@ -78,9 +87,12 @@ def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, strea
     return kernel
 
 
-def precompile(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None) -> float:
+def precompile(
+    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None, dynamic=None
+) -> float:
     """Get the kernel of ``(head_dim, dtype)`` into this process and the disk cache without a
-    call: compiled (or loaded) for arguments on ``device`` (default: CUDA when there is a GPU,
+    call (``dynamic``: the dynamic-scheduler variant; None: :data:`DYNAMIC`): compiled (or
+    loaded) for arguments on ``device`` (default: CUDA when there is a GPU,
     else the CPU, which compiles a kernel for generic pointers, stored under its own name).
     Needs ``cutlass`` and ``CUTE_DSL_ARCH=sm_90a`` on a machine without a GPU. Returns the
     seconds it took (0 when the process had it already).
@@ -99,11 +111,12 @@ def precompile(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type)
+    dynamic = DYNAMIC if dynamic is None else bool(dynamic)
+    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type, dynamic)
     if key in _KERNELS:
         return 0.0
-    args = fwd.example_args(head_dim, _DTYPES[dtype], device)
-    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0))
+    args = fwd.example_args(head_dim, _DTYPES[dtype], device, dynamic)
+    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0), dynamic)
     return _COMPILE_SECONDS[key]
 
 
@@ -167,14 +180,19 @@ class CuteBackend:
         return True, ""
 
     def prepare(self, plan: MaskPlan, call) -> CuteLowered:
-        """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv)."""
+        """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv):
+        placed for the CTAs, or in list order when :data:`DYNAMIC`."""
         if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         group = _kv_group(plan, call)
         ctas = _num_sms(call.device) if call.device.type == "cuda" else 1
-        key = ("cute", call.batch, call.heads_q, call.heads_kv, group, ctas)
+        placed = not DYNAMIC
+        key = ("cute", call.batch, call.heads_q, call.heads_kv, group, ctas, placed)
         return plan.cached(
-            key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv, group, ctas)
+            key,
+            lambda: lower(
+                plan, call.batch, call.heads_q, call.heads_kv, group, ctas, placed=placed
+            ),
         )
 
     def forward(
@@ -212,9 +230,11 @@ def _kv_group(plan: MaskPlan, call) -> int | None:
     return l2_kv_group(call.batch, call.heads_kv, call.kv_len, kv_key, props.L2_cache_size)
 
 
-def run_forward(q, k, v, low: CuteLowered, scale: float):
+def run_forward(q, k, v, low: CuteLowered, scale: float, dynamic: bool | None = None):
     """Launch the kernel (compiled or loaded from disk on the first call of its
-    ``(head_dim, dtype)``)."""
+    ``(head_dim, dtype)``): the dynamic-scheduler variant when ``dynamic`` (None: when the
+    lowered list is unplaced, ``low.placed`` False), with a zeroed int32 counter per call
+    (no host synchronisation), else the static one."""
     import cuda.bindings.driver as cuda
 
     from . import forward_sm90 as fwd
@@ -223,8 +243,10 @@ def run_forward(q, k, v, low: CuteLowered, scale: float):
     B, Hq, Nq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas)
+    dynamic = not low.placed if dynamic is None else bool(dynamic)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
+    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream)
+    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream, dynamic)
     kernel(*args, stream)
     return out, lse

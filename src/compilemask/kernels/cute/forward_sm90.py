@@ -6,7 +6,10 @@ query rows of a work item (registers raised). The CTAs are persistent and walk t
 work list (``lower.work``) in rounds of ``grid`` entries: CTA ``c`` takes entry ``r grid + c``
 in round ``r`` (:func:`work_item`); the lowering places the entries so that this gives each
 CTA its share (:mod:`.rounds`). The producer and both consumers walk the same sequence
-without any shared scheduler state.
+without any shared scheduler state. The dynamic variant (:class:`FlashFwdSm90Dynamic`) takes
+the unplaced list in order instead: the producer draws entries from a global counter and hands
+each one to the consumers through a shared-memory slot per Q stage
+(:meth:`FlashFwdSm90.produce_dynamic`).
 
 Per work item ``(b, hq, qt, m, n, nf, list0)`` (one row of ``lower.work``: the q-tile's kv
 count ``n``, FULL count ``nf`` and first row ``list0`` of ``tiles`` ride in the entry, so one
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -129,11 +133,14 @@ def bits_seen(bits: cute.Tensor, page: Int32, row: Int32, lane: Int32):
 class FlashFwdSm90:
     """The kernel for one ``(head_dim, dtype)``; ``__call__`` is the ``cute.jit`` host side."""
 
-    def __init__(self, head_dim: int, dtype):
+    def __init__(self, head_dim: int, dtype, dynamic: bool = False):
         assert head_dim in (64, 128)
         assert BLOCK_M == 2 * ROWS_PER_WG
         self.head_dim = head_dim
         self.dtype = dtype
+        #: the CTAs take work entries in list order through a global counter (see
+        #: :class:`FlashFwdSm90Dynamic`), else entry ``r grid + c`` in round ``r``
+        self.dynamic = dynamic
         self.block_n = BLOCK_N
         self.threads = 3 * WG_THREADS
 
@@ -154,6 +161,18 @@ class FlashFwdSm90:
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
+        self.launch(
+            mQ, mK, mV, mO, mLSE, work, tiles, row_lo, row_hi, bits, scale_log2, num_ctas, None,
+            stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def launch(
+        self, mQ, mK, mV, mO, mLSE, work, tiles, row_lo, row_hi, bits, scale_log2, num_ctas,
+        counter, stream,
+    ):  # fmt: skip
+        """The host side of ``__call__`` (traced inside it); ``counter``: None, or the
+        dynamic variant's int32 ``[1]`` entry counter (zero at launch)."""
         D, N = self.head_dim, self.block_n
         dt = self.dtype
         k_major = warpgroup.OperandMajorMode.K
@@ -203,13 +222,26 @@ class FlashFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
 
+        @cute.struct
+        class StorageDynamic:
+            q_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
+            kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
+            # per Q stage: the work entry whose Q half it holds, -1 for "no more work"
+            q_item: cute.struct.MemRange[Int32, Q_STAGES]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
+
+        if cutlass.const_expr(self.dynamic):
+            Storage = StorageDynamic  # noqa: N806
+
         # 225 KB at head_dim 128 (Q 4 x 16, K/V ring 4 x 32, O 2 x 16 KB): under sm90's 227 KB
         assert Storage.size_in_bytes() <= SMEM_BYTES, Storage.size_in_bytes()
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
             work, tiles, row_lo, row_hi, bits, scale_log2, sQ_layout, sK_layout, sV_layout,
-            sO_layout,
+            sO_layout, counter,
         ).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream
         )  # fmt: skip
@@ -239,6 +271,7 @@ class FlashFwdSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        counter: Optional[cute.Tensor],  # noqa: UP045 (the DSL reads typing.Optional)
     ):
         D, N = self.head_dim, self.block_n
         tidx, _, _ = cute.arch.thread_idx()
@@ -249,14 +282,15 @@ class FlashFwdSm90:
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.storage)
-        q_prod, q_cons = pipeline.PipelineTmaAsync.create(
+        q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.q_bar.data_ptr(),
             num_stages=Q_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
             tx_count=self.q_bytes,
             defer_sync=True,
-        ).make_participants()
+        )
+        q_prod, q_cons = q_pipe.make_participants()
         kv_prod, kv_cons = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.kv_bar.data_ptr(),
             num_stages=KV_STAGES,
@@ -283,40 +317,50 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
-                rnd = Int32(0)
-                item = bidx
-                while item < num_work:
-                    b, hq, qt, _, n, _, list0 = read_entry(work, tiles, row_lo, item)
-                    hk = hq // group
-                    gQ = cute.local_tile(tQ[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
-                    tQs, tQg = cpasync.tma_partition(
-                        tma_q, 0, cute.make_layout(1),
-                        cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2),
+                if cutlass.const_expr(self.dynamic):
+                    self.produce_dynamic(
+                        q_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work,
+                        tiles, row_lo, counter, st.q_item.get_tensor(cute.make_layout(Q_STAGES)),
                     )  # fmt: skip
-                    for half in cutlass.range_constexpr(2):
-                        h = q_prod.acquire_and_advance()
-                        cute.copy(
-                            tma_q, tQg[None, qt * 2 + half], tQs[None, h.index],
-                            tma_bar_ptr=h.barrier,
+                else:
+                    rnd = Int32(0)
+                    item = bidx
+                    while item < num_work:
+                        b, hq, qt, _, n, _, list0 = read_entry(work, tiles, row_lo, item)
+                        hk = hq // group
+                        gQ = cute.local_tile(tQ[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
+                        tQs, tQg = cpasync.tma_partition(
+                            tma_q, 0, cute.make_layout(1),
+                            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2),
                         )  # fmt: skip
-                    gK = cute.local_tile(tK[None, None, hk, b], (N, D), (None, 0))
-                    tKs, tKg = cpasync.tma_partition(
-                        tma_k, 0, cute.make_layout(1),
-                        cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
-                    )  # fmt: skip
-                    gV = cute.local_tile(tV[None, None, hk, b], (D, N), (0, None))
-                    tVs, tVg = cpasync.tma_partition(
-                        tma_v, 0, cute.make_layout(1),
-                        cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
-                    )  # fmt: skip
-                    for i in cutlass.range(n, unroll=1):
-                        kt = tiles[list0 + i, 0]
-                        h = kv_prod.acquire_and_advance()
-                        cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
-                        h = kv_prod.acquire_and_advance()
-                        cute.copy(tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier)
-                    rnd += 1
-                    item = work_item(rnd, bidx, grid)
+                        for half in cutlass.range_constexpr(2):
+                            h = q_prod.acquire_and_advance()
+                            cute.copy(
+                                tma_q, tQg[None, qt * 2 + half], tQs[None, h.index],
+                                tma_bar_ptr=h.barrier,
+                            )  # fmt: skip
+                        gK = cute.local_tile(tK[None, None, hk, b], (N, D), (None, 0))
+                        tKs, tKg = cpasync.tma_partition(
+                            tma_k, 0, cute.make_layout(1),
+                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
+                        )  # fmt: skip
+                        gV = cute.local_tile(tV[None, None, hk, b], (D, N), (0, None))
+                        tVs, tVg = cpasync.tma_partition(
+                            tma_v, 0, cute.make_layout(1),
+                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
+                        )  # fmt: skip
+                        for i in cutlass.range(n, unroll=1):
+                            kt = tiles[list0 + i, 0]
+                            h = kv_prod.acquire_and_advance()
+                            cute.copy(
+                                tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier
+                            )
+                            h = kv_prod.acquire_and_advance()
+                            cute.copy(
+                                tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier
+                            )
+                        rnd += 1
+                        item = work_item(rnd, bidx, grid)
         else:
             # ------------------------------------------------------------ consumers
             cute.arch.setmaxregister_increase(MMA_REGS)
@@ -340,12 +384,21 @@ class FlashFwdSm90:
             row_cap = cutlass.min(q_len, row_lo.shape[1]) - 1  # the last row row_bounds reads
             rnd = Int32(0)
             item = bidx
-            while item < num_work:
+            if cutlass.const_expr(self.dynamic):
+                # the entry of the next Q stage of this warpgroup (-1: no more work), read
+                # after the stage's wait; the wait at the top of the loop then finds the same
+                # phase complete and returns at once
+                q_item = st.q_item.get_tensor(cute.make_layout(Q_STAGES))
+                if cw == 1:
+                    q_cons.advance()
+                item = q_item[q_cons.wait().index]
+            while self.more_work(item, num_work):
                 b, hq, qt, m, n, nf, list0 = read_entry(work, tiles, row_lo, item)
                 tile_row0 = cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4  # in the q-tile
                 row0 = qt * (2 * ROWS_PER_WG) + tile_row0
-                if cw == 1:
-                    q_cons.advance()
+                if cutlass.const_expr(not self.dynamic):
+                    if cw == 1:
+                        q_cons.advance()
                 qh = q_cons.wait()
                 acc_o = pv_thr.make_fragment_C(o_shape)
                 acc_o.fill(0.0)
@@ -375,8 +428,9 @@ class FlashFwdSm90:
                 # every S GEMM has completed (each step waits for all its wgmma groups): the
                 # Q stage goes back to the producer before the last PV GEMM and the epilogue
                 qh.release()
-                rnd += 1
-                item = work_item(rnd, bidx, grid)
+                if cutlass.const_expr(not self.dynamic):
+                    rnd += 1
+                    item = work_item(rnd, bidx, grid)
                 if n > 0:
                     kv_cons = self.last_pv(kv_cons, ts)
                 if cw == 0:
@@ -386,8 +440,107 @@ class FlashFwdSm90:
                     acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
                     cw, row0, q_len, wtid, lane,
                 )  # fmt: skip
+                if cutlass.const_expr(self.dynamic):
+                    if cw == 1:
+                        q_cons.advance()
+                    item = q_item[q_cons.wait().index]
             if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def more_work(self, item, num_work):
+        """The consumers' loop condition: an entry of the list (static), or not the -1 that
+        ends the dynamic variant's work."""
+        return item >= 0 if self.dynamic else item < num_work
+
+    @cute.jit
+    def produce_dynamic(
+        self, q_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work, tiles, row_lo,
+        counter, q_item,
+    ):  # fmt: skip
+        """The producer warp of the dynamic variant: work entries in list order from the global
+        ``counter`` (CTA ``c`` starts with entry ``c``, then takes ``grid + atomicAdd(counter,
+        1)``, drawn when it has issued the last K/V load of its current entry).
+
+        Per entry both Q stages are acquired by hand: wait for the stage to be empty, then the
+        elected thread writes the entry's index into ``q_item[stage]`` and arrives on the
+        stage's full barrier with its TMA bytes (``mbarrier.arrive`` has release semantics at
+        CTA scope, the consumers' ``try_wait`` acquire: the index is visible to a consumer that
+        saw the phase complete), then the TMA loads. Past the list the two stages get -1 and a
+        plain arrive (no bytes: the phase completes at once), and the producer stops; each
+        consumer warpgroup leaves its loop on reading -1 from its stage."""
+        D = self.head_dim
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        num_work = work.shape[0]
+        group = tQ.shape[2] // tK.shape[2]
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        item = bidx
+        live = Int32(1)
+        while live > 0:
+            slot = Int32(-1)
+            if item < num_work:
+                slot = item
+            # clamped: the entry's loads issue before the stage waits, also past the list
+            at = cutlass.max(cutlass.min(item, num_work - 1), 0)
+            b, hq, qt, _, n, _, list0 = read_entry(work, tiles, row_lo, at)
+            stage0 = q_state.index
+            for half in cutlass.range_constexpr(2):  # noqa: B007 (the DSL refuses `_` here)
+                q_pipe.sync_object_empty.wait(q_state.index, q_state.phase)
+                bar = q_pipe.sync_object_full.get_barrier(q_state.index)
+                with cute.arch.elect_one():
+                    q_item[q_state.index] = slot
+                    if slot >= 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar, self.q_bytes)
+                    else:
+                        cute.arch.mbarrier_arrive(bar)
+                q_state.advance()
+            if slot >= 0:
+                hk = hq // group
+                gQ = cute.local_tile(tQ[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
+                tQs, tQg = cpasync.tma_partition(
+                    tma_q, 0, cute.make_layout(1),
+                    cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2),
+                )  # fmt: skip
+                for half in cutlass.range_constexpr(2):
+                    # the pair of stages of one entry never wraps (Q_STAGES is even)
+                    stage = stage0 + half
+                    cute.copy(
+                        tma_q, tQg[None, qt * 2 + half], tQs[None, stage],
+                        tma_bar_ptr=q_pipe.sync_object_full.get_barrier(stage),
+                    )  # fmt: skip
+                kv_prod = self.load_kv(
+                    kv_prod, tma_k, tK, tma_v, tV, sK, sV, tiles, b, hk, list0, n
+                )
+                nxt = Int32(0)
+                if lane == 0:
+                    nxt = cute.arch.atomic_add(counter.iterator, Int32(1))
+                item = grid + cute.arch.shuffle_sync(nxt, 0)
+            else:
+                live = Int32(0)
+
+    @cute.jit
+    def load_kv(self, kv_prod, tma_k, tK, tma_v, tV, sK, sV, tiles, b, hk, list0, n):
+        """TMA loads of K and V of the ``n`` kv-tiles ``tiles[list0 + i, 0]`` of kv head ``hk``
+        of batch row ``b`` into the ring (K then V per kv-tile)."""
+        D, N = self.head_dim, self.block_n
+        gK = cute.local_tile(tK[None, None, hk, b], (N, D), (None, 0))
+        tKs, tKg = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1),
+            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
+        )  # fmt: skip
+        gV = cute.local_tile(tV[None, None, hk, b], (D, N), (0, None))
+        tVs, tVg = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1),
+            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
+        )  # fmt: skip
+        for i in cutlass.range(n, unroll=1):
+            kt = tiles[list0 + i, 0]
+            h = kv_prod.acquire_and_advance()
+            cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
+            h = kv_prod.acquire_and_advance()
+            cute.copy(tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier)
+        return kv_prod
 
     @cute.jit
     def qk_gemm(self, ts, acc_s, k_stage):
@@ -611,13 +764,47 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_commit_group()
 
 
+class FlashFwdSm90Dynamic(FlashFwdSm90):
+    """The dynamic-scheduler variant: the CTAs take the work list's entries in list order
+    (the lowering's unplaced list, ``lower(..., placed=False)``) through a global int32
+    counter, zero at launch (:meth:`FlashFwdSm90.produce_dynamic`); the counter is the
+    argument after ``num_ctas``."""
+
+    def __init__(self, head_dim: int, dtype):
+        super().__init__(head_dim, dtype, dynamic=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        work: cute.Tensor,
+        tiles: cute.Tensor,
+        row_lo: cute.Tensor,
+        row_hi: cute.Tensor,
+        bits: cute.Tensor,
+        scale_log2: Float32,
+        num_ctas: Int32,
+        counter: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self.launch(
+            mQ, mK, mV, mO, mLSE, work, tiles, row_lo, row_hi, bits, scale_log2, num_ctas,
+            counter, stream,
+        )  # fmt: skip
+
+
 _TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
+def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int, counter=None):
     """The kernel's arguments from torch tensors: q, out ``[B, Hq, Nq, D]``, k, v
     ``[B, Hkv, Nk, D]`` (D contiguous, 16-byte aligned), lse fp32 ``[B, Hq, Nq]`` and the
-    lowered plan ``low`` (:class:`~.lower.CuteLowered`)."""
+    lowered plan ``low`` (:class:`~.lower.CuteLowered`); ``counter``: None (static variant)
+    or the dynamic variant's zeroed int32 ``[1]`` counter."""
     from cutlass.cute.runtime import from_dlpack
 
     def dyn(t, leading):
@@ -640,10 +827,10 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int):
         from_dlpack(lse.permute(2, 1, 0), assumed_align=4).mark_layout_dynamic(leading_dim=0),
         *plan_views,
         Float32(scale * LOG2E), Int32(num_ctas),
-    )  # fmt: skip
+    ) + (() if counter is None else (from_dlpack(counter, assumed_align=4),))  # fmt: skip
 
 
-def example_args(head_dim: int, dtype_name: str, device) -> tuple:
+def example_args(head_dim: int, dtype_name: str, device, dynamic: bool = False) -> tuple:
     """Arguments of the kernel's signature from small zero tensors on ``device`` (every
     shape and stride is dynamic, so their sizes do not matter): what :func:`compile_forward`
     needs to compile without a call at hand."""
@@ -665,11 +852,16 @@ def example_args(head_dim: int, dtype_name: str, device) -> tuple:
         row_hi=ints(2, BLOCK_M, 2), bits_index=ints(2, 2, 2), bits=ints(1, BLOCK_M, BLOCK_N // 32),
         block_m=BLOCK_M, block_n=BLOCK_N, num_ctas=1,
     )  # fmt: skip
-    return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1)
+    counter = ints(1) if dynamic else None
+    return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1, counter)
 
 
-def compile_forward(head_dim: int, dtype_name: str, example_args: tuple, stream):
-    """``cute.compile`` of :class:`FlashFwdSm90` for ``(head_dim, dtype)`` on
-    ``example_args`` (from :func:`kernel_args`; only their types and ranks matter)."""
-    kernel = FlashFwdSm90(head_dim, _TORCH_TO_CUTLASS[dtype_name])
+def compile_forward(
+    head_dim: int, dtype_name: str, example_args: tuple, stream, dynamic: bool = False
+):
+    """``cute.compile`` of :class:`FlashFwdSm90` (``dynamic``: :class:`FlashFwdSm90Dynamic`)
+    for ``(head_dim, dtype)`` on ``example_args`` (from :func:`kernel_args`; only their types
+    and ranks matter)."""
+    cls = FlashFwdSm90Dynamic if dynamic else FlashFwdSm90
+    kernel = cls(head_dim, _TORCH_TO_CUTLASS[dtype_name])
     return cute.compile(kernel, *example_args, stream)

@@ -85,8 +85,12 @@ class CuteLowered:
     bits: torch.Tensor
     block_m: int
     block_n: int
-    #: persistent CTAs the work list is placed for (:mod:`.rounds`)
+    #: persistent CTAs the work list is placed for (:mod:`.rounds`), or that take it in list
+    #: order (``placed`` False)
     num_ctas: int
+    #: whether ``work`` is placed for ``num_ctas`` CTAs (:mod:`.rounds`; the static kernel),
+    #: or in list order (``work_order``'s, for the kernel's dynamic variant)
+    placed: bool = True
     #: the kernel's views of the tensors above, made on the first launch and reused (making
     #: them costs tens of microseconds each per call)
     kernel_views: dict = field(default_factory=dict, compare=False, repr=False)
@@ -210,11 +214,13 @@ def lower(
     kv_group: int | None = None,
     num_ctas: int = 1,
     costs: tuple[int, int, int] | None = None,
+    placed: bool = True,
 ) -> CuteLowered:
     """The kernel's view of ``plan`` for ``batch`` rows, ``heads_q`` / ``heads_kv`` heads
     (``kv_group``: see :func:`work_order` and :func:`l2_kv_group`), its work list placed for
     ``num_ctas`` persistent CTAs (:mod:`.rounds`; the kernel runs ``min(num_ctas, W)``) by
-    the entries' ``costs`` (:func:`.rounds.entry_cost`).
+    the entries' ``costs`` (:func:`.rounds.entry_cost`); ``placed=False`` keeps the list in
+    :func:`work_order`'s order (the dynamic variant's CTAs take it in that order).
 
     Raises:
         CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
@@ -245,11 +251,14 @@ def lower(
     jlo, jhi = s.jlo.contiguous(), s.jhi.contiguous()
     work = work_entries(order, kv_count, full_count, kv_list.shape[-1])
     ctas = min(num_ctas, work.shape[0])
-    placed = torch.empty_like(work)
-    placed[cta_positions(entry_cost(work, costs), ctas)] = work
+    if placed:
+        at = cta_positions(entry_cost(work, costs), ctas)
+        work, unplaced = torch.empty_like(work), work
+        work[at] = unplaced
     return CuteLowered(
-        work=placed,
+        work=work,
         num_ctas=ctas,
+        placed=placed,
         kv_list=kv_list,
         kv_count=kv_count,
         full_count=full_count,
