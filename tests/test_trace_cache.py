@@ -152,3 +152,72 @@ def test_gpu_new_mask_mod_over_new_cuda_tables_reuses_the_trace():
         assert torch.equal(got.to_dense().cpu(), flex_dense(cpu, 1024))
         plans.append(got)
     assert len(trace._CACHE) == 1
+
+
+# state a trace would freeze: read through a module, a function attribute or a builtin
+_CFG = type(torch)("mask_config")
+_CFG.WINDOW = 128
+
+
+def _helper(q):
+    return q
+
+
+def test_reads_through_modules_builtins_and_attributes_are_never_cached():
+    """A value reached through another module (a config module, ``os.environ``, ``random``),
+    a function's attribute, ``globals()`` / ``getattr`` or an impure torch function has no
+    key: every call traces afresh and gets the mask of its own values."""
+    import os
+    import random
+
+    cfg = _CFG
+
+    def by_module(b, h, q, k):
+        return (q - k < cfg.WINDOW) & (k <= q)
+
+    def by_environ(b, h, q, k):
+        return (q - k < int(os.environ["CM_TEST_WINDOW"])) & (k <= q)
+
+    def by_attribute(b, h, q, k):
+        return (q - k < _helper.w) & (k <= q)
+
+    def by_globals(b, h, q, k):
+        return (q - k < globals()["_G_WINDOW"]) & (k <= q)
+
+    def by_random(b, h, q, k):
+        return (q - k < random.randint(1, 100)) & (k <= q)
+
+    def by_torch_state(b, h, q, k):
+        return (q - k < torch.get_num_threads() * 10) & (k <= q)
+
+    for fn in (by_module, by_environ, by_attribute, by_globals, by_random, by_torch_state):
+        assert trace.structure(fn) is None, fn.__name__
+    os.environ["CM_TEST_WINDOW"] = "128"
+    _helper.w = 100
+    globals()["_G_WINDOW"] = 100
+    for fn, change in (
+        (by_module, lambda: setattr(cfg, "WINDOW", 129)),
+        (by_environ, lambda: os.environ.__setitem__("CM_TEST_WINDOW", "256")),
+        (by_attribute, lambda: setattr(_helper, "w", 200)),
+        (by_globals, lambda: globals().__setitem__("_G_WINDOW", 200)),
+    ):
+        first = cm.from_mask_mod(fn, 300)
+        assert torch.equal(first.to_dense(), flex_dense(fn, 300)), fn.__name__
+        change()
+        second = cm.from_mask_mod(fn, 300)
+        assert torch.equal(second.to_dense(), flex_dense(fn, 300)), fn.__name__
+        assert not torch.equal(first.to_dense(), second.to_dense()), fn.__name__
+    assert not trace._CACHE
+    os.environ.pop("CM_TEST_WINDOW")
+
+
+def test_torch_pure_functions_and_math_keep_the_cache():
+    import math
+
+    def mm(b, h, q, k):
+        return torch.logical_and(q - k < math.ceil(2.5) * 40, k <= q)
+
+    assert trace.structure(mm) is not None
+    got = cm.from_mask_mod(mm, 200)
+    assert torch.equal(got.to_dense(), flex_dense(mm, 200))
+    assert len(trace._CACHE) == 1

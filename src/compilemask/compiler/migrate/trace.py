@@ -12,12 +12,15 @@ the function's closure cells, defaults and the global names its code reads:
   and shape are not in the key; the tensor itself is a *leaf*, bound at call time (and which
   leaves are the same object);
 * tuples and lists (e.g. the mask_mods of attention-gym's ``and_masks``): element by element;
-  ``functools.partial``: its function, arguments and keywords; modules and builtin functions:
-  by identity.
+  ``functools.partial``: its function, arguments and keywords; the modules ``torch`` (its
+  names of :data:`TORCH_PURE` only) and ``math``, the builtins of :data:`PURE_BUILTINS` and
+  torch's pure functions: by identity.
 
-Anything else (an object, a dict, a bound method, a function that writes a global or imports)
-has no key and is traced on every call. A trace is kept only when it provably reads nothing
-but its leaves, and those only as inputs of the graph:
+Anything else has no key and is traced on every call: an object, a dict, a bound method,
+another module (``os.environ``, ``random``, a config module: what a trace reads from it would
+be frozen), another builtin (``getattr``, ``globals``), an attribute of a function or of a
+value other than a tensor, a function that writes a global or imports. A trace is kept only
+when it provably reads nothing but its leaves, and those only as inputs of the graph:
 
 * no tensor operation ran on real data while tracing (a dispatch mode counts them), and no
   torch function was called on real tensors alone (a torch-function mode: ``tolist()``,
@@ -34,6 +37,7 @@ from __future__ import annotations
 import builtins
 import dis
 import functools
+import math
 import threading
 import types
 from collections import OrderedDict
@@ -111,23 +115,73 @@ class _NoKey(Exception):
     pass
 
 
+#: torch attributes a cached trace may use: tensor operations whose result depends only on
+#: their arguments, and dtypes (``torch.get_num_threads()`` or ``torch.nn...`` are not: a
+#: trace would freeze what they return)
+TORCH_PURE = frozenset({
+    "where", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and",
+    "bitwise_or", "bitwise_not", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift",
+    "ones_like", "zeros_like", "full_like", "minimum", "maximum", "min", "max", "abs", "clamp",
+    "div", "floor_divide", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge", "add", "sub",
+    "mul", "neg", "sign", "searchsorted", "bucketize", "gather", "index_select", "isin",
+    "tensor", "as_tensor", "full", "zeros", "ones", "arange", "int8", "int16", "int32", "int64",
+    "uint8", "bool", "long", "int", "float", "float16", "bfloat16", "float32", "float64",
+})  # fmt: skip
+#: builtins a cached trace may call (their result depends only on their arguments)
+PURE_BUILTINS = frozenset({
+    "abs", "all", "any", "bool", "divmod", "enumerate", "float", "int", "isinstance", "len",
+    "list", "max", "min", "pow", "range", "reversed", "round", "sorted", "sum", "tuple", "zip",
+})  # fmt: skip
+_PURE_MODULES = {"torch": TORCH_PURE, "math": None}  # None: every attribute
+
+
 @functools.lru_cache(maxsize=1024)  # code objects are immutable (a scan costs ~0.2 ms)
-def _global_names(code: types.CodeType) -> tuple[str, ...] | None:
-    """The global names ``code`` (nested code included) reads, or None when it writes one or
-    imports."""
-    names = []
+def _code_reads(code: types.CodeType):
+    """``(names, attrs)``: the global names ``code`` (nested code included) reads, and per
+    global or closure name the attributes loaded right after it (``cfg.W``, ``torch.where``);
+    None when it writes a global, imports, or loads an attribute of a name in nested code."""
+    names, attrs, prev = [], {}, None
     for ins in dis.get_instructions(code):
         if ins.opname in _WRITES:
             return None
         if ins.opname in _READS:
             names.append(ins.argval)
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev is not None:
+            attrs.setdefault(prev, set()).add(ins.argval)
+        prev = ins.argval if ins.opname in _READS or ins.opname == "LOAD_DEREF" else None
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            inner = _global_names(c)
-            if inner is None:
+            inner = _code_reads(c)
+            if inner is None or inner[1]:
                 return None
-            names.extend(inner)
-    return tuple(dict.fromkeys(names))
+            names.extend(inner[0])
+    return tuple(dict.fromkeys(names)), {k: frozenset(v) for k, v in attrs.items()}
+
+
+def _check_use(v, attrs) -> None:
+    """Raise :class:`_NoKey` unless reading ``attrs`` of ``v`` (a global or closure value)
+    gives the same thing whatever the call: a pure module's allowed names, or anything of a
+    tensor (value reads of tensors are caught while tracing)."""
+    if not attrs or type(v) is torch.Tensor:
+        return
+    if isinstance(v, types.ModuleType):
+        allowed = _PURE_MODULES.get(v.__name__, ())
+        if allowed is None or (allowed and attrs <= allowed):
+            return
+    raise _NoKey
+
+
+def _pure(v) -> bool:
+    """A module or builtin function whose use does not depend on state: ``torch``, ``math``
+    and its functions, :data:`PURE_BUILTINS`, ``torch`` functions of :data:`TORCH_PURE`."""
+    if isinstance(v, types.ModuleType):
+        return v.__name__ in _PURE_MODULES
+    name = getattr(v, "__name__", None)
+    if getattr(v, "__module__", None) == "math":  # math.floor, ... imported by name
+        return getattr(math, name, None) is v
+    return (name in PURE_BUILTINS and getattr(builtins, name, None) is v) or (
+        name in TORCH_PURE and getattr(torch, name, None) is v
+    )
 
 
 def _walk(v, leaves: list, depth: int):
@@ -145,23 +199,27 @@ def _walk(v, leaves: list, depth: int):
     if t is tuple or t is list:
         return (t, tuple(_walk(x, leaves, depth + 1) for x in v))
     if t is types.FunctionType:
-        names = _global_names(v.__code__)
-        if names is None:
+        reads = _code_reads(v.__code__)
+        if reads is None:
             raise _NoKey
+        names, attrs = reads
         key = [v.__code__, _walk(v.__defaults__, leaves, depth + 1)]
         kw = v.__kwdefaults__ or {}
         key.append(tuple((k, _walk(kw[k], leaves, depth + 1)) for k in sorted(kw)))
-        for cell in v.__closure__ or ():
+        for name, cell in zip(v.__code__.co_freevars, v.__closure__ or ()):
             try:
-                key.append(_walk(cell.cell_contents, leaves, depth + 1))
+                value = cell.cell_contents
             except ValueError:  # an empty cell
                 raise _NoKey from None
+            _check_use(value, attrs.get(name))
+            key.append(_walk(value, leaves, depth + 1))
         g = v.__globals__
         for name in names:
             if name in g:
+                _check_use(g[name], attrs.get(name))
                 key.append(_walk(g[name], leaves, depth + 1))
-            elif hasattr(builtins, name):
-                key.append(("builtin", getattr(builtins, name)))
+            elif hasattr(builtins, name) and _pure(getattr(builtins, name)) and not attrs.get(name):
+                key.append(("builtin", name))
             else:
                 raise _NoKey
         return tuple(key)
@@ -169,7 +227,7 @@ def _walk(v, leaves: list, depth: int):
         kw = v.keywords
         return ("partial", _walk(v.func, leaves, depth + 1), _walk(v.args, leaves, depth + 1),
                 tuple((k, _walk(kw[k], leaves, depth + 1)) for k in sorted(kw)))  # fmt: skip
-    if isinstance(v, _IDENTITY):
+    if isinstance(v, _IDENTITY) and _pure(v):
         return ("same", v)
     raise _NoKey
 
