@@ -1,10 +1,7 @@
 """Forward times of ``backend="cute"`` for several work-list orders of one plan, beside
 cuDNN-frontend in the same process: the L2 groups of ``lower.work_order`` (``kv_group``:
-``none`` for one list heaviest first, or a number of (batch row, kv head) pairs per group)
-with the CTA placement of ``kernels/cute/rounds.py`` under the entry costs of ``--costs``
-(FULL kv-tile, PARTIAL kv-tile, per entry). ``--dynamic`` also times the kernel's
-dynamic-scheduler variant on the same plan and groups (the list unplaced, taken in order
-through a global counter); rows say ``scheduler: static|dynamic``.
+``none`` for one list heaviest first, or a number of (batch row, kv head) pairs per group),
+the kernel's CTAs taking the entries in list order.
 
     PYTHONPATH=src python benchmarks/cute_order.py --out rows.jsonl --commit abc1234
 
@@ -37,13 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), help="workload:N0 ...")
     p.add_argument("--groups", nargs="+", default=list(GROUPS))
-    p.add_argument(
-        "--costs",
-        nargs="+",
-        default=["1,1,1"],
-        help="entry costs FULL,PARTIAL,ITEM for the CTA placement (rounds.entry_cost)",
-    )
-    p.add_argument("--dynamic", action="store_true", help="also time the dynamic-scheduler variant")
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default="unknown")
     args = p.parse_args(argv)
@@ -79,22 +69,15 @@ def main(argv: list[str] | None = None) -> int:
                     group = int(g)
                     if group >= B * H:
                         continue
-                runs = [("static", cost_spec) for cost_spec in args.costs]
-                if args.dynamic:
-                    runs.append(("dynamic", None))
-                for scheduler, cost_spec in runs:
-                    dynamic = scheduler == "dynamic"
-                    costs = None if dynamic else tuple(int(c) for c in cost_spec.split(","))
-                    low = lower(case.plan, B, H, H, group, sms, costs, placed=not dynamic)
-                    scale = D**-0.5
-                    o, _ = run_forward(case.q, case.k, case.v, low, scale, dynamic)
-                    diff = None if ref is None else (o.float() - ref.float()).abs().max().item()
-                    call_once = partial(run_forward, case.q, case.k, case.v, low, scale, dynamic)
-                    ms = do_bench(call_once, warmup=25, rep=100, return_mode="median")
-                    emit({**base, "system": "compilemask-cute", "scheduler": scheduler,
-                          "kv_group": g if g != "auto" else f"auto={group}", "costs": cost_spec,
-                          "ms": round(ms, 4), "max_abs_diff": diff})  # fmt: skip
-                    del low, o
+                low = lower(case.plan, B, H, H, group, sms)
+                scale = D**-0.5
+                o, _ = run_forward(case.q, case.k, case.v, low, scale)
+                diff = None if ref is None else (o.float() - ref.float()).abs().max().item()
+                call_once = partial(run_forward, case.q, case.k, case.v, low, scale)
+                ms = do_bench(call_once, warmup=25, rep=100, return_mode="median")
+                emit({**base, "system": "compilemask-cute", "kv_group": g if g != "auto" else
+                      f"auto={group}", "ms": round(ms, 4), "max_abs_diff": diff})  # fmt: skip
+                del low, o
             del case, ref
             torch.cuda.empty_cache()
     return 0

@@ -7,9 +7,7 @@ step failed.
 
 ``--compile-only`` (no GPU needed, only ``cutlass``): compile, or load from the disk cache,
 the kernel of every (dtype, head_dim) and print the seconds and where each came from; run it
-twice to see the second process load from the cache; it compiles both scheduler variants
-(static and dynamic, ``backend.DYNAMIC``). ``CUTE_SMOKE_DYNAMIC=1`` runs the GPU checks with the
-dynamic variant (sets ``backend.DYNAMIC`` for this process).
+twice to see the second process load from the cache.
 """
 
 from __future__ import annotations
@@ -74,13 +72,12 @@ def compile_only():
     from compilemask.kernels.cute import disk_cache
 
     print(f"cache directory: {disk_cache.cache_dir()}", flush=True)
-    for dynamic in (False, True):
-        for dtype in (torch.bfloat16, torch.float16):
-            for head_dim in cb.HEAD_DIMS:
-                step(
-                    f"kernel {dtype} d={head_dim} {'dynamic' if dynamic else 'static'}",
-                    lambda d=dtype, h=head_dim, y=dynamic: f"{cb.precompile(h, d, None, y):.3f} s",
-                )
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in cb.HEAD_DIMS:
+            step(
+                f"kernel {dtype} d={head_dim}",
+                lambda d=dtype, h=head_dim: f"{cb.precompile(h, d):.3f} s",
+            )
     for key, origin in cb.kernel_origins().items():
         print(f"   {key}: {origin}, {cb.compile_seconds()[key]:.3f} s", flush=True)
     print(f"== done: {failures} failed", flush=True)
@@ -90,11 +87,6 @@ def compile_only():
 def main():
     if "--compile-only" in sys.argv[1:]:
         return compile_only()
-    if os.environ.get("CUTE_SMOKE_DYNAMIC", "") == "1":
-        from compilemask.kernels.cute import backend as cb
-
-        cb.DYNAMIC = True
-        print("scheduler: dynamic", flush=True)
     print(f"torch {torch.__version__}, cuda {torch.cuda.is_available()}", flush=True)
     if torch.cuda.is_available():
         print(f"device {torch.cuda.get_device_name()}", flush=True)

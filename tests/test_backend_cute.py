@@ -508,64 +508,15 @@ def test_cute_calls_after_the_first_make_no_host_synchronisation():
     assert all(torch.equal(o, first) for o in outs)
 
 
-@pytest.mark.parametrize("entries,ctas", [(1, 1), (5, 3), (131, 132), (264, 132), (1000, 7)])
-def test_rounds_give_each_cta_one_entry_per_round_heaviest_to_least_loaded(entries, ctas):
-    """Positions are a permutation; round r holds the same entries as the list's r-th run of
-    ``ctas`` (the order in time); a CTA's total stays within one entry of the least-loaded
-    CTA's; the last round's entries are a prefix; CPU torch and the Triton program agree."""
-    from compilemask.kernels.cute import rounds
-    from compilemask.kernels.triton.cta_rounds import rounds_kernel
-
-    cost = torch.randint(0, 40, (entries,), generator=torch.Generator().manual_seed(entries))
-    pos = rounds.cta_positions(cost, ctas)
-    assert sorted(pos.tolist()) == list(range(entries))
-    assert torch.equal(pos // ctas, torch.arange(entries) // ctas)
-    c = min(ctas, entries)
-    load = torch.zeros(ctas, dtype=torch.int64).index_add_(0, pos % ctas, cost)
-    assert int(load[:c].max() - load[:c].min()) <= int(cost.max())
-    cta = torch.empty(entries, dtype=torch.int64)
-    block = max(16, 1 << (ctas - 1).bit_length())
-    rounds_kernel[(1,)](cost, cta, entries, ctas, BLOCK=block, WMAX=1 << 31)
-    assert torch.equal(cta, rounds._rounds_torch(cost, ctas))
-
-
-def test_rounds_refuse_bad_input():
-    from compilemask.kernels.cute import rounds
-
-    with pytest.raises(ValueError, match="num_ctas"):
-        rounds.cta_positions(torch.ones(4, dtype=torch.int64), 0)
-    with pytest.raises(ValueError, match="1-D"):
-        rounds.cta_positions(torch.ones(2, 2, dtype=torch.int64), 4)
-    assert rounds.cta_positions(torch.zeros(0, dtype=torch.int64), 4).numel() == 0
-
-
-def test_lowered_work_is_placed_for_the_ctas():
-    """With 3 CTAs, entry ``r * 3 + c`` is CTA c's r-th: each round holds the same entries
-    as the heaviest-first list's run of 3, the heaviest to the CTA with least work so far."""
-    plan = cm.compile(cm.masks.causal(), 1024, block_m=128, block_n=128)
-    one = lower(plan, 2, 2, 1, num_ctas=1)
-    three = lower(plan, 2, 2, 1, num_ctas=3)
-    assert three.num_ctas == 3 and one.num_ctas == 1
-    a, b = one.work.tolist(), three.work.tolist()
-    for r in range(0, len(a), 3):
-        assert sorted(a[r : r + 3]) == sorted(b[r : r + 3])
-    assert lower(plan, 1, 1, 1, num_ctas=500).num_ctas == 8  # never more CTAs than entries
-    with pytest.raises(CompileMaskError, match="num_ctas"):
-        lower(plan, 1, 1, 1, num_ctas=0)
-
-
-def test_unplaced_work_is_in_list_order_for_the_dynamic_kernel():
-    """``placed=False`` keeps ``work_order``'s list (what one CTA would get) for any CTA count,
-    so the dynamic kernel's CTAs take the entries heaviest first within each L2 group."""
-    from compilemask.kernels.cute import disk_cache
-
+def test_lowered_work_is_in_list_order_for_any_cta_count():
+    """The kernel's CTAs take the entries in list order through a counter: the lowered work is
+    ``work_order``'s for any CTA count, and the CTAs launched never outnumber the entries."""
     plan = cm.compile(cm.masks.causal(), 1024, block_m=128, block_n=128)
     one = lower(plan, 2, 2, 1, kv_group=1, num_ctas=1)
-    dyn = lower(plan, 2, 2, 1, kv_group=1, num_ctas=3, placed=False)
-    placed = lower(plan, 2, 2, 1, kv_group=1, num_ctas=3)
-    assert dyn.num_ctas == 3 and not dyn.placed and placed.placed
-    assert torch.equal(dyn.work, one.work)
-    assert not torch.equal(dyn.work, placed.work)
-    static = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda")
-    dynamic = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda", dynamic=True)
-    assert static != dynamic and dynamic.isidentifier()
+    three = lower(plan, 2, 2, 1, kv_group=1, num_ctas=3)
+    assert three.num_ctas == 3 and one.num_ctas == 1
+    assert torch.equal(three.work, one.work)
+    assert lower(plan, 1, 1, 1, num_ctas=500).num_ctas == 8
+    for bad in (0, True, 2.0, None):
+        with pytest.raises(CompileMaskError, match="num_ctas"):
+            lower(plan, 1, 1, 1, num_ctas=bad)

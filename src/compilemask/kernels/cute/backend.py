@@ -35,13 +35,7 @@ HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 UNDER_COMPILE = under_compile_reason("cute")
 
-#: the kernel's work scheduler: False, the static placement of :mod:`.rounds` (CTA ``c`` runs
-#: entry ``r grid + c`` of the placed list); True, the dynamic variant (the CTAs take the
-#: unplaced list in order through a global counter, ``forward_sm90.FlashFwdSm90Dynamic``).
-#: Read per call.
-DYNAMIC = False
-
-#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type, dynamic)
+#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type)
 _KERNELS: dict[tuple, object] = {}
 #: seconds the first call of each key spent getting its kernel (compiling or loading it)
 _COMPILE_SECONDS: dict[tuple, float] = {}
@@ -50,7 +44,7 @@ _ORIGINS: dict[tuple, str] = {}
 
 
 def compile_seconds() -> dict[tuple, float]:
-    """``{(head_dim, dtype, block_m, block_n, device_type, dynamic): seconds}`` this process spent
+    """``{(head_dim, dtype, block_m, block_n, device_type): seconds}`` this process spent
     getting each kernel: ``cute.compile`` (and writing the disk cache), or loading it from the
     disk cache (see :func:`kernel_origins`). Later calls reuse the kernel."""
     return dict(_COMPILE_SECONDS)
@@ -61,16 +55,13 @@ def kernel_origins() -> dict[tuple, str]:
     return dict(_ORIGINS)
 
 
-def _kernel(
-    head_dim: int, dtype_name: str, device_type: str, args: tuple, stream, dynamic: bool = False
-):
-    """The kernel of ``(head_dim, dtype)`` (``dynamic``: its dynamic-scheduler variant) for
-    arguments on ``device_type``: from this process, else from the disk cache, else compiled
-    on ``args`` (and stored)."""
+def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, stream):
+    """The kernel of ``(head_dim, dtype)`` for arguments on ``device_type``: from this
+    process, else from the disk cache, else compiled on ``args`` (and stored)."""
     from . import disk_cache
     from . import forward_sm90 as fwd
 
-    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type, dynamic)
+    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type)
     kernel = _KERNELS.get(key)
     if kernel is None:
         start = time.perf_counter()
@@ -78,7 +69,7 @@ def _kernel(
         kernel = disk_cache.load(name)
         origin = "disk"
         if kernel is None:
-            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream, dynamic)
+            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream)
             disk_cache.store(kernel, name)
             origin = "compiled"
         _COMPILE_SECONDS[key] = time.perf_counter() - start
@@ -87,12 +78,9 @@ def _kernel(
     return kernel
 
 
-def precompile(
-    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None, dynamic=None
-) -> float:
+def precompile(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None) -> float:
     """Get the kernel of ``(head_dim, dtype)`` into this process and the disk cache without a
-    call (``dynamic``: the dynamic-scheduler variant; None: :data:`DYNAMIC`): compiled (or
-    loaded) for arguments on ``device`` (default: CUDA when there is a GPU,
+    call: compiled (or loaded) for arguments on ``device`` (default: CUDA when there is a GPU,
     else the CPU, which compiles a kernel for generic pointers, stored under its own name).
     Needs ``cutlass`` and ``CUTE_DSL_ARCH=sm_90a`` on a machine without a GPU. Returns the
     seconds it took (0 when the process had it already).
@@ -111,12 +99,11 @@ def precompile(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    dynamic = DYNAMIC if dynamic is None else bool(dynamic)
-    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type, dynamic)
+    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type)
     if key in _KERNELS:
         return 0.0
-    args = fwd.example_args(head_dim, _DTYPES[dtype], device, dynamic)
-    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0), dynamic)
+    args = fwd.example_args(head_dim, _DTYPES[dtype], device)
+    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0))
     return _COMPILE_SECONDS[key]
 
 
@@ -180,19 +167,14 @@ class CuteBackend:
         return True, ""
 
     def prepare(self, plan: MaskPlan, call) -> CuteLowered:
-        """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv):
-        placed for the CTAs, or in list order when :data:`DYNAMIC`."""
+        """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv)."""
         if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         group = _kv_group(plan, call)
         ctas = _num_sms(call.device) if call.device.type == "cuda" else 1
-        placed = not DYNAMIC
-        key = ("cute", call.batch, call.heads_q, call.heads_kv, group, ctas, placed)
+        key = ("cute", call.batch, call.heads_q, call.heads_kv, group, ctas)
         return plan.cached(
-            key,
-            lambda: lower(
-                plan, call.batch, call.heads_q, call.heads_kv, group, ctas, placed=placed
-            ),
+            key, lambda: lower(plan, call.batch, call.heads_q, call.heads_kv, group, ctas)
         )
 
     def forward(
@@ -230,11 +212,10 @@ def _kv_group(plan: MaskPlan, call) -> int | None:
     return l2_kv_group(call.batch, call.heads_kv, call.kv_len, kv_key, props.L2_cache_size)
 
 
-def run_forward(q, k, v, low: CuteLowered, scale: float, dynamic: bool | None = None):
+def run_forward(q, k, v, low: CuteLowered, scale: float):
     """Launch the kernel (compiled or loaded from disk on the first call of its
-    ``(head_dim, dtype)``): the dynamic-scheduler variant when ``dynamic`` (None: when the
-    lowered list is unplaced, ``low.placed`` False), with a zeroed int32 counter per call
-    (no host synchronisation), else the static one."""
+    ``(head_dim, dtype)``) on ``low.num_ctas`` CTAs, with a zeroed int32 entry counter per
+    call (no host synchronisation)."""
     import cuda.bindings.driver as cuda
 
     from . import forward_sm90 as fwd
@@ -243,10 +224,9 @@ def run_forward(q, k, v, low: CuteLowered, scale: float, dynamic: bool | None = 
     B, Hq, Nq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    dynamic = not low.placed if dynamic is None else bool(dynamic)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream, dynamic)
+    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream)
     kernel(*args, stream)
     return out, lse

@@ -2,14 +2,12 @@
 
 One CTA of 384 threads: warpgroup 0 is the producer (one warp issues TMA loads; registers
 lowered with ``setmaxnreg``), warpgroups 1 and 2 are consumers, each owning 64 of the 128
-query rows of a work item (registers raised). The CTAs are persistent and walk the lowered
-work list (``lower.work``) in rounds of ``grid`` entries: CTA ``c`` takes entry ``r grid + c``
-in round ``r`` (:func:`work_item`); the lowering places the entries so that this gives each
-CTA its share (:mod:`.rounds`). The producer and both consumers walk the same sequence
-without any shared scheduler state. The dynamic variant (:class:`FlashFwdSm90Dynamic`) takes
-the unplaced list in order instead: the producer draws entries from a global counter and hands
-each one to the consumers through a shared-memory slot per Q stage
-(:meth:`FlashFwdSm90.produce_dynamic`).
+query rows of a work item (registers raised). The CTAs are persistent and take the lowered
+work list's entries (``lower.work``) in list order as they free up: CTA ``c`` starts with
+entry ``c``, then its producer draws ``grid + atomicAdd(counter, 1)`` (a global int32
+counter, zero at launch) and hands each entry to the consumers through a shared-memory slot
+per Q stage (:meth:`FlashFwdSm90.produce`), so the CTAs' shares balance by the real time of
+the entries.
 
 Per work item ``(b, hq, qt, m, n, nf, list0)`` (one row of ``lower.work``: the q-tile's kv
 count ``n``, FULL count ``nf`` and first row ``list0`` of ``tiles`` ride in the entry, so one
@@ -47,7 +45,6 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -84,14 +81,6 @@ def pairwise(values: list, op):
     while len(values) > 1:
         values = [op(values[i], values[i + 1]) for i in range(0, len(values), 2)]
     return values[0]
-
-
-@cute.jit
-def work_item(rnd: Int32, cta: Int32, grid: Int32) -> Int32:
-    """The work-list entry CTA ``cta`` of ``grid`` takes in round ``rnd``. The entries of a
-    round that exist are a prefix of it (:mod:`.rounds`), so a CTA whose entry is past the list
-    has none in later rounds either."""
-    return rnd * grid + cta
 
 
 @cute.jit
@@ -133,14 +122,11 @@ def bits_seen(bits: cute.Tensor, page: Int32, row: Int32, lane: Int32):
 class FlashFwdSm90:
     """The kernel for one ``(head_dim, dtype)``; ``__call__`` is the ``cute.jit`` host side."""
 
-    def __init__(self, head_dim: int, dtype, dynamic: bool = False):
+    def __init__(self, head_dim: int, dtype):
         assert head_dim in (64, 128)
         assert BLOCK_M == 2 * ROWS_PER_WG
         self.head_dim = head_dim
         self.dtype = dtype
-        #: the CTAs take work entries in list order through a global counter (see
-        #: :class:`FlashFwdSm90Dynamic`), else entry ``r grid + c`` in round ``r``
-        self.dynamic = dynamic
         self.block_n = BLOCK_N
         self.threads = 3 * WG_THREADS
 
@@ -159,20 +145,10 @@ class FlashFwdSm90:
         bits: cute.Tensor,
         scale_log2: Float32,
         num_ctas: Int32,
+        counter: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        self.launch(
-            mQ, mK, mV, mO, mLSE, work, tiles, row_lo, row_hi, bits, scale_log2, num_ctas, None,
-            stream,
-        )  # fmt: skip
-
-    @cute.jit
-    def launch(
-        self, mQ, mK, mV, mO, mLSE, work, tiles, row_lo, row_hi, bits, scale_log2, num_ctas,
-        counter, stream,
-    ):  # fmt: skip
-        """The host side of ``__call__`` (traced inside it); ``counter``: None, or the
-        dynamic variant's int32 ``[1]`` entry counter (zero at launch)."""
+        """``counter``: the int32 ``[1]`` entry counter, zero at launch."""
         D, N = self.head_dim, self.block_n
         dt = self.dtype
         k_major = warpgroup.OperandMajorMode.K
@@ -218,22 +194,11 @@ class FlashFwdSm90:
         class Storage:
             q_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
             kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
-
-        @cute.struct
-        class StorageDynamic:
-            q_bar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-            kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
             # per Q stage: the work entry whose Q half it holds, -1 for "no more work"
             q_item: cute.struct.MemRange[Int32, Q_STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
-
-        if cutlass.const_expr(self.dynamic):
-            Storage = StorageDynamic  # noqa: N806
 
         # 225 KB at head_dim 128 (Q 4 x 16, K/V ring 4 x 32, O 2 x 16 KB): under sm90's 227 KB
         assert Storage.size_in_bytes() <= SMEM_BYTES, Storage.size_in_bytes()
@@ -271,12 +236,10 @@ class FlashFwdSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
-        counter: Optional[cute.Tensor],  # noqa: UP045 (the DSL reads typing.Optional)
+        counter: cute.Tensor,
     ):
         D, N = self.head_dim, self.block_n
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
 
@@ -307,9 +270,6 @@ class FlashFwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        num_work = work.shape[0]
-        group = tQ.shape[2] // tK.shape[2]
-
         if wg == 0:
             # ------------------------------------------------------------ producer
             cute.arch.setmaxregister_decrease(LOAD_REGS)
@@ -317,50 +277,10 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
-                if cutlass.const_expr(self.dynamic):
-                    self.produce_dynamic(
-                        q_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work,
-                        tiles, row_lo, counter, st.q_item.get_tensor(cute.make_layout(Q_STAGES)),
-                    )  # fmt: skip
-                else:
-                    rnd = Int32(0)
-                    item = bidx
-                    while item < num_work:
-                        b, hq, qt, _, n, _, list0 = read_entry(work, tiles, row_lo, item)
-                        hk = hq // group
-                        gQ = cute.local_tile(tQ[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
-                        tQs, tQg = cpasync.tma_partition(
-                            tma_q, 0, cute.make_layout(1),
-                            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2),
-                        )  # fmt: skip
-                        for half in cutlass.range_constexpr(2):
-                            h = q_prod.acquire_and_advance()
-                            cute.copy(
-                                tma_q, tQg[None, qt * 2 + half], tQs[None, h.index],
-                                tma_bar_ptr=h.barrier,
-                            )  # fmt: skip
-                        gK = cute.local_tile(tK[None, None, hk, b], (N, D), (None, 0))
-                        tKs, tKg = cpasync.tma_partition(
-                            tma_k, 0, cute.make_layout(1),
-                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
-                        )  # fmt: skip
-                        gV = cute.local_tile(tV[None, None, hk, b], (D, N), (0, None))
-                        tVs, tVg = cpasync.tma_partition(
-                            tma_v, 0, cute.make_layout(1),
-                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
-                        )  # fmt: skip
-                        for i in cutlass.range(n, unroll=1):
-                            kt = tiles[list0 + i, 0]
-                            h = kv_prod.acquire_and_advance()
-                            cute.copy(
-                                tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier
-                            )
-                            h = kv_prod.acquire_and_advance()
-                            cute.copy(
-                                tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier
-                            )
-                        rnd += 1
-                        item = work_item(rnd, bidx, grid)
+                self.produce(
+                    q_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work, tiles,
+                    row_lo, counter, st.q_item.get_tensor(cute.make_layout(Q_STAGES)),
+                )  # fmt: skip
         else:
             # ------------------------------------------------------------ consumers
             cute.arch.setmaxregister_increase(MMA_REGS)
@@ -382,23 +302,17 @@ class FlashFwdSm90:
             o_shape = pv_thr.partition_shape_C((ROWS_PER_WG, D))
             q_len = tQ.shape[0]
             row_cap = cutlass.min(q_len, row_lo.shape[1]) - 1  # the last row row_bounds reads
-            rnd = Int32(0)
-            item = bidx
-            if cutlass.const_expr(self.dynamic):
-                # the entry of the next Q stage of this warpgroup (-1: no more work), read
-                # after the stage's wait; the wait at the top of the loop then finds the same
-                # phase complete and returns at once
-                q_item = st.q_item.get_tensor(cute.make_layout(Q_STAGES))
-                if cw == 1:
-                    q_cons.advance()
-                item = q_item[q_cons.wait().index]
-            while self.more_work(item, num_work):
+            # the entry of the next Q stage of this warpgroup (-1: no more work), read after
+            # the stage's wait; the wait at the top of the loop then finds the same phase
+            # complete and returns at once
+            q_item = st.q_item.get_tensor(cute.make_layout(Q_STAGES))
+            if cw == 1:
+                q_cons.advance()
+            item = q_item[q_cons.wait().index]
+            while item >= 0:
                 b, hq, qt, m, n, nf, list0 = read_entry(work, tiles, row_lo, item)
                 tile_row0 = cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4  # in the q-tile
                 row0 = qt * (2 * ROWS_PER_WG) + tile_row0
-                if cutlass.const_expr(not self.dynamic):
-                    if cw == 1:
-                        q_cons.advance()
                 qh = q_cons.wait()
                 acc_o = pv_thr.make_fragment_C(o_shape)
                 acc_o.fill(0.0)
@@ -428,9 +342,6 @@ class FlashFwdSm90:
                 # every S GEMM has completed (each step waits for all its wgmma groups): the
                 # Q stage goes back to the producer before the last PV GEMM and the epilogue
                 qh.release()
-                if cutlass.const_expr(not self.dynamic):
-                    rnd += 1
-                    item = work_item(rnd, bidx, grid)
                 if n > 0:
                     kv_cons = self.last_pv(kv_cons, ts)
                 if cw == 0:
@@ -440,24 +351,18 @@ class FlashFwdSm90:
                     acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
                     cw, row0, q_len, wtid, lane,
                 )  # fmt: skip
-                if cutlass.const_expr(self.dynamic):
-                    if cw == 1:
-                        q_cons.advance()
-                    item = q_item[q_cons.wait().index]
+                if cw == 1:
+                    q_cons.advance()
+                item = q_item[q_cons.wait().index]
             if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    def more_work(self, item, num_work):
-        """The consumers' loop condition: an entry of the list (static), or not the -1 that
-        ends the dynamic variant's work."""
-        return item >= 0 if self.dynamic else item < num_work
-
     @cute.jit
-    def produce_dynamic(
+    def produce(
         self, q_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work, tiles, row_lo,
         counter, q_item,
     ):  # fmt: skip
-        """The producer warp of the dynamic variant: work entries in list order from the global
+        """The producer warp: work entries in list order from the global
         ``counter`` (CTA ``c`` starts with entry ``c``, then takes ``grid + atomicAdd(counter,
         1)``, drawn when it has issued the last K/V load of its current entry).
 
@@ -764,47 +669,14 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_commit_group()
 
 
-class FlashFwdSm90Dynamic(FlashFwdSm90):
-    """The dynamic-scheduler variant: the CTAs take the work list's entries in list order
-    (the lowering's unplaced list, ``lower(..., placed=False)``) through a global int32
-    counter, zero at launch (:meth:`FlashFwdSm90.produce_dynamic`); the counter is the
-    argument after ``num_ctas``."""
-
-    def __init__(self, head_dim: int, dtype):
-        super().__init__(head_dim, dtype, dynamic=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        work: cute.Tensor,
-        tiles: cute.Tensor,
-        row_lo: cute.Tensor,
-        row_hi: cute.Tensor,
-        bits: cute.Tensor,
-        scale_log2: Float32,
-        num_ctas: Int32,
-        counter: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
-        self.launch(
-            mQ, mK, mV, mO, mLSE, work, tiles, row_lo, row_hi, bits, scale_log2, num_ctas,
-            counter, stream,
-        )  # fmt: skip
-
-
 _TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int, counter=None):
+def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int, counter):
     """The kernel's arguments from torch tensors: q, out ``[B, Hq, Nq, D]``, k, v
     ``[B, Hkv, Nk, D]`` (D contiguous, 16-byte aligned), lse fp32 ``[B, Hq, Nq]`` and the
-    lowered plan ``low`` (:class:`~.lower.CuteLowered`); ``counter``: None (static variant)
-    or the dynamic variant's zeroed int32 ``[1]`` counter."""
+    lowered plan ``low`` (:class:`~.lower.CuteLowered`); ``counter``: a zeroed int32 ``[1]``
+    tensor (the CTAs' entry counter)."""
     from cutlass.cute.runtime import from_dlpack
 
     def dyn(t, leading):
@@ -826,11 +698,11 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int, counter=Non
         dyn(out.permute(2, 3, 1, 0), 1),
         from_dlpack(lse.permute(2, 1, 0), assumed_align=4).mark_layout_dynamic(leading_dim=0),
         *plan_views,
-        Float32(scale * LOG2E), Int32(num_ctas),
-    ) + (() if counter is None else (from_dlpack(counter, assumed_align=4),))  # fmt: skip
+        Float32(scale * LOG2E), Int32(num_ctas), from_dlpack(counter, assumed_align=4),
+    )  # fmt: skip
 
 
-def example_args(head_dim: int, dtype_name: str, device, dynamic: bool = False) -> tuple:
+def example_args(head_dim: int, dtype_name: str, device) -> tuple:
     """Arguments of the kernel's signature from small zero tensors on ``device`` (every
     shape and stride is dynamic, so their sizes do not matter): what :func:`compile_forward`
     needs to compile without a call at hand."""
@@ -852,16 +724,11 @@ def example_args(head_dim: int, dtype_name: str, device, dynamic: bool = False) 
         row_hi=ints(2, BLOCK_M, 2), bits_index=ints(2, 2, 2), bits=ints(1, BLOCK_M, BLOCK_N // 32),
         block_m=BLOCK_M, block_n=BLOCK_N, num_ctas=1,
     )  # fmt: skip
-    counter = ints(1) if dynamic else None
-    return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1, counter)
+    return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1, ints(1))
 
 
-def compile_forward(
-    head_dim: int, dtype_name: str, example_args: tuple, stream, dynamic: bool = False
-):
-    """``cute.compile`` of :class:`FlashFwdSm90` (``dynamic``: :class:`FlashFwdSm90Dynamic`)
-    for ``(head_dim, dtype)`` on ``example_args`` (from :func:`kernel_args`; only their types
-    and ranks matter)."""
-    cls = FlashFwdSm90Dynamic if dynamic else FlashFwdSm90
-    kernel = cls(head_dim, _TORCH_TO_CUTLASS[dtype_name])
+def compile_forward(head_dim: int, dtype_name: str, example_args: tuple, stream):
+    """``cute.compile`` of :class:`FlashFwdSm90` for ``(head_dim, dtype)`` on ``example_args``
+    (from :func:`kernel_args`; only their types and ranks matter)."""
+    kernel = FlashFwdSm90(head_dim, _TORCH_TO_CUTLASS[dtype_name])
     return cute.compile(kernel, *example_args, stream)

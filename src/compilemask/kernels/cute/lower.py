@@ -1,5 +1,4 @@
-"""A :class:`~compilemask.MaskPlan` lowered to what the sm90 CuTe forward reads (torch; the CTA
-placement of :mod:`.rounds` is one Triton program on CUDA).
+"""A :class:`~compilemask.MaskPlan` lowered to what the sm90 CuTe forward reads (pure torch).
 
 The kernel runs ``BLOCK_M x BLOCK_N`` = 128 x 128 tiles (two consumer warpgroups of 64 query
 rows share one kv-tile list). Per plan and call shape it reads:
@@ -8,9 +7,8 @@ rows share one kv-tile list). Per plan and call shape it reads:
   query head, q-tile), ``W = B * Hq * Tq``: in groups of (batch row, kv head) pairs whose K
   and V fit in half of L2 (:func:`l2_kv_group`), most touched kv-tiles first within a group
   (stable), ties in ``(b, kv head, qt, head in the group)`` order, so the heads of one kv
-  group run side by side and share their K/V tiles in L2; that list is taken one round of
-  ``num_ctas`` entries at a time, entry ``r num_ctas + c`` by CTA ``c`` (placed by
-  :func:`.rounds.cta_positions`). ``m`` is the
+  group run side by side and share their K/V tiles in L2; the kernel's CTAs take the
+  entries in this order as they free up (a global counter). ``m`` is the
   plan's mask index of ``(b, hq)``; ``n`` / ``nf`` are ``kv_count[m, qt]`` /
   ``full_count[m, qt]`` (clamped to ``[0, Tk]`` / ``[0, n]``) and ``list0 = (m Tq + qt) Tk``
   the q-tile's first row of ``tiles`` seen as ``[M Tq Tk, 4]``, so that the kernel gets all
@@ -61,7 +59,6 @@ from ...compiler.plan import MaskPlan
 from ...compiler.tiles import FULL, unpack_bits
 from ...errors import CompileMaskError
 from ..triton.schedule import split_full_first
-from .rounds import cta_positions, entry_cost
 
 #: the kernel's tile: query rows per CTA (2 consumer warpgroups x 64) and keys per kv-tile
 BLOCK_M = 128
@@ -85,12 +82,8 @@ class CuteLowered:
     bits: torch.Tensor
     block_m: int
     block_n: int
-    #: persistent CTAs the work list is placed for (:mod:`.rounds`), or that take it in list
-    #: order (``placed`` False)
+    #: persistent CTAs the kernel launches (they take ``work`` in list order)
     num_ctas: int
-    #: whether ``work`` is placed for ``num_ctas`` CTAs (:mod:`.rounds`; the static kernel),
-    #: or in list order (``work_order``'s, for the kernel's dynamic variant)
-    placed: bool = True
     #: the kernel's views of the tensors above, made on the first launch and reused (making
     #: them costs tens of microseconds each per call)
     kernel_views: dict = field(default_factory=dict, compare=False, repr=False)
@@ -197,9 +190,9 @@ def l2_kv_group(
     q-tile 7 of every pair, then q-tile 6 ...; 32K hstu: the q-tiles of one weight from every
     user and head), and its K and V have left L2 by the time the next one comes: they are read
     from memory once per q-tile. Groups of pairs whose K and V fill at most half of L2 (at
-    least one pair) keep them there while the group's entries run; the CTAs' shares stay
-    balanced by the greedy rounds of :mod:`.rounds`. ``kv_bytes_per_key``: K and V bytes of
-    one key (``2 * head_dim * element size``).
+    least one pair) keep them there while the group's entries run; the CTAs stay balanced as
+    the kernel hands the entries out in order as CTAs free up. ``kv_bytes_per_key``: K and V
+    bytes of one key (``2 * head_dim * element size``).
     """
     pairs = batch * heads_kv
     group = max(1, l2_bytes // (2 * max(1, kv_len * kv_bytes_per_key)))
@@ -213,14 +206,10 @@ def lower(
     heads_kv: int,
     kv_group: int | None = None,
     num_ctas: int = 1,
-    costs: tuple[int, int, int] | None = None,
-    placed: bool = True,
 ) -> CuteLowered:
     """The kernel's view of ``plan`` for ``batch`` rows, ``heads_q`` / ``heads_kv`` heads
-    (``kv_group``: see :func:`work_order` and :func:`l2_kv_group`), its work list placed for
-    ``num_ctas`` persistent CTAs (:mod:`.rounds`; the kernel runs ``min(num_ctas, W)``) by
-    the entries' ``costs`` (:func:`.rounds.entry_cost`); ``placed=False`` keeps the list in
-    :func:`work_order`'s order (the dynamic variant's CTAs take it in that order).
+    (``kv_group``: see :func:`work_order` and :func:`l2_kv_group`), for ``num_ctas``
+    persistent CTAs (the kernel runs ``min(num_ctas, W)``; they take the list in order).
 
     Raises:
         CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
@@ -250,15 +239,9 @@ def lower(
     bits_index, bits = s.bits_index.to(torch.int32).contiguous(), bitmask_pages(s)
     jlo, jhi = s.jlo.contiguous(), s.jhi.contiguous()
     work = work_entries(order, kv_count, full_count, kv_list.shape[-1])
-    ctas = min(num_ctas, work.shape[0])
-    if placed:
-        at = cta_positions(entry_cost(work, costs), ctas)
-        work, unplaced = torch.empty_like(work), work
-        work[at] = unplaced
     return CuteLowered(
         work=work,
-        num_ctas=ctas,
-        placed=placed,
+        num_ctas=min(num_ctas, work.shape[0]),
         kv_list=kv_list,
         kv_count=kv_count,
         full_count=full_count,
