@@ -520,3 +520,5 @@ def test_lowered_work_is_in_list_order_for_any_cta_count():
     for bad in (0, True, 2.0, None):
         with pytest.raises(CompileMaskError, match="num_ctas"):
             lower(plan, 1, 1, 1, num_ctas=bad)
+    with pytest.raises(CompileMaskError, match="plan must be a MaskPlan"):
+        lower(cm.masks.causal(), 1, 1, 1)

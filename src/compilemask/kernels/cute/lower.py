@@ -212,10 +212,13 @@ def lower(
     persistent CTAs (the kernel runs ``min(num_ctas, W)``; they take the list in order).
 
     Raises:
-        CompileMaskError: a bitmask plan (``encoding == "bits"``: no row intervals to read),
+        CompileMaskError: ``plan`` not a MaskPlan, a bitmask plan (``encoding == "bits"``: no
+            row intervals to read),
             ``batch`` / heads that are not positive or contradict the plan, or a ``kv_group``
             that is neither None nor a positive int.
     """
+    if not isinstance(plan, MaskPlan):
+        raise CompileMaskError(f"plan must be a MaskPlan, got {type(plan).__name__}")
     named = (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv), ("num_ctas", num_ctas))
     for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
