@@ -302,6 +302,8 @@ def small():
         (lambda q, k, v, p: (q, k, v[:, :, :10], p), "k and v must have the same shape"),
         (lambda q, k, v, p: (q, k[:, :1], v[:, :1], p), None),  # MQA: valid
         (lambda q, k, v, p: (q[:, :3], k, v, p), "multiple of key/value heads"),
+        (lambda q, k, v, p: (q[:, :0], k, v, p), "at least one head"),
+        (lambda q, k, v, p: (q, k[:, :0], v[:, :0], p), "at least one head"),
         (lambda q, k, v, p: (q, k.float(), v.float(), p), "same dtype"),
         (lambda q, k, v, p: (q[..., :48], k[..., :48], v[..., :48], p), "head_dim=48"),
         (lambda q, k, v, p: (q[:, :, :30], k, v, p), "q_len=40, kv_len=48"),

@@ -48,7 +48,9 @@ def check_tensors(q: object, k: object, v: object) -> None:
             f"head_dim differs: q {_shape(q)} has D={D}, k {_shape(k)} has D={k.shape[3]}"
         )
     Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
+    if Hq == 0 or Hkv == 0:
+        raise InputError(f"q and k need at least one head, got q {_shape(q)}, k {_shape(k)}")
+    if Hq % Hkv != 0:
         raise InputError(
             f"query heads Hq={Hq} must be a multiple of key/value heads Hkv={Hkv} (GQA/MQA); "
             f"q {_shape(q)}, k {_shape(k)}"
