@@ -253,7 +253,7 @@ class FlashFwdSm90:
             tx_count=self.q_bytes,
             defer_sync=True,
         )
-        q_prod, q_cons = q_pipe.make_participants()
+        _, q_cons = q_pipe.make_participants()  # the producer drives q_pipe itself
         kv_prod, kv_cons = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.kv_bar.data_ptr(),
             num_stages=KV_STAGES,
