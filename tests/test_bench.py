@@ -29,7 +29,8 @@ ENV = {"date": "2026-12-01T00:00:00+00:00", "gpu": "test", "torch": "x", "triton
 def test_system_names_are_the_design_names():
     assert bench.SYSTEM_NAMES == (
         "compilemask-triton", "compilemask-triton-tiled", "compilemask-cudnn",
-        "compilemask-cudnn-tiled", "compilemask-cudnn-tiled-kept", "compilemask-fa4",
+        "compilemask-cudnn-tiled", "compilemask-cudnn-tiled-kept", "compilemask-cudnn+triton",
+        "compilemask-fa4",
         "compilemask-fa4-tiled", "compilemask-cute", "compilemask-cute-tiled", "compilemask-auto",
         "compilemask-auto-tiled", "compilemask-auto-tiled-kept", "flex-triton",
         "flex-fa4", "cudnn-fe", "fa4", "sdpa-cudnn", "sdpa-flash",

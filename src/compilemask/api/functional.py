@@ -101,7 +101,8 @@ def attention(
             :func:`explain` says which and why), "triton", "reference" or any registered
             name ("cudnn": cuDNN-frontend interval attention, ``compilemask[cudnn]``; "fa4":
             FlashAttention-4's block-sparse kernels, ``compilemask[fa4]``; "cute": our CuTe-DSL
-            sm90 forward, ``compilemask[cute]``). An explicit backend that is unavailable or
+            sm90 forward, ``compilemask[cute]``; "cudnn+triton": cuDNN-frontend's forward with
+            the Triton backward). An explicit backend that is unavailable or
             does not support the call raises (never a silent fallback).
         check_plan: verify every invariant of the plan on this call (O(N*K + Tq*Tk) work and
             one host read; also with ``COMPILEMASK_CHECK_PLAN=1``); on a CUDA cache call, also

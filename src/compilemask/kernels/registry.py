@@ -1,8 +1,9 @@
 """Attention backends by name, and the table ``backend="auto"`` reads.
 
 ``get(name)`` returns a registered backend (``reference``, ``triton``, ``cudnn``, ``fa4`` and
-``cute`` are registered at import, each loading its library on first use; ``register`` adds
-others).
+``cute`` are registered at import, each loading its library on first use, with the pair
+``cudnn+triton``: cuDNN-frontend's forward, the Triton backward, ``split.py``; ``register``
+adds others).
 ``resolve(name, plan, call)`` returns the backend that runs a call: an explicit name that is
 unavailable or does not support the call raises :class:`InputError` with the backend's reason
 (never a silent fallback); ``"auto"`` walks :data:`AUTO_TABLE` and takes the first row that
@@ -317,6 +318,7 @@ def _register_builtin() -> None:
     from .cute.backend import CuteBackend
     from .fa4.backend import Fa4Backend
     from .reference.backend import BACKEND as reference
+    from .split import SplitBackend
     from .triton.backend import BACKEND as triton
 
     register(reference)
@@ -324,6 +326,8 @@ def _register_builtin() -> None:
     register(CudnnBackend())  # imports cuDNN-frontend on first use only
     register(Fa4Backend())  # imports FlashAttention-4 on first use only
     register(CuteBackend())  # imports cutlass (nvidia-cutlass-dsl) on first use only
+    # cuDNN-frontend's forward with the Triton backward (kernels/split.py)
+    register(SplitBackend(_BACKENDS["cudnn"], triton))
 
 
 _register_builtin()

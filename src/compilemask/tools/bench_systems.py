@@ -475,6 +475,11 @@ SYSTEMS: tuple[System, ...] = (
         _compilemask_tiled("cudnn", keep_tiled=True),
         applies=_grid_only,
     ),
+    System(
+        "compilemask-cudnn+triton",
+        _all(_cuda, _backend_ok("cudnn+triton")),
+        _compilemask("cudnn+triton"),
+    ),
     System("compilemask-fa4", _all(_cuda, _backend_ok("fa4")), _compilemask("fa4")),
     System(
         "compilemask-fa4-tiled",
