@@ -153,6 +153,17 @@ AUTO_TABLE: list[AutoRule] = [
             f"kernels at 1K on plans of {MANY_INTERVALS} or more intervals per row (clear; H200)"
         ),
     ),
+    # below 4K with a backward, the other plans: cuDNN-frontend's forward (the lowest
+    # per-call cost of ours at 1K) with the Triton backward; hstu at 1K at d46bdb3: Triton
+    # 1.293 ms (forward 0.345 of it) against cuDNN-frontend 1.245, cudnn's forward 0.280
+    _gpu_row(
+        "cudnn+triton",
+        requires_grad=True,
+        why=(
+            "cuDNN-frontend's forward with the Triton backward: forward+backward faster than "
+            "either alone below 4K tokens per row (H200)"
+        ),
+    ),
     _gpu_row(
         "cudnn",
         requires_grad=False,
