@@ -18,7 +18,12 @@ import compilemask as cm
 from compilemask.compiler.tiles import FULL, PARTIAL_BITS
 from compilemask.errors import CompileMaskError
 from compilemask.kernels.cute.backend import CuteBackend
-from compilemask.kernels.cute.lower import dense_from_lowered, lower, seen_from_word
+from compilemask.kernels.cute.lower import (
+    columns_below,
+    dense_from_lowered,
+    lower,
+    seen_from_word,
+)
 
 M = cm.masks
 
@@ -205,6 +210,23 @@ def _thread_columns(t: int) -> list[int]:
     """Tile columns of a consumer thread's 32 accumulator columns (``mn_layout``), for
     ``t = lane % 4``."""
     return [8 * (c // 2) + 2 * t + c % 2 for c in range(32)]
+
+
+def test_interval_words_are_the_thread_columns_inside_the_interval():
+    """``interval_seen``'s arithmetic (``columns_below`` and the bits between two counts, as
+    the kernel computes them in 64 bits) against a compare per column, for every interval
+    ``[lo, hi)`` around a tile (kv-tile 1: columns 128..255) and every thread column set."""
+    tile0 = 128
+    for t in range(4):
+        col0 = tile0 + 2 * t
+        cols = [tile0 + c for c in _thread_columns(t)]
+        for lo in range(tile0 - 3, tile0 + 131):
+            for hi in range(lo - 2, tile0 + 132):
+                a = columns_below(max(lo - col0, 0))
+                b = columns_below(max(hi - col0, 0))
+                word = (((1 << b) - 1) & ~((1 << a) - 1)) & 0xFFFFFFFF
+                want = sum(1 << c for c in range(32) if lo <= cols[c] < hi)
+                assert word == want, (t, lo, hi)
 
 
 def test_seen_from_word_maps_word_bits_to_the_thread_columns():

@@ -52,10 +52,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Uint32, Uint64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .lower import BLOCK_M, BLOCK_N, seen_from_word
+from .lower import BLOCK_M, BLOCK_N, columns_below, seen_from_word
 
 WG_THREADS = 128
 ROWS_PER_WG = 64
@@ -106,6 +106,18 @@ def row_bounds(row_lo: cute.Tensor, row_hi: cute.Tensor, m: Int32, row: Int32, s
     ``lo >= hi``). The one place the kernel reads the row descriptor: PARTIAL tiles ask for
     the slots ``[jlo, jhi)`` of their tile."""
     return row_lo[m, row, slot], row_hi[m, row, slot]
+
+
+@cute.jit
+def interval_seen(lo: Int32, hi: Int32, col0: Int32):
+    """The ``seen`` word of keys ``[lo, hi)`` for a thread whose first column is ``col0``:
+    its columns below ``hi`` and not below ``lo`` (:func:`.lower.columns_below` counts them;
+    they are the word's low bits, columns rising with the bit). A few integer operations
+    per interval instead of a compare per column."""
+    a = Uint64(columns_below(cutlass.max(lo - col0, 0), cutlass.min))
+    b = Uint64(columns_below(cutlass.max(hi - col0, 0), cutlass.min))
+    one = Uint64(1)
+    return Uint32(((one << b) - one) & ~((one << a) - one))
 
 
 @cute.jit
@@ -599,7 +611,8 @@ class FlashFwdSm90:
         the entry's ``tiles`` row ``(kt, jlo, jhi, page)``; then from the tile's bitmask when
         it has one (``page >= 0``: 4 word loads per row; rows past ``q_len`` read their zero
         rows of the page), else from the row's interval slots ``[jlo, jhi)`` through
-        :func:`row_bounds` (the row clamped to ``ts.row_cap``). Reads no S: issued before the
+        :func:`row_bounds` (the row clamped to ``ts.row_cap``), each interval's columns
+        by :func:`interval_seen`. Reads no S: issued before the
         S GEMM's wait. The lowering clamps ``kt``, the slots and the page to their ranges."""
         N = self.block_n
         at = ts.list0 + i
@@ -614,10 +627,7 @@ class FlashFwdSm90:
                 row = cutlass.min(ts.row0 + 8 * r, ts.row_cap)
                 for slot in cutlass.range(j0, j1, unroll=1):
                     lo, hi = row_bounds(ts.row_lo, ts.row_hi, ts.m, row, slot)
-                    for c in cutlass.range_constexpr(N // 4):
-                        col = col0 + 8 * (c // 2) + c % 2
-                        if col >= lo and col < hi:
-                            word = word | Uint32(1 << c)
+                    word = word | interval_seen(lo, hi, col0)
             seen[r] = word
         return seen[0], seen[1]
 

@@ -260,6 +260,14 @@ def lower(
     )
 
 
+def columns_below(d, minimum=min):
+    """How many of a thread's 32 columns of a kv-tile lie below ``col0 + d`` (``d >= 0``),
+    ``col0`` being its first: the columns are ``col0 + 8 (c // 2) + c % 2`` for c = 0..31
+    (``FlashFwdSm90.mn_layout``), two in each 8 columns. Plain integer operators and
+    ``minimum`` (``cutlass.min`` in the kernel), so tests run it on Python ints."""
+    return minimum(2 * (d >> 3) + minimum(d & 7, 2), BLOCK_N // 4)
+
+
 def seen_from_word(x, w: int):
     """The bits of word ``w`` of a bitmask row that one thread holds, as bits ``8 w .. 8 w + 7``
     of its ``seen`` word in the kernel's ``apply_mask``; ``x`` is the word shifted right by
@@ -307,6 +315,6 @@ def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> tor
 
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "bitmask_pages", "l2_kv_group", "lower",
-    "schedule_for_kernel", "seen_from_word", "tile_entries", "work_entries", "work_order",
+    "BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "bitmask_pages", "columns_below", "l2_kv_group",
+    "lower", "schedule_for_kernel", "seen_from_word", "tile_entries", "work_entries", "work_order",
 ]  # fmt: skip
