@@ -37,6 +37,7 @@ from __future__ import annotations
 import builtins
 import dis
 import functools
+import inspect
 import math
 import threading
 import types
@@ -291,9 +292,35 @@ def _bind(entry, leaves: list):
     return Bound(gm, attrs, swap)
 
 
+def _four_positional(fn) -> bool:
+    """``fn`` is a plain function of exactly ``(b, h, q_idx, kv_idx)``: no other parameter,
+    no ``*args`` / ``**kwargs``."""
+    code = fn.__code__
+    varargs = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
+    return code.co_argcount == 4 and not code.co_kwonlyargcount and not varargs
+
+
+def as_traced_function(fn):
+    """What ``torch.fx`` traces for ``fn``: ``fn`` itself when it is a plain function of
+    ``(b, h, q_idx, kv_idx)``, else (a ``functools.partial``, a function with more parameters
+    that have defaults) a function of those four that calls it, so the trace has the four
+    placeholders of a mask_mod and the bound values enter it as captured ones."""
+    if type(fn) is types.FunctionType and _four_positional(fn):
+        return fn
+    if type(fn) is not types.FunctionType and type(fn) is not functools.partial:
+        return fn  # torch.fx says what it cannot trace
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return fn(b, h, q_idx, kv_idx)
+
+    return mask_mod
+
+
 def symbolic_trace(fn):
     """``torch.fx.symbolic_trace(fn)``, or the cached trace of a mask_mod of the same
-    structure (:func:`structure`) bound to ``fn``'s tensors (:class:`Bound`).
+    structure (:func:`structure`) bound to ``fn``'s tensors (:class:`Bound`). A
+    ``functools.partial`` or a function with extra parameters that have defaults is traced
+    as a function of ``(b, h, q_idx, kv_idx)`` calling it (:func:`as_traced_function`).
 
     Raises:
         whatever ``torch.fx.symbolic_trace`` raises; RuntimeError: the mask_mod draws random
@@ -311,7 +338,7 @@ def symbolic_trace(fn):
             return _bind(entry, state[1])
     ops, reads = _RealOps(), _RealReads()
     with ops, reads:
-        gm = torch.fx.symbolic_trace(fn)
+        gm = torch.fx.symbolic_trace(as_traced_function(fn))
     if ops.random or _has_random(gm):
         raise RuntimeError("the mask_mod draws random numbers")
     if state is not None and ops.n == 0 and reads.n == 0:
