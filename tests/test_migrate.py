@@ -442,7 +442,9 @@ def test_trace_reused_and_captured_tensors_read_fresh():
     mm = _doc_mod(doc)
     first = cm.from_mask_mod(mm, 16)
     assert first.source == "from_mask_mod:lifted"
-    assert trace.symbolic_trace(mm) is trace.symbolic_trace(mm)
+    one, two = trace.symbolic_trace(mm), trace.symbolic_trace(mm)
+    assert isinstance(one, trace.Bound) and one.template is two.template
+    assert getattr(one, one.template.graph.find_nodes(op="get_attr")[0].target) is doc
     doc.copy_(torch.tensor([0] * 9 + [1] * 7))  # in place: the same trace, the new values
     again = cm.from_mask_mod(mm, 16)
     assert torch.equal(again.to_dense(), flex_dense(mm, 16, 16, None, None)[0, 0])
@@ -471,10 +473,13 @@ def test_trace_rebound_after_rebinding_and_not_reused_when_it_reads_values():
     def rebound(b, h, q, k):
         return doc[q] == doc[k]
 
+    trace.symbolic_trace(rebound)
     g1 = trace.symbolic_trace(rebound)
     doc = torch.tensor([0] * 3 + [1] * 13)  # the closure cell now holds another tensor
     again = trace.symbolic_trace(rebound)  # the same trace, bound to the new tensor
-    assert again is not g1 and again.template is g1
+    assert again.template is g1.template
+    assert [t is doc for t in again.attrs.values()] == [True]
+    assert [t is doc for t in g1.attrs.values()] == [False]
     want = flex_dense(rebound, 16, 16, None, None)[0, 0]
     assert torch.equal(cm.from_mask_mod(rebound, 16).to_dense(), want)
 
@@ -492,7 +497,8 @@ def test_trace_rebound_after_rebinding_and_not_reused_when_it_reads_values():
     def uses_torch(b, h, q, k):  # reads a global module: keyed by its identity, reused
         return torch.ge(q, k)
 
-    assert trace.symbolic_trace(uses_torch) is trace.symbolic_trace(uses_torch)
+    trace.symbolic_trace(uses_torch)
+    assert trace.symbolic_trace(uses_torch).template is trace.symbolic_trace(uses_torch).template
 
 
 # ------------------------------------------------------------------ partials and defaults
