@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -71,7 +72,15 @@ def test_catalogue_roundtrip(name, args):
 def test_catalogue_texts():
     assert str(masks.causal()) == "causal()"
     assert str(masks.sliding_window(1024)) == "sliding_window(1024)"
-    assert str(masks.document([3, 5])) == "document([3, 5], true)"
+    assert str(masks.document([3, 5])) == "document([3, 5])"
+    assert str(masks.document([3, 5], causal=False)) == "document([3, 5], causal=false)"
+    assert str(masks.hstu([5], [4], contextual=3)) == "hstu([5], [4], contextual=3)"
+    text = "document([3, 5], causal=false) | causal()"
+    assert str(parse(text)) == text
+    assert str(parse("document([3, 5], false)")) == "document([3, 5], causal=false)"
+    assert str(parse("hstu([5], [4], 0)")) == "hstu([5], [4])"
+    tiled = masks.tile_grid(masks.clear((4, 6), 2, 3), (2, 3))
+    assert roundtrip(tiled) == "tile_grid(clear([4, 6], 2, 3), [2, 3])"
     assert str(masks.shared_prompt(1024, [500, 400])) == "shared_prompt(1024, [500, 400])"
     assert str(masks.shared_prompt([4, 2], [[1], [2, 3]])) == "shared_prompt([4, 2], [[1], [2, 3]])"
     assert str(masks.tree([-1, 0], 3)) == "tree([-1, 0], 3)"
@@ -439,6 +448,49 @@ def test_property_builtin_roundtrip(m):
     roundtrip(m)
 
 
+def _keyword_params(name):
+    """The parameters of a catalogue constructor that have a default (printed as keywords)."""
+    sig = inspect.signature(masks.CATALOGUE[name])
+    return [p for p in sig.parameters.values() if p.default is not inspect.Parameter.empty]
+
+
+#: a value other than the default for every catalogue parameter that has one
+NON_DEFAULT = {("document", "causal"): False, ("hstu", "contextual"): 3}
+
+
+def test_non_default_keyword_values_cover_the_catalogue():
+    keywords = {(n, p.name) for n in masks.CATALOGUE for p in _keyword_params(n)}
+    assert keywords == set(NON_DEFAULT)
+
+
+@pytest.mark.parametrize("name,args", CATALOGUE_PARAMS)
+def test_catalogue_prints_non_default_keywords(name, args):
+    """Every catalogue call with each defaulted parameter set to another value prints it as
+    ``name=value`` (the way the parser documents it) and reads back equal."""
+    fn = masks.CATALOGUE[name]
+    bound = inspect.signature(fn).bind(*args)
+    for p in _keyword_params(name):
+        bound.arguments[p.name] = NON_DEFAULT[(name, p.name)]
+        m = fn(*bound.args, **bound.kwargs)
+        text = roundtrip(m)
+        value = "false" if NON_DEFAULT[(name, p.name)] is False else NON_DEFAULT[(name, p.name)]
+        assert f", {p.name}={value})" in text, text
+    if not _keyword_params(name):
+        assert "=" not in roundtrip(fn(*args))
+
+
+@FAST
+@given(builtins)
+def test_property_builtin_keywords_printed_unless_default(m):
+    text = roundtrip(m)
+    params = inspect.signature(masks.CATALOGUE[m.name]).parameters.values()
+    for p, value in zip(params, m.args):
+        if p.default is inspect.Parameter.empty:
+            assert f"{p.name}=" not in text
+        else:
+            assert (f"{p.name}=" in text) == (value != p.default), text
+
+
 @FAST
 @given(rule_masks())
 def test_property_rule_block_roundtrip(m):
@@ -480,4 +532,4 @@ def test_catalogue_integer_lists_checked_at_once_or_one_by_one():
     ):
         with pytest.raises(CompileMaskError, match=re.escape(message)):
             masks.document(bad)
-    assert str(masks.document([5, 7])) == "document([5, 7], true)"
+    assert str(masks.document([5, 7])) == "document([5, 7])"

@@ -442,7 +442,9 @@ def test_trace_reused_and_captured_tensors_read_fresh():
     mm = _doc_mod(doc)
     first = cm.from_mask_mod(mm, 16)
     assert first.source == "from_mask_mod:lifted"
-    assert trace.symbolic_trace(mm) is trace.symbolic_trace(mm)
+    one, two = trace.symbolic_trace(mm), trace.symbolic_trace(mm)
+    assert isinstance(one, trace.Bound) and one.template is two.template
+    assert getattr(one, one.template.graph.find_nodes(op="get_attr")[0].target) is doc
     doc.copy_(torch.tensor([0] * 9 + [1] * 7))  # in place: the same trace, the new values
     again = cm.from_mask_mod(mm, 16)
     assert torch.equal(again.to_dense(), flex_dense(mm, 16, 16, None, None)[0, 0])
@@ -471,10 +473,13 @@ def test_trace_rebound_after_rebinding_and_not_reused_when_it_reads_values():
     def rebound(b, h, q, k):
         return doc[q] == doc[k]
 
+    trace.symbolic_trace(rebound)
     g1 = trace.symbolic_trace(rebound)
     doc = torch.tensor([0] * 3 + [1] * 13)  # the closure cell now holds another tensor
     again = trace.symbolic_trace(rebound)  # the same trace, bound to the new tensor
-    assert again is not g1 and again.template is g1
+    assert again.template is g1.template
+    assert [t is doc for t in again.attrs.values()] == [True]
+    assert [t is doc for t in g1.attrs.values()] == [False]
     want = flex_dense(rebound, 16, 16, None, None)[0, 0]
     assert torch.equal(cm.from_mask_mod(rebound, 16).to_dense(), want)
 
@@ -492,7 +497,83 @@ def test_trace_rebound_after_rebinding_and_not_reused_when_it_reads_values():
     def uses_torch(b, h, q, k):  # reads a global module: keyed by its identity, reused
         return torch.ge(q, k)
 
-    assert trace.symbolic_trace(uses_torch) is trace.symbolic_trace(uses_torch)
+    trace.symbolic_trace(uses_torch)
+    assert trace.symbolic_trace(uses_torch).template is trace.symbolic_trace(uses_torch).template
+
+
+# ------------------------------------------------------------------ partials and defaults
+def _doc_window(doc, window, scale, b, h, q, k):
+    return (doc[q] == doc[k]) & (k <= q) & (q - k < window * int(scale))
+
+
+def _doc_window_last(b, h, q, k, doc, window, scale):
+    return _doc_window(doc, window, scale, b, h, q, k)
+
+
+def _same_plan(lifted, evaluated):
+    assert lifted.source == "from_mask_mod:lifted"
+    assert evaluated.source != lifted.source
+    assert torch.equal(lifted.to_dense(), evaluated.to_dense())
+    for name in ("row_lo", "row_hi", "row_count"):
+        assert torch.equal(getattr(lifted, name), getattr(evaluated, name)), name
+
+
+@pytest.mark.parametrize("window", [3, torch.tensor(5)], ids=["int", "tensor"])
+def test_partial_mask_mods_lift_to_the_evaluated_plan(window):
+    """The bound arguments of a ``functools.partial`` (a tensor, an int, a float, by position
+    or by keyword) enter the trace as captured values: it lifts to the evaluated plan."""
+    import functools
+
+    doc = torch.tensor([0] * 9 + [1] * 14 + [2] * 9)
+    for mm in (
+        functools.partial(_doc_window, doc, window, 2.0),
+        functools.partial(_doc_window_last, doc=doc, window=window, scale=1.5),
+    ):
+        kw = dict(block_m=16, block_n=16)
+        _same_plan(cm.from_mask_mod(mm, 32, **kw), cm.from_mask_mod(mm, 32, lifting=False, **kw))
+        assert torch.equal(cm.from_mask_mod(mm, 32).to_dense(), flex_dense(mm, 32, 32, 1, 1)[0, 0])
+    from compilemask.compiler.migrate import trace
+
+    other = functools.partial(_doc_window, torch.tensor([0] * 20 + [1] * 12), window, 2.0)
+    if isinstance(window, int):  # (window * 2 of a tensor runs on real data: traced anew)
+        assert isinstance(trace.symbolic_trace(other), trace.Bound)  # the trace is reused
+    _same_plan(cm.from_mask_mod(other, 32), cm.from_mask_mod(other, 32, lifting=False))
+
+
+def test_mask_mods_with_extra_default_arguments_lift():
+    doc = torch.tensor([0] * 7 + [1] * 9)
+
+    def mm(b, h, q, k, doc=doc, window=4):
+        return (doc[q] == doc[k]) & (k <= q) & (q - k < window)
+
+    def kw_only(b, h, q, k, *, window=3):
+        return (k <= q) & (q - k < window)
+
+    for fn in (mm, kw_only):
+        _same_plan(cm.from_mask_mod(fn, 16), cm.from_mask_mod(fn, 16, lifting=False))
+
+
+def test_reason_for_not_lifting_names_the_form(caplog):
+    """A trace whose arguments are not (b, h, q_idx, kv_idx) is refused with a sentence (it
+    was an empty StopIteration)."""
+    import logging
+
+    def five(b, h, q, k, w):
+        return (k <= q) & (q - k < w)
+
+    gm = torch.fx.symbolic_trace(five)
+    with pytest.raises(lift.Unsupported, match=r"takes 5 arguments.*\(b, h, q_idx, kv_idx\)"):
+        lift.lift_intervals(five, 8, 8, [(0, 0)], torch.device("cpu"), gm)
+
+    def needs_w(b, h, q, k, *, w):  # no default: cannot be called as a mask_mod at all
+        return (k <= q) & (q - k < w)
+
+    with caplog.at_level(logging.INFO, logger="compilemask.migrate"):
+        with pytest.raises(CompileMaskError):
+            cm.from_mask_mod(needs_w, 8)
+    reasons = [r.getMessage() for r in caplog.records if "not lifted" in r.getMessage()]
+    assert reasons and all("StopIteration" not in m for m in reasons)
+    assert "missing 1 required keyword-only argument" in reasons[0]
 
 
 def test_probe_rejects_wrong_lifted_intervals(monkeypatch):

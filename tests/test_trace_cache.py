@@ -87,7 +87,7 @@ def test_new_closure_over_new_tensors_reuses_the_trace_and_is_exact(first, seed)
     assert p1.source == p2.source == "from_mask_mod:lifted"
     bound = trace.symbolic_trace(two)
     assert len(trace._CACHE) == 1
-    assert getattr(bound, "template", bound) is traced_one
+    assert isinstance(traced_one, trace.Bound) and bound.template is traced_one.template
     assert torch.equal(p1.to_dense(), flex_dense(one, n))
     assert torch.equal(p2.to_dense(), flex_dense(two, n))
 
@@ -221,3 +221,40 @@ def test_torch_pure_functions_and_math_keep_the_cache():
     got = cm.from_mask_mod(mm, 200)
     assert torch.equal(got.to_dense(), flex_dense(mm, 200))
     assert len(trace._CACHE) == 1
+
+
+def test_cached_trace_does_not_keep_captured_tensors_alive():
+    """The cache holds the graph and stand-ins for its tensors, not the tensors of the
+    mask_mod it was traced from: once the plan is built and the user's references are
+    dropped, a captured tensor is freed; a second closure of the same structure still hits."""
+    import gc
+    import weakref
+
+    def doc_mod(doc):
+        return lambda b, h, q, k: (doc[q] == doc[k]) & (k <= q)
+
+    def window_mod(doc, w):
+        return lambda b, h, q, k: (doc[q] == doc[k]) & (k <= q) & (q - k < w)
+
+    for make in (doc_mod, lambda d: window_mod(d, 3)):
+        trace.clear()
+        doc = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
+        freed = weakref.ref(doc)
+        mm = make(doc)
+        first = cm.from_mask_mod(mm, 16)
+        assert first.source == "from_mask_mod:lifted"
+        assert len(trace._CACHE) == 1
+        del doc, mm
+        gc.collect()
+        assert freed() is None, gc.get_referrers(freed())
+
+        other = torch.tensor([0] * 9 + [1] * 7)
+        mm2 = make(other)
+        assert isinstance(trace.symbolic_trace(mm2), trace.Bound)  # the cache still hits
+        second = cm.from_mask_mod(mm2, 16)
+        assert torch.equal(second.to_dense(), flex_dense(mm2, 16))
+        assert len(trace._CACHE) == 1
+        freed2 = weakref.ref(other)
+        del other, mm2
+        gc.collect()
+        assert freed2() is None

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Sequence
 
 from .errors import CompileMaskError
@@ -23,30 +24,69 @@ from .language.ast import Builtin, Mask, PerBatch, PerHead
 MAX_INT = 2**31 - 1  # token positions and mask parameters are int32 in plans
 
 
-def _int(value: object, name: str, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise CompileMaskError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
+def _array_kind(value: object) -> tuple[int, str] | None:
+    """``(dimensions, dtype kind)`` of a torch tensor or numpy array (kind ``"i"`` integer,
+    ``"b"`` bool, ``"f"`` float, ...), None for anything else. Neither module is imported
+    here: a tensor or an array comes from an imported module."""
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
+        dt = value.dtype
+        kind = "b" if dt == torch.bool else "f" if dt.is_floating_point or dt.is_complex else "i"
+        return value.dim(), kind
+    if np is not None and isinstance(value, np.ndarray):
+        return value.ndim, "i" if value.dtype.kind in "iu" else value.dtype.kind
+    return None
+
+
+def _what(value: object) -> str:
+    """How a bad argument is shown: a tensor or array by dimensions and dtype (not its data)."""
+    shape = _array_kind(value)
+    if shape is None:
+        return repr(value)
+    return f"a {shape[0]}-D {type(value).__name__} of {value.dtype}"
+
+
+def _int(
+    value: object, name: str, minimum: int | None = None, error: type = CompileMaskError
+) -> int:
+    """``value`` as a Python int: an int, a numpy integer, or a 0-d integer tensor / array;
+    else ``error`` naming ``name`` (bools, floats, other dimensions; below ``minimum``)."""
+    if type(value) is not int:
+        shape = _array_kind(value)
+        if shape is not None:
+            if shape != (0, "i"):
+                raise error(f"{name} must be an integer, got {_what(value)}")
+            value = value.item()
+        elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise error(f"{name} must be an integer, got {value!r}")
+        value = int(value)
     if minimum is not None and value < minimum:
-        raise CompileMaskError(f"{name} must be >= {minimum}, got {value}")
+        raise error(f"{name} must be >= {minimum}, got {value}")
     if abs(value) > MAX_INT:
-        raise CompileMaskError(
-            f"{name} must be below 2**31 (plans hold int32 positions), got {value}"
-        )
+        raise error(f"{name} must be below 2**31 (plans hold int32 positions), got {value}")
     return value
 
 
-def _ints(values: object, name: str, minimum: int | None = None) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        try:
-            import torch
+def _is_int(value: object) -> bool:
+    """A scalar that :func:`_int` takes (an integer, not a list)."""
+    shape = _array_kind(value)
+    if shape is not None:
+        return shape[0] == 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
-            if isinstance(values, torch.Tensor):
-                values = values.tolist()
-            else:
-                raise TypeError
-        except TypeError:
-            raise CompileMaskError(f"{name} must be a list of integers, got {values!r}") from None
+
+def _ints(
+    values: object, name: str, minimum: int | None = None, error: type = CompileMaskError
+) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints: a list or tuple of what :func:`_int` takes, or a
+    1-D integer tensor / numpy array; else ``error`` naming ``name`` (or ``name[i]``)."""
+    shape = _array_kind(values)
+    if shape is not None:
+        if shape != (1, "i"):
+            raise error(f"{name} must be a 1-D list of integers, got {_what(values)}")
+        values = values.tolist()
+    elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise error(f"{name} must be a list of integers, got {values!r}")
     vals = tuple(values)
     # the common case checked at once (thousands of document lengths: ~20x faster); any
     # other value, or one out of range, goes through _int for its conversion or its message
@@ -59,7 +99,7 @@ def _ints(values: object, name: str, minimum: int | None = None) -> tuple[int, .
         )
     ):
         return vals
-    return tuple(_int(v, f"{name}[{i}]", minimum) for i, v in enumerate(vals))
+    return tuple(_int(v, f"{name}[{i}]", minimum, error) for i, v in enumerate(vals))
 
 
 def _pair(value: object, name: str, minimum: int = 1) -> tuple[int, int]:
@@ -108,7 +148,7 @@ def shared_prompt(prompt_len, response_lens) -> Mask:
     """One prompt, several responses: ``k <= q and same group and (k in the group's prompt or k in
     q's response)``. One group: ``prompt_len`` an int and ``response_lens`` a list; several packed
     groups: a list of ints and a list of lists. Fixes the length."""
-    if isinstance(prompt_len, numbers.Integral) and not isinstance(prompt_len, bool):
+    if _is_int(prompt_len):
         prompts = (_int(prompt_len, "prompt_len", 0),)
         groups = (response_lens,)
     else:

@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 
 from ..errors import CompileMaskError, LayoutError
+from ..masks import _int, _ints, _is_int
 from .ast import Relation, Rule, RuleMask, Segment, Span
 from .parser import parse_layout, parse_relation, parse_rule, parse_span
 from .resolve import check_layout, check_rules
@@ -47,9 +48,10 @@ def seg(name: str, length: int | Sequence[int] | str) -> Segment:
 
     Args:
         name: an identifier (``"prompt"``).
-        length: tokens of a single part (``2048``), the lengths of a family's parts
-            (``[1792] * 8``, addressed as ``name[i]`` in rules), or ``"*"`` for the open-ended
-            segment that takes whatever length is left.
+        length: tokens of a single part (``2048``; an int, a numpy integer or a 0-d integer
+            tensor), the lengths of a family's parts (``[1792] * 8``, a tuple, a 1-D integer
+            numpy array or tensor; addressed as ``name[i]`` in rules), or ``"*"`` for the
+            open-ended segment that takes whatever length is left.
 
     Returns:
         The :class:`~.ast.Segment` (text forms ``prompt:2048``, ``resp:8x1792``, ``rest:*``).
@@ -67,10 +69,11 @@ def seg(name: str, length: int | Sequence[int] | str) -> Segment:
         if length != "*":
             raise LayoutError(f'segment {name!r}: a length given as a string must be "*"')
         return Segment(name, None)
-    if isinstance(length, Sequence):
-        out = Segment(name, tuple(length))
+    what = f"the length of segment {name!r}"
+    if _is_int(length):
+        out = Segment(name, (_int(length, what, error=LayoutError),))
     else:
-        out = Segment(name, (length,))
+        out = Segment(name, _ints(length, what, error=LayoutError))
     _check_layout_of(out)
     return out
 
@@ -84,9 +87,9 @@ def grid(name: str, h: int, w: int) -> Segment:
         Segment(name='image', lengths=(6,), grid=(2, 3))
     """
     _check_name(name)
-    for v in (h, w):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise LayoutError(f"grid {name!r} needs integer h and w, got {(h, w)}")
+    h, w = (
+        _int(v, f"grid {name!r}: {axis}", error=LayoutError) for v, axis in ((h, "h"), (w, "w"))
+    )
     out = Segment(name, (h * w,), (h, w))
     _check_layout_of(out)
     return out

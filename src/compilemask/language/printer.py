@@ -6,13 +6,18 @@ A rule block at the top level prints as lines, nested in an expression as ``{ ..
     prompt -> prompt : causal
     resp[i] -> resp[i] : band(-128, 0)
 
-Catalogue masks print as calls with their canonical positional arguments
-(``document([3, 5], true)``); combinations print with the fewest parentheses that keep their
+Catalogue masks print as calls with their canonical arguments: those without a default
+positionally, those with one as ``name=value`` and only when not the default
+(``document([3, 5])``, ``document([3, 5], causal=false)``, ``hstu([9], [2], contextual=3)``);
+combinations print with the fewest parentheses that keep their
 structure (``&`` binds tighter than ``|`` and ``-``, which are left associative), plus those that
 make the text read the same as a Python expression (where ``-`` binds tighter than ``&``).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 from ..errors import CompileMaskError
 from .ast import (
@@ -85,11 +90,35 @@ def _value(v: object) -> str:
     raise CompileMaskError(f"cannot print mask argument {v!r} of type {type(v).__name__}")
 
 
+@functools.lru_cache(maxsize=64)
+def _keywords(name: str) -> tuple:
+    """Per parameter of the catalogue constructor ``name``: ``(keyword, default)`` for one that
+    has a default (printed as ``keyword=value`` unless the default), None for the others."""
+    from ..masks import CATALOGUE
+
+    fn = CATALOGUE.get(name)
+    if fn is None:
+        return ()
+    empty = inspect.Parameter.empty
+    return tuple(
+        None if p.default is empty else (p.name, p.default)
+        for p in inspect.signature(fn).parameters.values()
+    )
+
+
 def _builtin(m: Builtin) -> str:
     args = m.args
     if m.name == "shared_prompt" and len(args) == 2 and len(args[0]) == 1 and len(args[1]) == 1:
         args = (args[0][0], args[1][0])  # one group: shared_prompt(1024, [500, 400])
-    return f"{m.name}({', '.join(_value(a) for a in args)})"
+    keywords = _keywords(m.name)
+    parts = []
+    for i, a in enumerate(args):
+        kw = keywords[i] if i < len(keywords) else None
+        if kw is None:
+            parts.append(_value(a))
+        elif not (type(a) is type(kw[1]) and a == kw[1]):
+            parts.append(f"{kw[0]}={_value(a)}")
+    return f"{m.name}({', '.join(parts)})"
 
 
 def _needs_parens(op: str, child: Mask, right: bool) -> bool:

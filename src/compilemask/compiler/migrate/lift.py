@@ -595,10 +595,17 @@ class Lifter:
         idx = self.indices(max(b, h) + 1)
         bt, ht = idx[b], idx[h]  # views: no copy from the host
         self._ints = [(bt, b, bt._version), (ht, h, ht._version)]
-        args = iter([bt, ht, QV(idx[: self.nq], (1, 0)), KV(idx[: self.nk], (1, 0))])
+        args = [bt, ht, QV(idx[: self.nq], (1, 0)), KV(idx[: self.nk], (1, 0))]
+        places = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        if len(places) != len(args):
+            raise Unsupported(
+                f"the traced mask_mod takes {len(places)} arguments, not the four of "
+                "mask_mod(b, h, q_idx, kv_idx)"
+            )
+        env.update(zip(places, args))
         for node in gm.graph.nodes:
             if node.op == "placeholder":
-                env[node] = next(args)
+                continue
             elif node.op == "get_attr":
                 env[node] = getattr(gm, node.target)
             elif node.op == "output":

@@ -29,14 +29,18 @@ when it provably reads nothing but its leaves, and those only as inputs of the g
 
 A call whose key is cached gets :class:`Bound`: the cached graph with its ``get_attr`` targets
 bound to this call's leaves (the very tensors, read fresh; an in-place update is seen). The
-cache is an LRU of :data:`MAX_ENTRIES` keys.
+cache is an LRU of :data:`MAX_ENTRIES` keys; an entry (:class:`Template`) holds a copy of the
+graph and stand-ins for its tensors, never the tensors of a mask_mod (they are freed when the
+caller drops them).
 """
 
 from __future__ import annotations
 
 import builtins
+import copy
 import dis
 import functools
+import inspect
 import math
 import threading
 import types
@@ -253,10 +257,31 @@ def _attr(gm, target: str):
     return obj
 
 
+class Template:
+    """A cached trace without the tensors of the mask_mod it was traced from: a copy of its
+    ``graph`` (not owned by the traced module, which holds those tensors) and, per
+    ``get_attr`` target, a stand-in of the same dtype, shape and device (one element,
+    expanded; never read). A call binds its own tensors (:class:`Bound`)."""
+
+    def __init__(self, gm, targets: dict):
+        self.graph = copy.deepcopy(gm.graph)
+        self.stand_ins = {}
+        for t in targets:
+            real = _attr(gm, t)
+            one = torch.empty((), dtype=real.dtype, device=real.device)
+            self.stand_ins[t] = one.expand(real.shape)
+
+    def __getattr__(self, name):  # only for names not set in __init__
+        stand_ins = self.__dict__.get("stand_ins", {})
+        if name in stand_ins:
+            return stand_ins[name]
+        raise AttributeError(name)
+
+
 class Bound:
-    """A cached trace ``template`` with its ``get_attr`` targets bound to other tensors:
-    ``graph`` is the template's, ``getattr(bound, target)`` the tensor of this call;
-    ``swap`` maps ``id`` of a template tensor to this call's tensor."""
+    """A cached trace ``template`` (:class:`Template`) with its ``get_attr`` targets bound to
+    this call's tensors: ``graph`` is the template's, ``getattr(bound, target)`` the tensor of
+    this call; ``swap`` maps ``id`` of a template stand-in to this call's tensor."""
 
     def __init__(self, template, attrs: dict, swap: dict):
         self.template, self.graph, self.attrs, self.swap = template, template.graph, attrs, swap
@@ -281,19 +306,42 @@ def _targets(gm, leaves: list) -> dict | None:
     return out
 
 
-def _bind(entry, leaves: list):
-    gm, targets = entry
+def _bind(entry, leaves: list) -> Bound:
+    template, targets = entry
     attrs = {t: leaves[i] for t, i in targets.items()}
-    template = {t: _attr(gm, t) for t in targets}
-    if all(attrs[t] is template[t] for t in targets):
-        return gm
-    swap = {id(template[t]): attrs[t] for t in targets}
-    return Bound(gm, attrs, swap)
+    swap = {id(template.stand_ins[t]): attrs[t] for t in targets}
+    return Bound(template, attrs, swap)
+
+
+def _four_positional(fn) -> bool:
+    """``fn`` is a plain function of exactly ``(b, h, q_idx, kv_idx)``: no other parameter,
+    no ``*args`` / ``**kwargs``."""
+    code = fn.__code__
+    varargs = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
+    return code.co_argcount == 4 and not code.co_kwonlyargcount and not varargs
+
+
+def as_traced_function(fn):
+    """What ``torch.fx`` traces for ``fn``: ``fn`` itself when it is a plain function of
+    ``(b, h, q_idx, kv_idx)``, else (a ``functools.partial``, a function with more parameters
+    that have defaults) a function of those four that calls it, so the trace has the four
+    placeholders of a mask_mod and the bound values enter it as captured ones."""
+    if type(fn) is types.FunctionType and _four_positional(fn):
+        return fn
+    if type(fn) is not types.FunctionType and type(fn) is not functools.partial:
+        return fn  # torch.fx says what it cannot trace
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return fn(b, h, q_idx, kv_idx)
+
+    return mask_mod
 
 
 def symbolic_trace(fn):
     """``torch.fx.symbolic_trace(fn)``, or the cached trace of a mask_mod of the same
-    structure (:func:`structure`) bound to ``fn``'s tensors (:class:`Bound`).
+    structure (:func:`structure`) bound to ``fn``'s tensors (:class:`Bound`). A
+    ``functools.partial`` or a function with extra parameters that have defaults is traced
+    as a function of ``(b, h, q_idx, kv_idx)`` calling it (:func:`as_traced_function`).
 
     Raises:
         whatever ``torch.fx.symbolic_trace`` raises; RuntimeError: the mask_mod draws random
@@ -311,14 +359,14 @@ def symbolic_trace(fn):
             return _bind(entry, state[1])
     ops, reads = _RealOps(), _RealReads()
     with ops, reads:
-        gm = torch.fx.symbolic_trace(fn)
+        gm = torch.fx.symbolic_trace(as_traced_function(fn))
     if ops.random or _has_random(gm):
         raise RuntimeError("the mask_mod draws random numbers")
     if state is not None and ops.n == 0 and reads.n == 0:
         targets = _targets(gm, state[1])
         if targets is not None:
             with _LOCK:
-                _CACHE[state[0]] = (gm, targets)
+                _CACHE[state[0]] = (Template(gm, targets), targets)
                 while len(_CACHE) > MAX_ENTRIES:
                     _CACHE.popitem(last=False)
     return gm
