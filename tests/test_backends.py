@@ -176,6 +176,9 @@ def test_auto_rules_match_on_length_and_backward():
     assert not rule.matches(call(4095, True))
     assert not rule.matches(call(8192, False))
     assert AutoRule("x", min_q_len=4096).matches(call(8192, False))
+    short = AutoRule("x", max_q_len=2048, requires_grad=False)
+    assert short.matches(call(2048, False)) and short.matches(call(1, False))
+    assert not short.matches(call(2049, False)) and not short.matches(call(1024, True))
     assert not AutoRule("x", device="cuda").matches(call(8192, False))
     seen = []
 
@@ -236,6 +239,8 @@ def test_auto_forward_rows_take_no_backward_steps():
     for rule in registry.AUTO_TABLE:
         if rule.backend == "cudnn" and rule.min_q_len is None and rule.plans is None:
             assert rule.requires_grad is False
+        if rule.backend == "cute":  # forward only
+            assert rule.requires_grad is False and rule.max_q_len is not None
 
 
 def test_auto_many_interval_row_reads_only_the_plan_shape():
