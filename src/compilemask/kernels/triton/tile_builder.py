@@ -196,11 +196,11 @@ def _build_schedule(
     pointer argument instead of nineteen: each costs the host a specialisation and a pointer
     read per launch).
 
-    FROM_TABLE (one mask): ``Lo`` is a piece table (``lower.PieceTable``, ``n_pieces`` pieces,
-    ``steps`` halvings to find a row's piece, :func:`_piece_of`) instead of the intervals
-    (``Hi`` unused): every program evaluates its rows from it, and the q-tile programs write
-    them, with their counts, into the plan's ``row_lo``, ``row_hi``, ``row_count`` (the last
-    regions of ``Out``)."""
+    FROM_TABLE (one mask): ``Lo`` and ``Hi`` are unused; the piece table (``lower.PieceTable``,
+    ``n_pieces`` pieces, ``steps`` halvings to find a row's piece, :func:`_piece_of`), copied
+    into the last region of ``Out`` (its first word the ticket), takes the intervals' place:
+    every program evaluates its rows from it, and the q-tile programs write them, with their
+    counts, into the plan's ``row_lo``, ``row_hi``, ``row_count`` (the regions before it)."""
     n_masks = tl.num_programs(1).to(tl.int64)
     tiles = n_masks * Tq * Tk  # ten [M, Tq, Tk] / [M, Tk, Tq] regions, then the per-tile ones
     Kind, Pairs, Jlo, Jhi, BitsIndex = (
@@ -219,13 +219,14 @@ def _build_schedule(
     KvFullCount, KvOrder = KvCount + per_kv, KvCount + 2 * per_kv
     QWork = KvCount + 3 * per_kv
     KvWork = QWork + 8 * per_q
-    Tickets = KvWork + 8 * per_kv
-    if ORDER:
-        RowLo = Tickets + n_masks
-    else:
-        RowLo = Tickets
+    RowLo = KvWork + 8 * per_kv  # FROM_TABLE: the rows, then the copied table
     RowHi = RowLo + n_masks * q_len * n_slots
     RowCount = RowHi + n_masks * q_len * n_slots
+    if FROM_TABLE:
+        Tickets = RowCount + n_masks * q_len  # the table's first word (zero)
+        Lo = Tickets + 1
+    else:
+        Tickets = RowLo
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     slots = tl.arange(0, K_PAD)
@@ -318,6 +319,56 @@ def _build_schedule(
             _order_side(KvCount + m * Tk, KvFullCount + m * Tk, KvFullFirst + m * Tk * Tq,
                         KvOrder + m * Tk, KvWork + m * Tk * 8, Tk, Tq,
                         BLOCK=64, CHUNK=64)  # fmt: skip
+
+
+# _build_schedule's compiled launchers per (current device, specialisation of the arguments,
+# constants): ``kernel[grid](...)`` (``JITFunction.run``) binds and specialises every argument
+# and builds launch metadata on each call, about 17 us of an H200 host's time against 6 us for
+# the compiled launcher called directly
+_LAUNCHERS: dict[tuple, tuple] = {}
+
+
+def _launch_hooks() -> bool:
+    """Whether a Triton launch hook is set (then every launch goes through Triton's own path,
+    which calls it)."""
+    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if rt is None:  # a Triton without knobs: taken as hooked (its own launch path)
+        return True
+    hooks = (getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None))
+    return any(getattr(h, "calls", h) for h in hooks)
+
+
+def _launch_schedule(grid, device, *args):
+    """``_build_schedule[grid](*args)`` with the last six ``args`` its constants (BLOCK_M,
+    BLOCK_N, K_PAD, CHUNK_Q, ORDER, FROM_TABLE): the first launch of a specialisation on a
+    CUDA device goes through Triton (compiling if need be) and keeps the compiled kernel's
+    launcher; later ones call it directly with what Triton would pass (no launch hook set;
+    the key is at least as fine as Triton's specialisation: each tensor's 16-byte alignment,
+    each int's value 1, divisibility by 16 and width)."""
+    *values, block_m, block_n, k_pad, chunk_q, order, from_table = args
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=k_pad, CHUNK_Q=chunk_q, ORDER=order,
+                  FROM_TABLE=from_table)  # fmt: skip
+    if device.type != "cuda" or _launch_hooks():
+        _build_schedule[grid](*values, **consts)
+        return
+    index = torch.cuda.current_device()
+    key = (index, *args[-6:], *(
+        v.data_ptr() % 16 == 0 if isinstance(v, torch.Tensor)
+        else (v == 1) + 2 * (v % 16 == 0) + 4 * (v >= 1 << 31)
+        for v in values
+    ))  # fmt: skip
+    hit = _LAUNCHERS.get(key)
+    if hit is not None:
+        run, function, metadata = hit
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        run(grid[0], grid[1], 1, stream, function, metadata, None, None, None, *values,
+            *args[-6:])  # fmt: skip
+        return
+    kernel = _build_schedule[grid](*values, **consts)
+    try:
+        _LAUNCHERS[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+    except AttributeError:  # another Triton: its own launch path every time
+        pass
 
 
 @triton.jit
@@ -488,23 +539,25 @@ def _layout(
     bits_index, q_list, q full-first [M, Tq, Tk]; the scratch, kv_list, kv full-first
     [M, Tk, Tq]; q_count, q full counts, q_order [M, Tq]; the same for the kv-tiles; q_work
     [M, Tq, 8]; kv_work; the tickets [M] (none without the fused ordering); the bitmask words
-    (none); with ``rows = (Nq, K)``, the plan's row_lo, row_hi [M, Nq, K] and row_count
-    [M, Nq] (a build from a piece table). ``runs``: ``(size, count, shape)`` per run of
-    consecutive outputs of one shape (made as one view and one ``unbind``); ``where[i]``: the
-    position in memory order of the i-th output in the order :func:`build_tiles_triton`
-    unpacks them."""
+    (none). With ``rows = (Nq, K, W)`` (a build from a piece table, M = 1): after kv_work the
+    plan's row_lo, row_hi [M, Nq, K] and row_count [M, Nq], then the piece table's ``W``
+    words in the tickets' place (its first word is the ticket). ``runs``: ``(size, count,
+    shape)`` per run of consecutive outputs of one shape (made as one view and one
+    ``unbind``); ``where[i]``: the position in memory order of the i-th output in the order
+    :func:`build_tiles_triton` unpacks them."""
     key = (m, tq, tk, block_m, block_n, order, rows)
     hit = _LAYOUTS.get(key)
     if hit is None:
         per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
         shapes = [tiles] * 5 + [tiles_t]  # kind, pairs, jlo, jhi, bits_index; scratch
         shapes += [per_q, tiles, tiles, per_q, per_kv, tiles_t, tiles_t, per_kv]
-        shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), (m if order else 0,)]
+        tickets = (rows[2],) if rows else (m if order else 0,)
+        shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), tickets]
         shapes += [(0, block_m, -(-block_n // 32))]
         memory = [0, 1, 2, 3, 4, 7, 8, 5, 11, 12, 6, 9, 14, 10, 13, 15, 16, 17, 18, 19]
         if rows:
-            shapes += [(m, *rows), (m, *rows), (m, rows[0])]
-            memory += [20, 21, 22]
+            shapes += [(m, *rows[:2]), (m, *rows[:2]), (m, rows[0])]
+            memory[-2:-2] = [20, 21, 22]
         runs: list[list] = []
         for i in memory:
             shape = shapes[i]
@@ -549,43 +602,46 @@ def build_tiles_triton(
     launch (:func:`heaviest_first`). Outputs are views of one allocation; the tickets of the
     fused ordering are its only zeroed part (one fill)."""
     m, _, k = lo.shape
-    return _build(lo, hi, None, m, k, q_len, kv_len, block_m, block_n)[0]
+    return _build(lo, hi, None, m, k, q_len, kv_len, block_m, block_n, lo.device)[0]
 
 
-def build_from_table(table, q_len: int, kv_len: int, block_m: int, block_n: int):
-    """``(row_lo, row_hi, row_count, schedule)`` of one mask's piece table (``table``: a
-    ``compiler.lower.PieceTable``): the rows ``lower`` makes from it (int32 ``[1, Nq, K]``,
-    ``[1, Nq]``) and their :func:`build_tiles_triton` schedule, bit for bit, all written by
-    the one ``_build_schedule`` launch into its one allocation (no ``searchsorted``, gathers
-    or ``addcmul`` before it). Needs ``q_len, kv_len >= 1``."""
-    schedule, rows = _build(
-        table.flat, table.flat, table, 1, table.k, q_len, kv_len, block_m, block_n
-    )  # fmt: skip
+def build_from_table(
+    table, q_len: int, kv_len: int, block_m: int, block_n: int, device: torch.device
+):
+    """``(row_lo, row_hi, row_count, schedule)`` on ``device`` of one mask's piece table
+    (``table``: a ``compiler.lower.PieceTable``, on the host): the rows ``lower`` makes from
+    it (int32 ``[1, Nq, K]``, ``[1, Nq]``) and their :func:`build_tiles_triton` schedule, bit
+    for bit, all written by the one ``_build_schedule`` launch into its one allocation, into
+    which the table is copied first (the one operation before the launch: no
+    ``searchsorted``, gathers or ``addcmul``, no fill). Needs ``q_len, kv_len >= 1``."""
+    schedule, rows = _build(None, None, table, 1, table.k, q_len, kv_len, block_m, block_n, device)
     return (*rows, schedule)
 
 
-def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n):
-    """``(schedule, rows)``: :func:`build_tiles_triton` of the intervals ``lo, hi``, or with a
-    piece ``table`` (``lo`` and ``hi`` its tensor) of the rows it evaluates, ``rows`` then
-    their ``(row_lo, row_hi, row_count)`` (else empty)."""
+def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
+    """``(schedule, rows)``: :func:`build_tiles_triton` of the intervals ``lo, hi`` on
+    ``device``, or of the rows a piece ``table`` evaluates (``lo``, ``hi`` None), ``rows``
+    then their ``(row_lo, row_hi, row_count)`` (else empty)."""
     tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
     order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
-    shape = (q_len, k) if table is not None else ()
-    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order, shape), lo.device)
+    shape = (q_len, k, table.flat.shape[0]) if table is not None else ()
+    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order, shape), device)
     kind, pairs, jlo, jhi, bits_index = out[:5]
     q_count, q_list, q_full_first, q_full_count = out[6:10]
     kv_count, kv_list, kv_full_first, kv_full_count = out[10:14]
     q_order, kv_order, q_work, kv_work, tickets, bits = out[14:20]
     if m * tq * tk:
-        if order:
+        if table is not None:  # the table and the ticket before it: the one operation
+            tickets.copy_(table.flat, non_blocking=True)
+        elif order:
             tickets.zero_()
         k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
         pieces = table.pieces if table is not None else 1
-        _build_schedule[(tq + tk, m)](
-            lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length(),
-            BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=k_pad,
-            CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
-            FROM_TABLE=table is not None,
+        _launch_schedule(
+            (tq + tk, m), device, flat if table is not None else lo,
+            flat if table is not None else hi, flat, q_len, kv_len, k, tq, tk, pieces,
+            pieces.bit_length(), block_m, block_n, k_pad,
+            max(1, min(64, 4096 // (block_m * k_pad))), order, table is not None,
         )  # fmt: skip
         if not order:
             lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
@@ -655,7 +711,7 @@ def _device_builder_from_table(make_table, q_len, kv_len, device, block_m, block
     table = make_table()
     if table is None or table.k > MAX_SLOTS:
         return None
-    return build_from_table(table, q_len, kv_len, block_m, block_n)
+    return build_from_table(table, q_len, kv_len, block_m, block_n, device)
 
 
 _device_builder.serves = serves  # type: ignore[attr-defined]
