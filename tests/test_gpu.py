@@ -175,13 +175,13 @@ def test_new_masks_build_through_the_kept_launcher_without_reading_back():
     """New masks (another hstu length set each build, their tables made afresh) launch
     ``_build_schedule`` through its kept compiled launcher after the first build: no host
     synchronisation, and rows and schedule equal the tensor builder's."""
-    from compilemask.kernels.triton import tile_builder
+    from compilemask.kernels.triton import build_host, tile_builder
 
     sets = ([3000, 5000, 800], [2000, 1000, 5800], [4096, 4096, 608], [6000, 2800])
     masks = [cm.masks.hstu(lengths, [64] * len(lengths), contextual=6) for lengths in sets]
     n = 8800
     cm.compile(masks[0], n, device="cuda", cache=False)  # compiles, keeps the launcher
-    assert tile_builder._LAUNCHERS
+    assert build_host._LAUNCHERS
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -196,3 +196,28 @@ def test_new_masks_build_through_the_kept_launcher_without_reading_back():
         for field in ("kind", "pairs", "jlo", "jhi", "q_count", "q_list", "kv_count",
                       "kv_list", "q_order", "kv_order"):  # fmt: skip
             assert torch.equal(getattr(plan.schedule, field), getattr(ref.schedule, field))
+
+
+def test_host_tables_reach_the_device_through_the_pinned_ring():
+    """Host tables copied through a small ring (16 words a quarter) wrap it many times, on the
+    current stream and on a side stream, while the device is kept busy: every copy lands."""
+    from compilemask.kernels.triton.build_host import Staging
+
+    ring = Staging(64)
+    side = torch.cuda.Stream()
+    want, got = [], []
+    busy = torch.randn(2048, 2048, device="cuda")
+    for i in range(200):
+        if i % 50 == 0:
+            busy = busy @ busy  # the copies queue behind it: the ring must wait for them
+            busy /= busy.norm()
+        table = torch.arange(i, i + 1 + i % 11, dtype=torch.int32)
+        dst = torch.empty(table.shape[0], dtype=torch.int32, device="cuda")
+        with torch.cuda.stream(side if i % 3 == 0 else torch.cuda.current_stream()):
+            if not ring.copy(dst, table):
+                dst.copy_(table.pin_memory(), non_blocking=True)
+        want.append(table)
+        got.append(dst)
+    torch.cuda.synchronize()
+    for a, b in zip(want, got):
+        assert torch.equal(a, b.cpu())

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import TileSchedule
+from .build_host import launch, upload
 
 _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
@@ -321,56 +322,6 @@ def _build_schedule(
                         BLOCK=64, CHUNK=64)  # fmt: skip
 
 
-# _build_schedule's compiled launchers per (current device, specialisation of the arguments,
-# constants): ``kernel[grid](...)`` (``JITFunction.run``) binds and specialises every argument
-# and builds launch metadata on each call, about 17 us of an H200 host's time against 6 us for
-# the compiled launcher called directly
-_LAUNCHERS: dict[tuple, tuple] = {}
-
-
-def _launch_hooks() -> bool:
-    """Whether a Triton launch hook is set (then every launch goes through Triton's own path,
-    which calls it)."""
-    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if rt is None:  # a Triton without knobs: taken as hooked (its own launch path)
-        return True
-    hooks = (getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None))
-    return any(getattr(h, "calls", h) for h in hooks)
-
-
-def _launch_schedule(grid, device, *args):
-    """``_build_schedule[grid](*args)`` with the last six ``args`` its constants (BLOCK_M,
-    BLOCK_N, K_PAD, CHUNK_Q, ORDER, FROM_TABLE): the first launch of a specialisation on a
-    CUDA device goes through Triton (compiling if need be) and keeps the compiled kernel's
-    launcher; later ones call it directly with what Triton would pass (no launch hook set;
-    the key is at least as fine as Triton's specialisation: each tensor's 16-byte alignment,
-    each int's value 1, divisibility by 16 and width)."""
-    *values, block_m, block_n, k_pad, chunk_q, order, from_table = args
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=k_pad, CHUNK_Q=chunk_q, ORDER=order,
-                  FROM_TABLE=from_table)  # fmt: skip
-    if device.type != "cuda" or _launch_hooks():
-        _build_schedule[grid](*values, **consts)
-        return
-    index = torch.cuda.current_device()
-    key = (index, *args[-6:], *(
-        v.data_ptr() % 16 == 0 if isinstance(v, torch.Tensor)
-        else (v == 1) + 2 * (v % 16 == 0) + 4 * (v >= 1 << 31)
-        for v in values
-    ))  # fmt: skip
-    hit = _LAUNCHERS.get(key)
-    if hit is not None:
-        run, function, metadata = hit
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        run(grid[0], grid[1], 1, stream, function, metadata, None, None, None, *values,
-            *args[-6:])  # fmt: skip
-        return
-    kernel = _build_schedule[grid](*values, **consts)
-    try:
-        _LAUNCHERS[key] = (kernel.run, kernel.function, kernel.packed_metadata)
-    except AttributeError:  # another Triton: its own launch path every time
-        pass
-
-
 @triton.jit
 def _tile_lists(
     Kind, Count, List, FullFirst, FullCount, Count2, List2, FullFirst2, FullCount2,
@@ -632,17 +583,19 @@ def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
     q_order, kv_order, q_work, kv_work, tickets, bits = out[14:20]
     if m * tq * tk:
         if table is not None:  # the table and the ticket before it: the one operation
-            tickets.copy_(table.flat, non_blocking=True)
+            upload(tickets, table.flat)
+            lo = hi = flat  # unused: the launch reads the table from its allocation
         elif order:
             tickets.zero_()
         k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
         pieces = table.pieces if table is not None else 1
-        _launch_schedule(
-            (tq + tk, m), device, flat if table is not None else lo,
-            flat if table is not None else hi, flat, q_len, kv_len, k, tq, tk, pieces,
-            pieces.bit_length(), block_m, block_n, k_pad,
-            max(1, min(64, 4096 // (block_m * k_pad))), order, table is not None,
+        consts = (
+            ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
+            ("CHUNK_Q", max(1, min(64, 4096 // (block_m * k_pad)))), ("ORDER", order),
+            ("FROM_TABLE", table is not None),
         )  # fmt: skip
+        values = (lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length())
+        launch(_build_schedule, (tq + tk, m), device, values, consts)
         if not order:
             lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
             q_order, kv_order, made = heaviest_first(
