@@ -94,14 +94,14 @@ def clear_tables() -> None:
 
 
 class PieceTable(NamedTuple):
-    """The rows of a piecewise-affine mask as one int32 host tensor ``flat``: a zero word,
-    then ``ends [P]`` (ascending, the last one ``Nq``), ``ab [2, 2, P, K]`` (``lo_a, hi_a,
-    lo_b, hi_b``: row ``q`` of piece ``p`` has ``[lo_a q + lo_b, hi_a q + hi_b)`` in slot
-    ``j``; unused slots ``[Nk, Nk)``) and ``counts [P]``, back to back
-    (:meth:`_Ctx.host_table`). The device builder copies it as it is into its own allocation
-    (on a GPU through its pinned ring, ``kernels/triton/build_host.py``), its first word being
-    the launch's ordering ticket (zero before the launch): the table's copy is the one
-    operation before the launch. Read only (kept per mask, :data:`_TABLES`)."""
+    """The rows of a piecewise-affine mask as one int32 host tensor ``flat`` (pinned for a
+    CUDA device, so that its copy does not block): a zero word, then ``ends [P]`` (ascending,
+    the last one ``Nq``), ``ab [2, 2, P, K]`` (``lo_a, hi_a, lo_b, hi_b``: row ``q`` of piece
+    ``p`` has ``[lo_a q + lo_b, hi_a q + hi_b)`` in slot ``j``; unused slots ``[Nk, Nk)``) and
+    ``counts [P]``, back to back (:meth:`_Ctx.host_table`). The device builder copies it as
+    it is into its own allocation, its first word being the launch's ordering ticket (zero
+    before the launch): the table's copy is the one operation before the launch. Read only
+    (kept per mask, :data:`_TABLES`)."""
 
     flat: torch.Tensor
     pieces: int
@@ -612,4 +612,7 @@ class _TableCtx(_Ctx):
 
     def table(self, pieces, k: int) -> PieceTable:
         values, n, k = self.host_table(pieces, k, lead=(0,))
-        return PieceTable(torch.frombuffer(array.array(_I32_CODE, values), dtype=I32), n, k)
+        host = torch.frombuffer(array.array(_I32_CODE, values), dtype=I32)
+        if self.device.type == "cuda":  # copied without blocking by the builder
+            host = host.pin_memory()
+        return PieceTable(host, n, k)

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import TileSchedule
-from .build_host import launch, upload
+from .build_host import launch
 
 _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
@@ -583,7 +583,7 @@ def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
     q_order, kv_order, q_work, kv_work, tickets, bits = out[14:20]
     if m * tq * tk:
         if table is not None:  # the table and the ticket before it: the one operation
-            upload(tickets, table.flat)
+            tickets.copy_(table.flat, non_blocking=True)  # pinned on a GPU's host
             lo = hi = flat  # unused: the launch reads the table from its allocation
         elif order:
             tickets.zero_()
