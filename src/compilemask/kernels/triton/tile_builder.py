@@ -19,7 +19,11 @@ in one kernel, ``_build_schedule``, grid (Tq + Tk, M):
 For a mask with a piece table (``compiler.lower.piece_table``: causal, document,
 shared_prompt, hstu) the same launch also makes the rows (:func:`build_from_table`): every
 program evaluates its rows from the table, and the q-tile programs write them into the plan's
-``row_lo`` / ``row_hi`` / ``row_count``, regions of the schedule's allocation.
+``row_lo`` / ``row_hi`` / ``row_count``, regions of the schedule's allocation. The host table
+is copied into the allocation's last region, its first word the ordering's ticket: the copy
+is the one operation before the launch. On a GPU the launch goes through the compiled
+kernel's launcher after the first (``build_host.launch``: Triton's ``JITFunction.run`` costs
+the host about 11 us more per launch).
 
 ``_tile_lists`` (the lists of a schedule built elsewhere) and ``_heaviest_first_kernel`` (the
 orders of axes longer than ``_FUSED_ORDER_MAX_TILES``) are launched on their own.
