@@ -2,6 +2,7 @@
 kernels stubbed out.
 
     PYTHONPATH=src python benchmarks/build_host_proxy.py [--n0 1024 32768] [--out FILE.jsonl]
+        [--fresh | --kept]
 
 Times ``compile(mask, N, device="cpu", cache=False)`` plus the forward and dK/dV schedules at
 128 x 128 (what ``compilemask bench --modes plan`` times on a GPU) for causal, hstu and
@@ -13,8 +14,9 @@ compute (at 32K that is not host time). Each row: minimum and median ms over ``-
 builds, the operations a GPU would launch (``compilemask.tools.op_counts.OpCounter``) and the
 Triton launches. ``tables``: ``kept`` builds the same mask object again (its lowering tables
 kept, if the tree keeps them), ``fresh`` forgets them before every build (a new mask each
-step). Runs on any tree with ``tools/op_counts.py`` (an older one: pass its ``src`` on
-PYTHONPATH, ``--variant`` names it).
+step, what ``benchmarks/bench_build.py --fresh`` times on a GPU); both by default, ``--fresh``
+or ``--kept`` for one. Runs on any tree with ``tools/op_counts.py`` (an older one: pass its
+``src`` on PYTHONPATH, ``--variant`` names it).
 """
 
 from __future__ import annotations
@@ -73,7 +75,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--variant", default="this tree")
     ap.add_argument("--out", default=None, help="JSON-lines file the rows are appended to")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--fresh", action="store_true", help="only a new mask each build")
+    only.add_argument("--kept", action="store_true", help="only the same mask again")
     a = ap.parse_args()
+    modes = ("fresh",) if a.fresh else ("kept",) if a.kept else ("kept", "fresh")
     torch.set_num_threads(1)
     stubs = _device_style()
     clear = getattr(lower_mod, "clear_tables", lambda: None)
@@ -82,7 +88,7 @@ def main() -> None:
     for n0 in a.n0:
         for name in SEEDS:
             w = workload(name, n0)
-            for tables in ("kept", "fresh"):
+            for tables in modes:
 
                 def build(w=w, tables=tables):
                     if tables == "fresh":

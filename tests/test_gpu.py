@@ -169,3 +169,30 @@ def test_triton_tile_builder_equals_the_tensor_builder(name):
     for a, b in zip(got, want):
         for key in a:
             assert torch.equal(a[key], b[key]), key
+
+
+def test_new_masks_build_through_the_kept_launcher_without_reading_back():
+    """New masks (another hstu length set each build, their tables made afresh) launch
+    ``_build_schedule`` through its kept compiled launcher after the first build: no host
+    synchronisation, and rows and schedule equal the tensor builder's."""
+    from compilemask.kernels.triton import build_host, tile_builder
+
+    sets = ([3000, 5000, 800], [2000, 1000, 5800], [4096, 4096, 608], [6000, 2800])
+    masks = [cm.masks.hstu(lengths, [64] * len(lengths), contextual=6) for lengths in sets]
+    n = 8800
+    cm.compile(masks[0], n, device="cuda", cache=False)  # compiles, keeps the launcher
+    assert build_host._LAUNCHERS
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plans = [cm.compile(m, n, device="cuda", cache=False) for m in masks[1:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for mask, plan in zip(masks[1:], plans):
+        with tile_builder.using(False):
+            ref = cm.compile(mask, n, device="cuda", cache=False)
+        for field in ("row_lo", "row_hi", "row_count"):
+            assert torch.equal(getattr(plan, field), getattr(ref, field)), field
+        for field in ("kind", "pairs", "jlo", "jhi", "q_count", "q_list", "kv_count",
+                      "kv_list", "q_order", "kv_order"):  # fmt: skip
+            assert torch.equal(getattr(plan.schedule, field), getattr(ref.schedule, field))

@@ -112,13 +112,15 @@ def test_outputs_tile_one_allocation(m, tq, tk, order):
 
 
 def test_outputs_with_the_rows_tile_one_allocation():
-    # a build from a piece table: the plan's rows after the schedule, in the same allocation
-    runs, where = tile_builder._layout(1, 4, 3, 32, 64, True, (100, 2))
+    # a build from a piece table: the plan's rows after the schedule's work entries, then the
+    # table's 9 words (its first word the ordering's ticket), in the same allocation
+    runs, where = tile_builder._layout(1, 4, 3, 32, 64, True, (100, 2, 9))
     flat, out = tile_builder._outputs(runs, where, torch.device("cpu"))
     assert [tuple(t.shape) for t in out[20:]] == [(1, 100, 2), (1, 100, 2), (1, 100)]
-    assert out[20].storage_offset() == out[18].storage_offset() + 1  # after the one ticket
+    assert out[20].storage_offset() == out[17].storage_offset() + out[17].numel()  # kv_work
     assert out[21].storage_offset() == out[20].storage_offset() + 200
-    assert out[22].storage_offset() + 100 == flat.numel()
+    assert out[18].storage_offset() == out[22].storage_offset() + 100  # the table
+    assert tuple(out[18].shape) == (9,) and out[18].storage_offset() + 9 == flat.numel()
 
 
 TABLED = [

@@ -73,7 +73,8 @@ PIECEWISE = frozenset({"document", "shared_prompt", "hstu"})
 #: (whose own lowering is a closed form of three operations).
 TABLED = PIECEWISE | {"causal"}
 _CACHED = 32  # entries kept in each of _TABLES and _ROWS (least recently made dropped first)
-# (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table`;
+# (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table` (the
+# host :class:`PieceTable` of :meth:`_TableCtx.table`);
 # the query rows (Nq, device) -> arange. Both read only (never returned or written), shared.
 _TABLES: dict[tuple, tuple] = {}
 _ROWS: dict[tuple, torch.Tensor] = {}
@@ -93,10 +94,14 @@ def clear_tables() -> None:
 
 
 class PieceTable(NamedTuple):
-    """The rows of a piecewise-affine mask as one int32 device tensor ``flat``: ``ends [P]``
-    (ascending, the last one ``Nq``), ``ab [2, 2, P, K]`` (``lo_a, hi_a, lo_b, hi_b``: row
-    ``q`` of piece ``p`` has ``[lo_a q + lo_b, hi_a q + hi_b)`` in slot ``j``; unused slots
-    ``[Nk, Nk)``) and ``counts [P]``, back to back (:meth:`_Ctx.table`)."""
+    """The rows of a piecewise-affine mask as one int32 host tensor ``flat`` (pinned for a
+    CUDA device, so that its copy does not block): a zero word, then ``ends [P]`` (ascending,
+    the last one ``Nq``), ``ab [2, 2, P, K]`` (``lo_a, hi_a, lo_b, hi_b``: row ``q`` of piece
+    ``p`` has ``[lo_a q + lo_b, hi_a q + hi_b)`` in slot ``j``; unused slots ``[Nk, Nk)``) and
+    ``counts [P]``, back to back (:meth:`_Ctx.host_table`). The device builder copies it as
+    it is into its own allocation, its first word being the launch's ordering ticket (zero
+    before the launch): the table's copy is the one operation before the launch. Read only
+    (kept per mask, :data:`_TABLES`)."""
 
     flat: torch.Tensor
     pieces: int
@@ -104,8 +109,8 @@ class PieceTable(NamedTuple):
 
 
 def piece_table(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = False):
-    """The :class:`PieceTable` of a :data:`TABLED` catalogue mask (one host-to-device copy,
-    none for a mask whose table is kept), or None for any other mask. A device builder that
+    """The :class:`PieceTable` of a :data:`TABLED` catalogue mask (its host table, made once
+    per (mask, Nk, trim, device) and kept), or None for any other mask. A device builder that
     evaluates the table itself (``kernels/triton/tile_builder.py``) makes the rows
     :func:`lower` would, bit for bit, without its ``searchsorted``, gathers and ``addcmul``."""
     if not isinstance(mask, Builtin) or mask.name not in TABLED:
@@ -340,27 +345,41 @@ class _Ctx:
     def table(self, pieces, k: int) -> tuple:
         """``(ends [P], ab [2, 2, P, K], counts [P])`` on the device, one host-to-device copy:
         the pieces of :meth:`pieces` with rows, their coefficients padded to ``K`` slots
-        (views of :meth:`flat_table`)."""
-        host, n, k = self.flat_table(pieces, k)
+        (views of one tensor, :meth:`host_table`)."""
+        values, n, k = self.host_table(pieces, k)
+        host = self.t(values)  # one host-to-device copy
         return host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
 
-    def flat_table(self, pieces, k: int) -> PieceTable:
-        """The :class:`PieceTable` of :meth:`table`."""
+    def host_table(self, pieces, k: int, lead: tuple = ()) -> tuple:
+        """``(values, P, K)``: the table of :meth:`table` as one flat list of ints, ``[ends |
+        a of lo, hi | b of lo, hi | counts]`` after the ints ``lead``, in one pass over the
+        pieces with rows (unused slots ``[Nk, Nk)``: ``a = 0``, ``b = Nk``)."""
         rows, start = [], 0
         for piece in pieces:
             if piece[0] > start:
                 rows.append(piece)
                 start = piece[0]
-        counts = [len(piece[1]) for piece in rows]
         if self.trim:
-            k = max(1, max(counts))
-        table = [piece[0] for piece in rows]  # [ends | a of lo, hi | b of lo, hi | counts]
-        for field, fill in ((1, 0), (3, 0), (2, self.kv_len), (4, self.kv_len)):
-            pads = [(fill,) * (k - c) for c in range(k + 1)]  # unused slots: [Nk, Nk)
-            for piece in rows:
-                table += piece[field] + pads[len(piece[field])]
-        table += counts
-        return PieceTable(self.t(table), len(rows), k)  # one host-to-device copy
+            k = max(1, max(len(piece[1]) for piece in rows))
+        zeros = [(0,) * (k - c) for c in range(k + 1)]
+        fills = [(self.kv_len,) * (k - c) for c in range(k + 1)]
+        ends, counts, lo_a, hi_a, lo_b, hi_b = list(lead), [], [], [], [], []
+        for end, la, lb, ha, hb in rows:
+            ends.append(end)
+            c = len(la)
+            counts.append(c)
+            if c == k:
+                lo_a += la
+                hi_a += ha
+                lo_b += lb
+                hi_b += hb
+            else:
+                zero, fill = zeros[c], fills[c]
+                lo_a += la + zero
+                hi_a += ha + zero
+                lo_b += lb + fill
+                hi_b += hb + fill
+        return ends + lo_a + hi_a + lo_b + hi_b + counts, len(rows), k
 
     def expand(self, ends: torch.Tensor, ab: torch.Tensor, counts: torch.Tensor) -> _Rows:
         """The rows of a :meth:`table`: a ``searchsorted``, two gathers, an ``addcmul``."""
@@ -591,4 +610,9 @@ class _TableCtx(_Ctx):
     """Makes the :class:`PieceTable` of a :data:`TABLED` mask instead of its rows (kept apart
     from :class:`_Ctx`'s tables: the context class is part of :data:`_TABLES`' key)."""
 
-    table = _Ctx.flat_table
+    def table(self, pieces, k: int) -> PieceTable:
+        values, n, k = self.host_table(pieces, k, lead=(0,))
+        host = torch.frombuffer(array.array(_I32_CODE, values), dtype=I32)
+        if self.device.type == "cuda":  # copied without blocking by the builder
+            host = host.pin_memory()
+        return PieceTable(host, n, k)

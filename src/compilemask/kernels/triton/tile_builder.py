@@ -19,7 +19,11 @@ in one kernel, ``_build_schedule``, grid (Tq + Tk, M):
 For a mask with a piece table (``compiler.lower.piece_table``: causal, document,
 shared_prompt, hstu) the same launch also makes the rows (:func:`build_from_table`): every
 program evaluates its rows from the table, and the q-tile programs write them into the plan's
-``row_lo`` / ``row_hi`` / ``row_count``, regions of the schedule's allocation.
+``row_lo`` / ``row_hi`` / ``row_count``, regions of the schedule's allocation. The host table
+is copied into the allocation's last region, its first word the ordering's ticket: the copy
+is the one operation before the launch. On a GPU the launch goes through the compiled
+kernel's launcher after the first (``build_host.launch``: Triton's ``JITFunction.run`` costs
+the host about 11 us more per launch).
 
 ``_tile_lists`` (the lists of a schedule built elsewhere) and ``_heaviest_first_kernel`` (the
 orders of axes longer than ``_FUSED_ORDER_MAX_TILES``) are launched on their own.
@@ -47,6 +51,7 @@ import triton.language as tl
 
 from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import TileSchedule
+from .build_host import launch
 
 _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
@@ -196,11 +201,11 @@ def _build_schedule(
     pointer argument instead of nineteen: each costs the host a specialisation and a pointer
     read per launch).
 
-    FROM_TABLE (one mask): ``Lo`` is a piece table (``lower.PieceTable``, ``n_pieces`` pieces,
-    ``steps`` halvings to find a row's piece, :func:`_piece_of`) instead of the intervals
-    (``Hi`` unused): every program evaluates its rows from it, and the q-tile programs write
-    them, with their counts, into the plan's ``row_lo``, ``row_hi``, ``row_count`` (the last
-    regions of ``Out``)."""
+    FROM_TABLE (one mask): ``Lo`` and ``Hi`` are unused; the piece table (``lower.PieceTable``,
+    ``n_pieces`` pieces, ``steps`` halvings to find a row's piece, :func:`_piece_of`), copied
+    into the last region of ``Out`` (its first word the ticket), takes the intervals' place:
+    every program evaluates its rows from it, and the q-tile programs write them, with their
+    counts, into the plan's ``row_lo``, ``row_hi``, ``row_count`` (the regions before it)."""
     n_masks = tl.num_programs(1).to(tl.int64)
     tiles = n_masks * Tq * Tk  # ten [M, Tq, Tk] / [M, Tk, Tq] regions, then the per-tile ones
     Kind, Pairs, Jlo, Jhi, BitsIndex = (
@@ -219,13 +224,14 @@ def _build_schedule(
     KvFullCount, KvOrder = KvCount + per_kv, KvCount + 2 * per_kv
     QWork = KvCount + 3 * per_kv
     KvWork = QWork + 8 * per_q
-    Tickets = KvWork + 8 * per_kv
-    if ORDER:
-        RowLo = Tickets + n_masks
-    else:
-        RowLo = Tickets
+    RowLo = KvWork + 8 * per_kv  # FROM_TABLE: the rows, then the copied table
     RowHi = RowLo + n_masks * q_len * n_slots
     RowCount = RowHi + n_masks * q_len * n_slots
+    if FROM_TABLE:
+        Tickets = RowCount + n_masks * q_len  # the table's first word (zero)
+        Lo = Tickets + 1
+    else:
+        Tickets = RowLo
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     slots = tl.arange(0, K_PAD)
@@ -488,23 +494,25 @@ def _layout(
     bits_index, q_list, q full-first [M, Tq, Tk]; the scratch, kv_list, kv full-first
     [M, Tk, Tq]; q_count, q full counts, q_order [M, Tq]; the same for the kv-tiles; q_work
     [M, Tq, 8]; kv_work; the tickets [M] (none without the fused ordering); the bitmask words
-    (none); with ``rows = (Nq, K)``, the plan's row_lo, row_hi [M, Nq, K] and row_count
-    [M, Nq] (a build from a piece table). ``runs``: ``(size, count, shape)`` per run of
-    consecutive outputs of one shape (made as one view and one ``unbind``); ``where[i]``: the
-    position in memory order of the i-th output in the order :func:`build_tiles_triton`
-    unpacks them."""
+    (none). With ``rows = (Nq, K, W)`` (a build from a piece table, M = 1): after kv_work the
+    plan's row_lo, row_hi [M, Nq, K] and row_count [M, Nq], then the piece table's ``W``
+    words in the tickets' place (its first word is the ticket). ``runs``: ``(size, count,
+    shape)`` per run of consecutive outputs of one shape (made as one view and one
+    ``unbind``); ``where[i]``: the position in memory order of the i-th output in the order
+    :func:`build_tiles_triton` unpacks them."""
     key = (m, tq, tk, block_m, block_n, order, rows)
     hit = _LAYOUTS.get(key)
     if hit is None:
         per_q, per_kv, tiles, tiles_t = (m, tq), (m, tk), (m, tq, tk), (m, tk, tq)
         shapes = [tiles] * 5 + [tiles_t]  # kind, pairs, jlo, jhi, bits_index; scratch
         shapes += [per_q, tiles, tiles, per_q, per_kv, tiles_t, tiles_t, per_kv]
-        shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), (m if order else 0,)]
+        tickets = (rows[2],) if rows else (m if order else 0,)
+        shapes += [per_q, per_kv, (m, tq, 8), (m, tk, 8), tickets]
         shapes += [(0, block_m, -(-block_n // 32))]
         memory = [0, 1, 2, 3, 4, 7, 8, 5, 11, 12, 6, 9, 14, 10, 13, 15, 16, 17, 18, 19]
         if rows:
-            shapes += [(m, *rows), (m, *rows), (m, rows[0])]
-            memory += [20, 21, 22]
+            shapes += [(m, *rows[:2]), (m, *rows[:2]), (m, rows[0])]
+            memory[-2:-2] = [20, 21, 22]
         runs: list[list] = []
         for i in memory:
             shape = shapes[i]
@@ -549,44 +557,49 @@ def build_tiles_triton(
     launch (:func:`heaviest_first`). Outputs are views of one allocation; the tickets of the
     fused ordering are its only zeroed part (one fill)."""
     m, _, k = lo.shape
-    return _build(lo, hi, None, m, k, q_len, kv_len, block_m, block_n)[0]
+    return _build(lo, hi, None, m, k, q_len, kv_len, block_m, block_n, lo.device)[0]
 
 
-def build_from_table(table, q_len: int, kv_len: int, block_m: int, block_n: int):
-    """``(row_lo, row_hi, row_count, schedule)`` of one mask's piece table (``table``: a
-    ``compiler.lower.PieceTable``): the rows ``lower`` makes from it (int32 ``[1, Nq, K]``,
-    ``[1, Nq]``) and their :func:`build_tiles_triton` schedule, bit for bit, all written by
-    the one ``_build_schedule`` launch into its one allocation (no ``searchsorted``, gathers
-    or ``addcmul`` before it). Needs ``q_len, kv_len >= 1``."""
-    schedule, rows = _build(
-        table.flat, table.flat, table, 1, table.k, q_len, kv_len, block_m, block_n
-    )  # fmt: skip
+def build_from_table(
+    table, q_len: int, kv_len: int, block_m: int, block_n: int, device: torch.device
+):
+    """``(row_lo, row_hi, row_count, schedule)`` on ``device`` of one mask's piece table
+    (``table``: a ``compiler.lower.PieceTable``, on the host): the rows ``lower`` makes from
+    it (int32 ``[1, Nq, K]``, ``[1, Nq]``) and their :func:`build_tiles_triton` schedule, bit
+    for bit, all written by the one ``_build_schedule`` launch into its one allocation, into
+    which the table is copied first (the one operation before the launch: no
+    ``searchsorted``, gathers or ``addcmul``, no fill). Needs ``q_len, kv_len >= 1``."""
+    schedule, rows = _build(None, None, table, 1, table.k, q_len, kv_len, block_m, block_n, device)
     return (*rows, schedule)
 
 
-def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n):
-    """``(schedule, rows)``: :func:`build_tiles_triton` of the intervals ``lo, hi``, or with a
-    piece ``table`` (``lo`` and ``hi`` its tensor) of the rows it evaluates, ``rows`` then
-    their ``(row_lo, row_hi, row_count)`` (else empty)."""
+def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
+    """``(schedule, rows)``: :func:`build_tiles_triton` of the intervals ``lo, hi`` on
+    ``device``, or of the rows a piece ``table`` evaluates (``lo``, ``hi`` None), ``rows``
+    then their ``(row_lo, row_hi, row_count)`` (else empty)."""
     tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
     order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
-    shape = (q_len, k) if table is not None else ()
-    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order, shape), lo.device)
+    shape = (q_len, k, table.flat.shape[0]) if table is not None else ()
+    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order, shape), device)
     kind, pairs, jlo, jhi, bits_index = out[:5]
     q_count, q_list, q_full_first, q_full_count = out[6:10]
     kv_count, kv_list, kv_full_first, kv_full_count = out[10:14]
     q_order, kv_order, q_work, kv_work, tickets, bits = out[14:20]
     if m * tq * tk:
-        if order:
+        if table is not None:  # the table and the ticket before it: the one operation
+            tickets.copy_(table.flat, non_blocking=True)  # pinned on a GPU's host
+            lo = hi = flat  # unused: the launch reads the table from its allocation
+        elif order:
             tickets.zero_()
         k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
         pieces = table.pieces if table is not None else 1
-        _build_schedule[(tq + tk, m)](
-            lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length(),
-            BLOCK_M=block_m, BLOCK_N=block_n, K_PAD=k_pad,
-            CHUNK_Q=max(1, min(64, 4096 // (block_m * k_pad))), ORDER=order,
-            FROM_TABLE=table is not None,
+        consts = (
+            ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
+            ("CHUNK_Q", max(1, min(64, 4096 // (block_m * k_pad)))), ("ORDER", order),
+            ("FROM_TABLE", table is not None),
         )  # fmt: skip
+        values = (lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length())
+        launch(_build_schedule, (tq + tk, m), device, values, consts)
         if not order:
             lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
             q_order, kv_order, made = heaviest_first(
@@ -655,7 +668,7 @@ def _device_builder_from_table(make_table, q_len, kv_len, device, block_m, block
     table = make_table()
     if table is None or table.k > MAX_SLOTS:
         return None
-    return build_from_table(table, q_len, kv_len, block_m, block_n)
+    return build_from_table(table, q_len, kv_len, block_m, block_n, device)
 
 
 _device_builder.serves = serves  # type: ignore[attr-defined]
