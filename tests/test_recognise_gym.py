@@ -96,7 +96,7 @@ def test_document_terms_that_do_not_cancel():
     doc = fm.doc_ids(off)
     for mm in (
         lambda b, h, q, k: (doc[q] == doc[k]) & (q - off[doc[q]] >= k),  # one side only
-        lambda b, h, q, k: (doc[q] == doc[k]) & (q - off[doc[q]] >= k - off[doc[k] + 0]),
+        lambda b, h, q, k: (doc[q] == doc[k]) & (q - off[doc[q]] >= k - off[doc[k] + 1]),
         lambda b, h, q, k: q - off[doc[q]] >= k - off[doc[k]],  # no same-document term
     ):
         check(mm, 12, 12, expect=False)

@@ -52,11 +52,21 @@ def index_scalars(b: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return both[b], both[h]
 
 
-def call_broadcast(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+def call_broadcast(
+    mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor, gather: bool = False
+) -> torch.Tensor:
     """``mask_mod`` on broadcast indices: bool ``[len(q), len(kv)]`` (possibly a broadcast
-    view). ``q``, ``kv``: int64 1-D."""
+    view). ``q``, ``kv``: int64 1-D. ``gather``: tensor indexing as ``aten.index``, as
+    FlexAttention's vmap does (``doc[b, h, q_idx]`` then reads no 0-d ``b`` / ``h`` back to
+    the host)."""
     bt, ht = index_scalars(b, h, q.device)
-    return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
+    if not gather:
+        return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    with TransformGetItemToIndex():
+        out = mask_mod(bt, ht, q[:, None], kv[None, :])
+    return _check_out(out, q.numel(), kv.numel())
 
 
 def call_vmap(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -138,7 +148,7 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None
     for i in picks:
         b, h = bh[i]
         try:
-            wants.append(call_broadcast(mask_mod, b, h, q, kv))
+            wants.append(call_broadcast(mask_mod, b, h, q, kv, gather=True))
         except Exception:  # noqa: BLE001 - broadcast refuses it: vmap decides
             wants.append(None)
     if all(w is not None for w in wants):

@@ -107,9 +107,10 @@ class _SumSq:  # dy * dy + dx * dx: the squared distance on a grid of width c at
 
 
 @dataclass(frozen=True)
-class _Gather:  # t[var]
+class _Gather:  # t[var] + c
     t: torch.Tensor = field(compare=False)
     var: str
+    c: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -289,7 +290,7 @@ def _compare(x, y, op: str):
     if row is not None:
         return row
     if isinstance(x, _Gather) and isinstance(y, _Gather):
-        if op == "eq" and x.t is y.t and x.var != y.var:
+        if op == "eq" and x.t is y.t and x.var != y.var and x.c == y.c == 0:
             return _Doc(x.t)
         raise _No("a comparison of gathers other than doc[q] == doc[kv]")
     if isinstance(x, (*_GRID, _Gather)) or isinstance(y, (*_GRID, _Gather)):
@@ -316,9 +317,9 @@ def _row(t: _Gather, x, op: str):
     if t.var != "q" or not isinstance(x, _Lin) or x.c or op == "ne":
         return None
     if (x.a, x.b) == (0, 1):
-        return packed.KvRow(t.t, _FLIP[op])
+        return packed.KvRow(t.t, _FLIP[op], t.c)
     if (x.a, x.b) == (1, 0):
-        return packed.QRow(t.t, _FLIP[op])
+        return packed.QRow(t.t, _FLIP[op], t.c)
     return None
 
 
@@ -521,6 +522,16 @@ def _op(name: str, target, args):
         s = 1 if name == "add" else -1
         terms = x.terms + tuple((s * c, t, d, v) for c, t, d, v in y.terms)
         return _DocLin(_combine(x.lin, y.lin, s), terms)
+    if name in ("add", "sub") and len(args) == 2 and any(isinstance(a, _Gather) for a in args):
+        x, k = args if isinstance(args[0], _Gather) else (args[1], args[0])
+        if name == "sub" and x is not args[0]:
+            raise _No("a constant minus a gather")
+        if x.t.dtype not in (torch.int32, torch.int64):  # t[q] + c wraps in a narrow dtype
+            raise _No("a constant added to a gather from a table narrower than int32")
+        k = _int(k) * (1 if name == "add" else -1)
+        if abs(x.c + k) >= _LIMIT:
+            raise _No("a gather plus a constant beyond the limit")
+        return _Gather(x.t, x.var, x.c + k)  # t[q] + c: a row bound shifted by c
     if name in ("add", "sub") and len(args) == 2:
         return _combine(_lin(args[0]), _lin(args[1]), 1 if name == "add" else -1)
     if name == "neg" and len(args) == 1:
@@ -534,7 +545,7 @@ def _op(name: str, target, args):
     if name == "getitem" and target in (operator.getitem, "__getitem__") and len(args) == 2:
         t, x = args
         if isinstance(t, torch.Tensor) and isinstance(x, _Gather):  # offsets[doc[q]]
-            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            if x.c or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
                 raise _No("a gather by a gathered value from other than a 1-D integer table")
             return _DocLin(_Lin(0, 0, 0), ((1, t, x.t, x.var),))
         if not isinstance(t, torch.Tensor) or not isinstance(x, _Lin):
