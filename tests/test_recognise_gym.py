@@ -20,14 +20,14 @@ def recognised(mm, nq, nk):
     return recognise(lift.traced(mm), nq, nk)
 
 
-def check(mm, nq, nk, expect: bool = True):
-    """The plan equals FlexAttention's mask; recognised (or not) as ``expect`` says (an empty
-    mask may be either: an empty band is left to the general lifting)."""
+def check(mm, nq, nk, expect: bool | None = True):
+    """The plan equals FlexAttention's mask; recognised (or not) as ``expect`` says (None, or
+    an empty mask: either; an empty band is left to the general lifting)."""
     plan = cm.from_mask_mod(mm, nq, nk, block_m=16, block_n=16)
     plan.verify()
     want = create_mask(mm, None, None, nq, nk, device="cpu")[0, 0]
     assert torch.equal(plan.to_dense(), want)
-    if want.any() or not expect:
+    if expect is not None and (want.any() or not expect):
         assert (recognised(mm, nq, nk) is not None) == expect
 
 
@@ -58,6 +58,7 @@ def test_gym_documents(lengths, w):
     off = fm.lengths_to_offsets(lengths)
     n = sum(lengths)
     for mm in (
+        fm.packed_causal_document(off),
         fm.document(fm.causal, off),
         fm.document(noop_mask, off),
         fm.document(fm.sliding_window(w), off),
@@ -112,3 +113,27 @@ def test_document_table_shorter_than_the_ids_not_recognised():
 
     assert recognised(mm, 6, 6) is None
     assert recognised(fm.document(fm.causal, fm.lengths_to_offsets([2, 2, 2])), 6, 6) is not None
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=2, max_size=8), seed=st.integers(0, 999))
+def test_row_start_tables_perturbed_exact(lengths, seed):
+    """``kv >= off[doc[q]]`` with ``kv <= q``: a document's causal rows only when the offsets
+    are the documents' starts; one offset moved gives another mask, lifted, exact either way."""
+    off = fm.lengths_to_offsets(lengths)
+    doc = fm.doc_ids(off)
+    g = torch.Generator().manual_seed(seed)
+    moved = off.clone()
+    moved[int(torch.randint(len(lengths), (1,), generator=g))] += int(
+        torch.randint(-2, 3, (1,), generator=g)
+    )
+    n = sum(lengths)
+
+    def row_start(t, strict):
+        if strict:
+            return lambda b, h, q, k: (k > t[doc[q]]) & (k <= q)
+        return lambda b, h, q, k: (q >= k) & (t[doc[q]] <= k)
+
+    for t, strict in ((moved, False), (off - 1, True), (off, True)):
+        mm = row_start(t, strict)
+        check(mm, n, n, expect=True if torch.equal(t + strict, off) else None)

@@ -46,6 +46,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ... import masks
@@ -167,6 +168,13 @@ class _InDoc:  # an atom that holds as written only where doc[q] == doc[kv]
 
 
 @dataclass
+class _RowStart:  # kv >= t[doc[q]] + strict: with kv <= q, a document's causal rows if the
+    t: torch.Tensor  # bound is each row's run start (checked on the values)
+    doc: torch.Tensor
+    strict: bool
+
+
+@dataclass
 class _And:
     parts: list
 
@@ -192,7 +200,7 @@ _DEVICE = ("placeholder-device",)
 _DOC_LIN = (_DocLin,)  # ``b.device`` (``noop_mask``'s new_ones reads it)
 
 
-_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, _ModBand, _InDoc,
+_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, _ModBand, _InDoc, _RowStart,
           *packed.ROW_ATOMS)  # fmt: skip
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
@@ -253,6 +261,12 @@ def _in_doc(x, y, op: str) -> _InDoc:
     total: dict = {}
     for c, t, d, _ in terms:
         total[(id(t), id(d))] = total.get((id(t), id(d)), 0) + c
+    if len(terms) == 1 and terms[0][3] == "q" and abs(terms[0][0]) == 1:  # kv op t[doc[q]]
+        (c, t, doc, _), d = terms[0], _combine(x.lin, y.lin, -1)
+        if d.b < 0:
+            c, d, op = -c, _Lin(-d.a, -d.b, -d.c), _FLIP[op]
+        if (d.a, d.b, d.c, c) == (0, 1, 0, -1) and op in ("ge", "gt"):
+            return _RowStart(t, doc, op == "gt")
     if len(docs) != 1 or any(total.values()):
         raise _No("document terms t[doc[q]], t[doc[kv]] that do not cancel inside a document")
     atom = _compare(x.lin, y.lin, op)
@@ -600,6 +614,27 @@ def _doc_lengths(t: torch.Tensor, n: int, tables=()) -> list[int]:
     return (e - s).tolist()
 
 
+def _start_lengths(p: _RowStart, n: int) -> list[int]:
+    """The documents of rows whose keys are ``[t[doc[q]] + strict, q]``: the bound must be 0
+    on row 0 and, on every later row, the previous row's bound or the row itself (where a
+    document starts). One host read of ``doc[:n]`` and ``t``."""
+    doc, t = p.doc, p.t
+    if not packed.readable(doc, n) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise _No("kv >= t[doc[q]] with tables other than 1-D integer ones")
+    if doc.device != t.device:
+        raise _No("kv >= t[doc[q]] with tables on two devices")
+    host = torch.cat([doc[:n].to(torch.int64), t.to(torch.int64)]).cpu().numpy()  # one read
+    d, tv = host[:n], host[n:]
+    if not (-len(tv) <= d.min() and d.max() < len(tv)):
+        raise _No("document ids past the end of the table gathered by them")
+    s = tv[d] + p.strict
+    prev = np.concatenate([[0], s[:-1]])
+    if s[0] != 0 or not ((s == prev) | (s == np.arange(n))).all():
+        raise _No("kv >= t[doc[q]] whose bound is not each row's document start")
+    new = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
+    return np.diff(np.append(new, n)).tolist()
+
+
 def _is_causal(b: _Band) -> bool:
     return b.lo is None and b.hi == 0
 
@@ -624,12 +659,14 @@ def _conj(parts: list, nq: int, nk: int) -> Mask:
             ors.append(p)
         elif isinstance(p, _Disc):
             discs.append(p)
-        elif isinstance(p, (_ModBand, _InDoc)):
+        elif isinstance(p, (_ModBand, _InDoc, _RowStart)):
             mods.append(p)
         elif isinstance(p, _QBound):
             raise _No("q against a constant outside a union with a disc")
         else:
             raise _No("kv against a constant outside a union with kv <= q")
+    starts = [p for p in mods if isinstance(p, _RowStart)]
+    mods = [p for p in mods if not isinstance(p, _RowStart)]
     for p in mods:  # inside one chunk of c keys, kv % c - q % c == kv - q (one doc: alike)
         if isinstance(p, _InDoc):
             if not docs or docs[0].t is not p.doc:
@@ -649,6 +686,11 @@ def _conj(parts: list, nq: int, nk: int) -> Mask:
         out.append(masks.document(_doc_lengths(docs[0].t, nq, tables), causal=causal_left))
         if causal_left:
             band = _Band(None, None)
+    if starts:
+        if len(starts) > 1 or docs or not causal_left or nq != nk:
+            raise _No("kv >= t[doc[q]] other than with kv <= q alone (q_len == kv_len)")
+        out.append(masks.document(_start_lengths(starts[0], nq), causal=True))
+        band = _Band(None, None)
     if len(chunks) == 1 and causal_left and not docs:
         out.append(masks.chunked(chunks.pop()))
         band = _Band(None, None)
