@@ -623,7 +623,7 @@ def _start_lengths(p: _RowStart, n: int) -> list[int]:
         raise _No("kv >= t[doc[q]] with tables other than 1-D integer ones")
     if doc.device != t.device:
         raise _No("kv >= t[doc[q]] with tables on two devices")
-    host = torch.cat([doc[:n].to(torch.int64), t.to(torch.int64)]).cpu().numpy()  # one read
+    host = torch.cat([doc[:n].to(torch.int64), t.to(torch.int64)]).to("cpu").numpy()  # one read
     d, tv = host[:n], host[n:]
     if not (-len(tv) <= d.min() and d.max() < len(tv)):
         raise _No("document ids past the end of the table gathered by them")
