@@ -137,3 +137,21 @@ def test_row_start_tables_perturbed_exact(lengths, seed):
     for t, strict in ((moved, False), (off - 1, True), (off, True)):
         mm = row_start(t, strict)
         check(mm, n, n, expect=True if torch.equal(t + strict, off) else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gym_spellings_on_cuda_tables():
+    """The tables on the GPU (as a FlexAttention user has them): recognised, and the CUDA plan
+    holds the CPU plan's rows."""
+    off = fm.lengths_to_offsets([5, 9, 2, 16])
+    for make in (
+        lambda o: fm.document(fm.causal, o),
+        lambda o: fm.packed_causal_document(o),
+        lambda o: fm.document(noop_mask, o),
+    ):
+        cpu = cm.from_mask_mod(make(off), 32, block_m=16, block_n=16)
+        mm = make(off.cuda())
+        assert recognised(mm, 32, 32) is not None
+        gpu = cm.from_mask_mod(mm, 32, block_m=16, block_n=16, device="cuda")
+        assert torch.equal(gpu.to_dense().cpu(), cpu.to_dense())
