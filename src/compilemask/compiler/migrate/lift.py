@@ -590,7 +590,9 @@ class Lifter:
             self._arange = torch.arange(m, device=self.device)
         return self._arange
 
-    def run(self, gm, b: int, h: int) -> Iv:
+    def run(self, gm, b: int, h: int, resolve: bool = True):
+        """The mask_mod's value at ``(b, h)``: an :class:`Iv` (``resolve`` False: the output
+        value as it stands, e.g. a :class:`Pending` not lowered yet)."""
         env = {}
         idx = self.indices(max(b, h) + 1)
         bt, ht = idx[b], idx[h]  # views: no copy from the host
@@ -609,8 +611,8 @@ class Lifter:
             elif node.op == "get_attr":
                 env[node] = getattr(gm, node.target)
             elif node.op == "output":
-                out = pytree.tree_map(lambda n: env[n], node.args[0])
-                return self.to_iv(_check_bool(out))
+                out = _check_bool(pytree.tree_map(lambda n: env[n], node.args[0]))
+                return self.to_iv(out) if resolve else out
             else:
                 a = pytree.tree_map(lambda n: env[n] if n in env else n, node.args)
                 kw = pytree.tree_map(lambda n: env[n] if n in env else n, node.kwargs)
@@ -773,7 +775,12 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
     """
     gm = traced(mask_mod) if gm is None else gm
     lifter = Lifter(q_len, kv_len, device)
-    parts = [lifter.run(gm, b, h) for b, h in bh]
+    if len(bh) == 1:
+        parts = [lifter.run(gm, *bh[0])]
+    else:  # the key-term profiles of every part's output in one host read
+        outs = [lifter.run(gm, b, h, resolve=False) for b, h in bh]
+        lifter.prefetch(g for o in outs for g in _pending_keys(o))
+        parts = [lifter.to_iv(o) for o in outs]
     k = max(p.lo.shape[-1] for p in parts)
     if len(parts) == 1:
         return parts[0].lo.expand(1, q_len, k), parts[0].hi.expand(1, q_len, k)
@@ -781,6 +788,15 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
     lo = torch.stack([x.expand(q_len, k) for x, _ in padded])
     hi = torch.stack([y.expand(q_len, k) for _, y in padded])
     return lo, hi
+
+
+def _pending_keys(v):
+    """The key-term tensors of the comparisons ``v`` (a :class:`Pending` or :class:`Disj` of
+    them) will search when lowered."""
+    parts = v.parts if isinstance(v, Disj) else [v]
+    for p in parts:
+        if isinstance(p, Pending):
+            yield from (g for g, _, _ in p.cmps if isinstance(g, torch.Tensor))
 
 
 def finished(lo, hi, k: int, kv_len: int):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ...errors import CompileMaskError
 
@@ -52,11 +53,32 @@ def index_scalars(b: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return both[b], both[h]
 
 
-def call_broadcast(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+def call_broadcast(
+    mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor, gather: bool = False
+) -> torch.Tensor:
     """``mask_mod`` on broadcast indices: bool ``[len(q), len(kv)]`` (possibly a broadcast
-    view). ``q``, ``kv``: int64 1-D."""
+    view). ``q``, ``kv``: int64 1-D. ``gather``: indexing by tensors alone as ``aten.index``,
+    as FlexAttention's vmap does (``doc[b, h, q_idx]`` then reads no 0-d ``b`` / ``h`` back to
+    the host)."""
     bt, ht = index_scalars(b, h, q.device)
-    return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
+    if not gather:
+        return _check_out(mask_mod(bt, ht, q[:, None], kv[None, :]), q.numel(), kv.numel())
+    with _IndexByTensors():
+        out = mask_mod(bt, ht, q[:, None], kv[None, :])
+    return _check_out(out, q.numel(), kv.numel())
+
+
+class _IndexByTensors(TorchFunctionMode):
+    """``t[i, j, ...]`` whose indices are all tensors as ``aten.index`` (a 0-d index is then
+    not read back to the host, as under FlexAttention's ``TransformGetItemToIndex``); indices
+    with an int, a slice or None as Python indexes them (no int made a device tensor)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if index and all(isinstance(i, torch.Tensor) for i in index):
+                return torch.ops.aten.index(args[0], list(index))
+        return func(*args, **(kwargs or {}))
 
 
 def call_vmap(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -138,7 +160,7 @@ def probe_read(mask_mod, lo, hi, q_len: int, kv_len: int, bh, device, value=None
     for i in picks:
         b, h = bh[i]
         try:
-            wants.append(call_broadcast(mask_mod, b, h, q, kv))
+            wants.append(call_broadcast(mask_mod, b, h, q, kv, gather=True))
         except Exception:  # noqa: BLE001 - broadcast refuses it: vmap decides
             wants.append(None)
     if all(w is not None for w in wants):

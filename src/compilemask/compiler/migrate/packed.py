@@ -46,15 +46,17 @@ class NoForm(Exception):
 
 
 @dataclass(frozen=True)
-class KvRow:  # kv op t[q], op one of lt / le / gt / ge / eq
+class KvRow:  # kv op t[q] + add, op one of lt / le / gt / ge / eq
     t: torch.Tensor = field(compare=False)
     op: str
+    add: int = 0
 
 
 @dataclass(frozen=True)
-class QRow:  # q op t[q]
+class QRow:  # q op t[q] + add
     t: torch.Tensor = field(compare=False)
     op: str
+    add: int = 0
 
 
 ROW_ATOMS = (KvRow, QRow)
@@ -134,9 +136,9 @@ def _hstu(f, kinds):
 
     def build(vals):
         u, he, ce, he2 = vals
-        he = he + (key.op == "le")  # kv < he
-        ce = ce + (ctx.op == "le")  # q < ce
-        he2 = he2 + (tgt.op == "gt")  # q >= he2
+        he = he + key.add + (key.op == "le")  # kv < he
+        ce = ce + ctx.add + (ctx.op == "le")  # q < ce
+        he2 = he2 + tgt.add + (tgt.op == "gt")  # q >= he2
         s, e, new = runs(u)
         h = _per_run(he, s, new, "the history end")
         if not np.array_equal(he, he2):
@@ -170,7 +172,7 @@ def _shared_prompt(f, kinds):
 
     def build(vals):
         g, p, r = vals
-        p = p + (key.op == "le")  # kv < p
+        p = p + key.add + (key.op == "le")  # kv < p
         s, e, new = runs(g)
         pe = _per_run(p, s, new, "the prompt end")
         if not ((s <= pe) & (pe < e)).all():

@@ -46,6 +46,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ... import masks
@@ -107,9 +108,16 @@ class _SumSq:  # dy * dy + dx * dx: the squared distance on a grid of width c at
 
 
 @dataclass(frozen=True)
-class _Gather:  # t[var]
+class _Gather:  # t[var] + c
     t: torch.Tensor = field(compare=False)
     var: str
+    c: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class _DocLin:  # lin + sum of coef * t[doc[var]]: offsets of documents gathered by q or kv
+    lin: _Lin
+    terms: tuple  # ((coef, t, doc, var), ...)
 
 
 @dataclass
@@ -153,6 +161,20 @@ class _Doc:  # t[q] == t[kv]
 
 
 @dataclass
+class _InDoc:  # an atom that holds as written only where doc[q] == doc[kv]
+    doc: torch.Tensor
+    atom: _Band
+    tables: tuple  # the tensors gathered by doc ids (their lengths are checked)
+
+
+@dataclass
+class _RowStart:  # kv >= t[doc[q]] + strict: with kv <= q, a document's causal rows if the
+    t: torch.Tensor  # bound is each row's run start (checked on the values)
+    doc: torch.Tensor
+    strict: bool
+
+
+@dataclass
 class _And:
     parts: list
 
@@ -162,7 +184,24 @@ class _Or:
     parts: list
 
 
-_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, *packed.ROW_ATOMS)
+@dataclass(frozen=True)
+class _Const:  # b.new_ones((), dtype=torch.bool) / new_zeros: attention-gym's and_masks / or_masks
+    value: bool
+
+
+@dataclass(frozen=True)
+class _ModBand:  # (q % c) op (kv % c) as lo <= kv % c - q % c <= hi: kv - q inside a chunk(c)
+    c: int
+    lo: int | None
+    hi: int | None
+
+
+_DEVICE = ("placeholder-device",)
+_DOC_LIN = (_DocLin,)  # ``b.device`` (``noop_mask``'s new_ones reads it)
+
+
+_ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, _ModBand, _InDoc, _RowStart,
+          *packed.ROW_ATOMS)  # fmt: skip
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
@@ -208,7 +247,37 @@ def _disc(s: _SumSq, t, op: str) -> _Disc:
     return _Disc(-s.off, s.c, math.isqrt(t))
 
 
+def _doc_lin(v) -> _DocLin:
+    return v if isinstance(v, _DocLin) else _DocLin(_lin(v), ())
+
+
+def _in_doc(x, y, op: str) -> _InDoc:
+    """``x op y`` with document terms ``t[doc[q]]``, ``t[doc[kv]]`` that cancel where
+    ``doc[q] == doc[kv]`` (there ``t[doc[q]] == t[doc[kv]]``): a band inside the document
+    (attention-gym's ``document(causal, offsets)``: ``q - off[doc[q]] >= kv - off[doc[kv]]``)."""
+    x, y = _doc_lin(x), _doc_lin(y)
+    terms = x.terms + tuple((-c, t, d, v) for c, t, d, v in y.terms)
+    docs = {id(d): d for _, _, d, _ in terms}
+    total: dict = {}
+    for c, t, d, _ in terms:
+        total[(id(t), id(d))] = total.get((id(t), id(d)), 0) + c
+    if len(terms) == 1 and terms[0][3] == "q" and abs(terms[0][0]) == 1:  # kv op t[doc[q]]
+        (c, t, doc, _), d = terms[0], _combine(x.lin, y.lin, -1)
+        if d.b < 0:
+            c, d, op = -c, _Lin(-d.a, -d.b, -d.c), _FLIP[op]
+        if (d.a, d.b, d.c, c) == (0, 1, 0, -1) and op in ("ge", "gt"):
+            return _RowStart(t, doc, op == "gt")
+    if len(docs) != 1 or any(total.values()):
+        raise _No("document terms t[doc[q]], t[doc[kv]] that do not cancel inside a document")
+    atom = _compare(x.lin, y.lin, op)
+    if not isinstance(atom, _Band):
+        raise _No("a comparison with document terms other than of kv - q")
+    return _InDoc(next(iter(docs.values())), atom, tuple(t for _, t, _, _ in terms))
+
+
 def _compare(x, y, op: str):
+    if isinstance(x, _DocLin) or isinstance(y, _DocLin):
+        return _in_doc(x, y, op)
     if isinstance(y, _SumSq) and not isinstance(x, _SumSq):
         x, y, op = y, x, _FLIP[op]
     if isinstance(x, _SumSq):
@@ -221,6 +290,12 @@ def _compare(x, y, op: str):
         if (x.var, op) in (("kv", "le"), ("q", "ge")):
             return _BlockCausal(x.c)
         raise _No(f"{op} of q // c and kv // c")
+    if isinstance(x, _Mod) and isinstance(y, _Mod) and x.c == y.c and x.var != y.var:
+        if x.off or y.off:
+            raise _No("a comparison of (q + c) % d and (kv + c) % d, c != 0")
+        if x.var == "kv":
+            x, y, op = y, x, _FLIP[op]
+        return _ModBand(x.c, *_bounds(_FLIP[op], 0))  # q%c op kv%c: kv%c - q%c flip(op) 0
     row = None
     if isinstance(x, _Gather):
         row = _row(x, y, op)
@@ -229,7 +304,7 @@ def _compare(x, y, op: str):
     if row is not None:
         return row
     if isinstance(x, _Gather) and isinstance(y, _Gather):
-        if op == "eq" and x.t is y.t and x.var != y.var:
+        if op == "eq" and x.t is y.t and x.var != y.var and x.c == y.c == 0:
             return _Doc(x.t)
         raise _No("a comparison of gathers other than doc[q] == doc[kv]")
     if isinstance(x, (*_GRID, _Gather)) or isinstance(y, (*_GRID, _Gather)):
@@ -256,13 +331,15 @@ def _row(t: _Gather, x, op: str):
     if t.var != "q" or not isinstance(x, _Lin) or x.c or op == "ne":
         return None
     if (x.a, x.b) == (0, 1):
-        return packed.KvRow(t.t, _FLIP[op])
+        return packed.KvRow(t.t, _FLIP[op], t.c)
     if (x.a, x.b) == (1, 0):
-        return packed.QRow(t.t, _FLIP[op])
+        return packed.QRow(t.t, _FLIP[op], t.c)
     return None
 
 
 def _negate(v):
+    if isinstance(v, _Const):
+        return _Const(not v.value)
     if isinstance(v, (_Band, _KvBound, _QBound)) and (v.lo is None) != (v.hi is None):
         return type(v)(None, v.lo - 1) if v.hi is None else type(v)(v.hi + 1, None)
     raise _No("~ of a value other than a one-sided comparison")
@@ -320,20 +397,59 @@ def formula(gm):
     return hit[0] if swap is None else _rebind(hit[0], swap)
 
 
+def _live(graph) -> set:
+    """The nodes the output depends on (a value computed and never used, as ``q_logical`` of
+    attention-gym's ``document`` over ``noop_mask``, is not part of the formula)."""
+    todo = [n for n in graph.nodes if n.op == "output"]
+    live = set(todo)
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in live:
+                live.add(a)
+                todo.append(a)
+    return live
+
+
+#: operations whose unused results may be skipped (no in-place update among them)
+_DEAD_OK = frozenset({"getitem", "getattr", "add", "sub", "mul", "neg", "floordiv",
+                      "floor_divide", "mod", "remainder", "abs", "ne", *_CMPS, *_AND, *_OR,
+                      *_NOT})  # fmt: skip
+
+
+def _check_dead(node) -> None:
+    """Raise :class:`_No` unless skipping unused ``node`` changes nothing: an out-of-place
+    operation of :data:`_DEAD_OK` (``x.add_(1)`` is unused as a value but writes ``x``)."""
+    t = node.target
+    raw = t if isinstance(t, str) else getattr(t, "__name__", "")
+    in_place = node.op == "call_method" and raw.endswith("_") and not raw.endswith("__")
+    if in_place or node.op not in ("call_function", "call_method", "get_attr"):
+        raise _No(f"an unused {node.op} {raw}")
+    if node.op != "get_attr" and _name(node) not in _DEAD_OK:
+        raise _No(f"an unused operation {raw}")
+
+
 def _formula(gm):
     env: dict = {}
     places = []
     out = None
+    live = _live(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             places.append(node)
             env[node] = ("placeholder", len(places) - 1)
+            continue
+        if node not in live:
+            _check_dead(node)
             continue
         if node.op == "output":
             out = env.get(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
             break
         if node.op == "get_attr":
             env[node] = _attr(gm, node.target)
+            continue
+        const = _constant(node, env)
+        if const is not None:
+            env[node] = const
             continue
         if node.kwargs:
             raise _No(f"keyword arguments to {node.target}")
@@ -346,9 +462,35 @@ def _formula(gm):
         env[node] = _op(_name(node), node.target, args)
     if len(places) != 4:
         raise _No("not a mask_mod(b, h, q_idx, kv_idx)")
-    if not isinstance(out, _BOOL):
+    if not isinstance(out, (*_BOOL, _Const)):
         raise _No("the output is not a recognised boolean")
     return out
+
+
+def _is_index(v) -> bool:
+    return isinstance(v, tuple) and len(v) == 2 and v[0] == "placeholder"
+
+
+def _constant(node, env):
+    """``x.device`` of an index argument (:data:`_DEVICE`), or ``x.new_ones(())`` /
+    ``x.new_zeros(())`` of one with ``dtype=torch.bool`` (a :class:`_Const`: what
+    attention-gym's ``and_masks`` / ``or_masks`` start from, and ``noop_mask``), else None."""
+    args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+    if node.op == "call_function" and node.target is getattr:
+        if len(args) == 2 and _is_index(args[0]) and args[1] == "device" and not node.kwargs:
+            return _DEVICE
+        return None
+    if node.op != "call_method" or node.target not in ("new_ones", "new_zeros"):
+        return None
+    kw = dict(node.kwargs)
+    kw = {k: env[v] if isinstance(v, torch.fx.Node) else v for k, v in kw.items()}
+    size = args[1] if len(args) == 2 else kw.pop("size", None)
+    empty = isinstance(size, (tuple, list)) and len(size) == 0
+    if not args or not _is_index(args[0]) or len(args) > 2 or not empty:
+        raise _No(f"{node.target} other than x.{node.target}((), dtype=torch.bool)")
+    if kw.pop("dtype", None) is not torch.bool or kw.pop("device", _DEVICE) is not _DEVICE or kw:
+        raise _No(f"{node.target} other than x.{node.target}((), dtype=torch.bool)")
+    return _Const(node.target == "new_ones")
 
 
 def _idx(a):
@@ -389,6 +531,21 @@ def _op(name: str, target, args):
         name not in _CMPS and any(isinstance(a, _GRID) for a in args)
     ):
         return _grid_op(name, args)
+    if name in ("add", "sub") and len(args) == 2 and any(isinstance(a, _DOC_LIN) for a in args):
+        x, y = (_doc_lin(a) for a in args)
+        s = 1 if name == "add" else -1
+        terms = x.terms + tuple((s * c, t, d, v) for c, t, d, v in y.terms)
+        return _DocLin(_combine(x.lin, y.lin, s), terms)
+    if name in ("add", "sub") and len(args) == 2 and any(isinstance(a, _Gather) for a in args):
+        x, k = args if isinstance(args[0], _Gather) else (args[1], args[0])
+        if name == "sub" and x is not args[0]:
+            raise _No("a constant minus a gather")
+        if x.t.dtype not in (torch.int32, torch.int64):  # t[q] + c wraps in a narrow dtype
+            raise _No("a constant added to a gather from a table narrower than int32")
+        k = _int(k) * (1 if name == "add" else -1)
+        if abs(x.c + k) >= _LIMIT:
+            raise _No("a gather plus a constant beyond the limit")
+        return _Gather(x.t, x.var, x.c + k)  # t[q] + c: a row bound shifted by c
     if name in ("add", "sub") and len(args) == 2:
         return _combine(_lin(args[0]), _lin(args[1]), 1 if name == "add" else -1)
     if name == "neg" and len(args) == 1:
@@ -401,6 +558,10 @@ def _op(name: str, target, args):
         return _combine(_Lin(0, 0, 0), _lin(x), k)
     if name == "getitem" and target in (operator.getitem, "__getitem__") and len(args) == 2:
         t, x = args
+        if isinstance(t, torch.Tensor) and isinstance(x, _Gather):  # offsets[doc[q]]
+            if x.c or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+                raise _No("a gather by a gathered value from other than a 1-D integer table")
+            return _DocLin(_Lin(0, 0, 0), ((1, t, x.t, x.var),))
         if not isinstance(t, torch.Tensor) or not isinstance(x, _Lin):
             raise _No("indexing other than a captured tensor by q or kv")
         if (x.a, x.b, x.c) not in ((1, 0, 0), (0, 1, 0)):
@@ -408,6 +569,12 @@ def _op(name: str, target, args):
         return _Gather(t, "q" if x.a else "kv")
     if name in _CMPS and len(args) == 2:
         return _compare(args[0], args[1], name)
+    if name in _AND | _OR and len(args) == 2 and any(isinstance(a, _Const) for a in args):
+        c, other = (args[0], args[1]) if isinstance(args[0], _Const) else (args[1], args[0])
+        if not isinstance(other, (*_BOOL, _Const)):
+            raise _No(f"{name} of non-boolean values")
+        # True & x = x, False | x = x; False & x = False, True | x = True
+        return other if c.value == (name in _AND) else c
     if name in _AND | _OR and len(args) == 2:
         if not all(isinstance(a, _BOOL) for a in args):
             raise _No(f"{name} of non-boolean values")
@@ -428,15 +595,44 @@ def _rule(relation: str) -> Mask:
     return parse(f"{{ layout all:* ; * -> * : {relation} }}")
 
 
-def _doc_lengths(t: torch.Tensor, n: int) -> list[int]:
+def _doc_lengths(t: torch.Tensor, n: int, tables=()) -> list[int]:
+    """The run lengths of the ids ``t[:n]`` (one host read); ``tables``: 1-D tensors
+    gathered by these ids (``offsets[doc[q]]``), each long enough for every id."""
     if not packed.readable(t, n):
         raise _No("doc is not a 1-D integer tensor covering the length")
     d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
+    if (
+        tables
+        and len(d)
+        and any(not -x.shape[0] <= d.min() <= d.max() < x.shape[0] for x in tables)
+    ):
+        raise _No("a table gathered by document ids is shorter than the ids")
     try:
         s, e, _ = packed.runs(d)
     except packed.NoForm:
         raise _No("doc ids are not non-decreasing") from None
     return (e - s).tolist()
+
+
+def _start_lengths(p: _RowStart, n: int) -> list[int]:
+    """The documents of rows whose keys are ``[t[doc[q]] + strict, q]``: the bound must be 0
+    on row 0 and, on every later row, the previous row's bound or the row itself (where a
+    document starts). One host read of ``doc[:n]`` and ``t``."""
+    doc, t = p.doc, p.t
+    if not packed.readable(doc, n) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise _No("kv >= t[doc[q]] with tables other than 1-D integer ones")
+    if doc.device != t.device:
+        raise _No("kv >= t[doc[q]] with tables on two devices")
+    host = torch.cat([doc[:n].to(torch.int64), t.to(torch.int64)]).to("cpu").numpy()  # one read
+    d, tv = host[:n], host[n:]
+    if not (-len(tv) <= d.min() and d.max() < len(tv)):
+        raise _No("document ids past the end of the table gathered by them")
+    s = tv[d] + p.strict
+    prev = np.concatenate([[0], s[:-1]])
+    if s[0] != 0 or not ((s == prev) | (s == np.arange(n))).all():
+        raise _No("kv >= t[doc[q]] whose bound is not each row's document start")
+    new = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
+    return np.diff(np.append(new, n)).tolist()
 
 
 def _is_causal(b: _Band) -> bool:
@@ -445,7 +641,7 @@ def _is_causal(b: _Band) -> bool:
 
 def _conj(parts: list, nq: int, nk: int) -> Mask:
     band = _Band(None, None)
-    chunks, blocks, docs, ors, discs = set(), set(), [], [], []
+    chunks, blocks, docs, ors, discs, mods = set(), set(), [], [], [], []
     for p in parts:
         if isinstance(p, _Band):
             lo = [v for v in (band.lo, p.lo) if v is not None]
@@ -463,18 +659,38 @@ def _conj(parts: list, nq: int, nk: int) -> Mask:
             ors.append(p)
         elif isinstance(p, _Disc):
             discs.append(p)
+        elif isinstance(p, (_ModBand, _InDoc, _RowStart)):
+            mods.append(p)
         elif isinstance(p, _QBound):
             raise _No("q against a constant outside a union with a disc")
         else:
             raise _No("kv against a constant outside a union with kv <= q")
+    starts = [p for p in mods if isinstance(p, _RowStart)]
+    mods = [p for p in mods if not isinstance(p, _RowStart)]
+    for p in mods:  # inside one chunk of c keys, kv % c - q % c == kv - q (one doc: alike)
+        if isinstance(p, _InDoc):
+            if not docs or docs[0].t is not p.doc:
+                raise _No("document terms outside a conjunction with doc[q] == doc[kv]")
+            p = p.atom
+        elif p.c not in chunks:
+            raise _No("(q % c) op (kv % c) outside a conjunction with q // c == kv // c")
+        lo = [v for v in (band.lo, p.lo) if v is not None]
+        hi = [v for v in (band.hi, p.hi) if v is not None]
+        band = _Band(max(lo) if lo else None, min(hi) if hi else None)
     out: list[Mask] = [_clear(d, [], [], nq, nk) for d in discs]
     causal_left = _is_causal(band)
     if docs:
         if nq != nk:
             raise _No("doc[q] == doc[kv] with q_len != kv_len")
-        out.append(masks.document(_doc_lengths(docs[0].t, nq), causal=causal_left))
+        tables = [t for p in mods if isinstance(p, _InDoc) for t in p.tables]
+        out.append(masks.document(_doc_lengths(docs[0].t, nq, tables), causal=causal_left))
         if causal_left:
             band = _Band(None, None)
+    if starts:
+        if len(starts) > 1 or docs or not causal_left or nq != nk:
+            raise _No("kv >= t[doc[q]] other than with kv <= q alone (q_len == kv_len)")
+        out.append(masks.document(_start_lengths(starts[0], nq), causal=True))
+        band = _Band(None, None)
     if len(chunks) == 1 and causal_left and not docs:
         out.append(masks.chunked(chunks.pop()))
         band = _Band(None, None)
@@ -520,6 +736,8 @@ def _disj(parts: list, nq: int, nk: int) -> Mask:
         kvs = [p for p in parts if isinstance(p, _KvBound)]
         out.append(_clear(discs[0], qs, kvs, nq, nk))
         parts = [p for p in parts if not isinstance(p, (_Disc, _QBound, _KvBound))]
+    if any(isinstance(p, _Band) and _is_causal(p) for p in parts):
+        parts = [_prefix_box(p) for p in parts]
     bounds = [p for p in parts if isinstance(p, _KvBound)]
     rest = [p for p in parts if not isinstance(p, _KvBound)]
     causal = [p for p in rest if isinstance(p, _Band) and _is_causal(p)]
@@ -535,6 +753,22 @@ def _disj(parts: list, nq: int, nk: int) -> Mask:
     return m
 
 
+def _prefix_box(p):
+    """``(q <= a) & (kv <= b)`` with ``a >= b - 1`` as ``kv <= b`` (FlashAttention-4's
+    prefix-LM), for a part of a union with ``kv <= q``: the pairs it adds, ``q > a``,
+    ``kv <= b``, have ``kv <= b <= a + 1 <= q``, so the causal part holds them already.
+    Other parts unchanged."""
+    if not isinstance(p, _And) or len(p.parts) != 2:
+        return p
+    qs = [x for x in p.parts if isinstance(x, _QBound)]
+    kvs = [x for x in p.parts if isinstance(x, _KvBound)]
+    if len(qs) != 1 or len(kvs) != 1 or qs[0].lo is not None or qs[0].hi is None:
+        return p
+    if kvs[0].lo is not None or kvs[0].hi is None or qs[0].hi < kvs[0].hi - 1:
+        return p
+    return kvs[0]
+
+
 def _mask(f, nq: int, nk: int) -> Mask:
     if isinstance(f, _Or):
         return _disj(f.parts, nq, nk)
@@ -548,6 +782,10 @@ def recognise(gm, q_len: int, kv_len: int) -> Mask | None:
     host copy); the mask holds their values, not the tensors."""
     try:
         f = formula(gm)
+        if isinstance(f, _Const):  # every pair (an empty mask is left to the lifting)
+            if not f.value:
+                raise _No("a mask that is always false")
+            return _rule(f"band({-q_len}, {kv_len})")
         if packed.has_rows(f):
             return packed.packed_mask(f, q_len, kv_len, (_And, _Or, _Band, _Doc))
         return _mask(f, q_len, kv_len)
