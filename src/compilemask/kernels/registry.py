@@ -157,9 +157,10 @@ AUTO_TABLE: list[AutoRule] = [
             f"kernels at 1K on plans of {MANY_INTERVALS} or more intervals per row (clear; H200)"
         ),
     ),
-    # below 4K with a backward, the other plans: cuDNN-frontend's forward (the lowest
-    # per-call cost of ours at 1K) with the Triton backward; hstu at 1K at d46bdb3: Triton
-    # 1.293 ms (forward 0.345 of it) against cuDNN-frontend 1.245, cudnn's forward 0.280
+    # below 4K with a backward, the other plans: cuDNN-frontend's forward with the Triton
+    # backward (h200-backends-2026-12-02.jsonl, 7a1fa5b, 1K forward+backward, ms):
+    # cudnn+triton / Triton hstu 1.234 / 1.291, shared_prompt 1.325 / 1.410 (cudnn alone on
+    # hstu 1.640 at 9263479)
     _gpu_row(
         "cudnn+triton",
         requires_grad=True,
