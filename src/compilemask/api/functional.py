@@ -341,6 +341,11 @@ def explain(
         >>> cm.explain(plan, q, k, v)["backend"]
         'triton'
     """
+    if isinstance(plan, torch.Tensor) and isinstance(v, MaskPlan):
+        raise InputError(
+            "explain takes (plan, q, k, v), the plan first (attention takes (q, k, v, plan)); "
+            "got the plan last"
+        )
     validate.check_tensors(q, k, v)
     validate.check_plan(q, k, plan)
     score_mod = validate.check_score_mod(score_mod, q, k, plan)

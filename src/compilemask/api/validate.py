@@ -10,6 +10,7 @@ q and k, Dv head_dim of v.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -133,15 +134,25 @@ def check_plan(q: torch.Tensor, k: torch.Tensor, plan: object, full: bool = Fals
         )
 
 
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_scale(scale: object, head_dim: int) -> float:
-    """The softmax scale as a finite float (default 1 / sqrt(head_dim))."""
+    """The softmax scale as a positive float in float32's normal range (default
+    1 / sqrt(head_dim)); Python or numpy reals."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InputError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise InputError(f"scale must be a positive finite float, got {scale}")
+    if not _F32_TINY <= scale <= _F32_MAX:  # the kernels scale scores in float32
+        raise InputError(
+            f"scale must lie in float32's normal range [{_F32_TINY:.3g}, {_F32_MAX:.3g}] "
+            f"(the kernels scale in float32), got {scale:g}"
+        )
     return scale
 
 

@@ -334,6 +334,13 @@ class _Parser:
             self.next()
         self.expect_op(")", f"to close {name.value}(...)")
         fn = CATALOGUE[name.value]
+        params = inspect.signature(fn).parameters
+        unknown = [kw for kw in kwargs if kw not in params]
+        if unknown:  # before binding: a misspelt keyword, not the argument it left out
+            sig = _signature(name.value, fn)
+            raise self.error(
+                f"bad arguments for {sig}: unexpected keyword {unknown[0]!r}", name
+            ) from None
         try:
             inspect.signature(fn).bind(*args, **kwargs)
         except TypeError as err:

@@ -267,6 +267,10 @@ def _positions(value: object, name: str) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+#: the most booleans :func:`dense` builds (8 GiB of them; its evaluation needs a few times more)
+DENSE_MAX_CELLS = 2**33
+
+
 def dense(
     mask: Mask,
     q_len: int,
@@ -299,8 +303,8 @@ def dense(
         of a per-row ``q_offset``; ``H = mask.head_count``).
 
     Raises:
-        CompileMaskError: bad lengths or offsets, or ``batch`` / ``heads`` that contradict the
-            mask.
+        CompileMaskError: bad lengths or offsets, ``batch`` / ``heads`` that contradict the
+            mask, or a mask of more than ``DENSE_MAX_CELLS`` booleans.
 
     Example::
 
@@ -330,6 +334,13 @@ def dense(
     B, H = mask.batch_count, mask.head_count
     _check_size(batch, B, "batch", "per_batch")
     _check_size(heads, H, "heads", "per_head")
+    cells = (full - offsets) * kv_len * (B or 1) * (H or 1)
+    if cells > DENSE_MAX_CELLS:
+        raise CompileMaskError(
+            f"dense would hold {cells:,} booleans (q_len={full - offsets}, kv_len={kv_len}"
+            f"{f', batch={B}' if B else ''}{f', heads={H}' if H else ''}), more than "
+            f"{DENSE_MAX_CELLS:,}; compile(mask, q_len) builds the plan without the dense mask"
+        )
     q = torch.arange(offsets, full).view(-1, 1)
     k = torch.arange(kv_len).view(1, -1)
     if B is None and H is None:

@@ -1,0 +1,57 @@
+"""Inputs at the edges that once crashed, hung or gave NaN: each is refused by name, or
+accepted and right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask.errors import CompileMaskError, InputError
+
+
+def _qkv(n=16, d=32):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 2, n, d, generator=g) for _ in range(3))
+
+
+def test_dense_refuses_a_mask_too_large_to_hold_before_allocating():
+    with pytest.raises(CompileMaskError, match=r"dense would hold .*q_len=2147483648"):
+        cm.dense(cm.masks.causal(), 2**31)
+    with pytest.raises(CompileMaskError, match="heads=2"):
+        cm.dense(cm.masks.per_head([cm.masks.causal()] * 2), 2**17, heads=2)
+
+
+@pytest.mark.parametrize("scale", [1e-46, 1e39])
+def test_scale_outside_float32_normal_range_is_refused(scale):
+    plan = cm.compile(cm.masks.causal(), 16)
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match="scale must lie in float32's normal range"):
+        cm.attention(q, k, v, plan, scale=scale, backend="reference")
+
+
+def test_numpy_scales_are_taken_as_floats():
+    plan = cm.compile(cm.masks.causal(), 16)
+    q, k, v = _qkv()
+    want = cm.attention(q, k, v, plan, scale=0.25, backend="reference")
+    for scale in (np.float32(0.25), np.float64(0.25)):
+        torch.testing.assert_close(
+            cm.attention(q, k, v, plan, scale=scale, backend="reference"), want
+        )
+    with pytest.raises(InputError, match="scale must be a float"):
+        cm.attention(q, k, v, plan, scale=np.bool_(True), backend="reference")
+
+
+def test_explain_with_the_plan_last_says_the_order():
+    plan = cm.compile(cm.masks.causal(), 16)
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match=r"explain takes \(plan, q, k, v\)"):
+        cm.explain(q, k, v, plan)
+
+
+def test_a_misspelt_keyword_in_text_is_named():
+    with pytest.raises(CompileMaskError, match="unexpected keyword 'w'"):
+        cm.parse("sliding_window(w=3)")
+    with pytest.raises(CompileMaskError, match="unexpected keyword 'casual'"):
+        cm.parse("document([3, 5], casual=false)")
