@@ -55,3 +55,17 @@ def test_a_misspelt_keyword_in_text_is_named():
         cm.parse("sliding_window(w=3)")
     with pytest.raises(CompileMaskError, match="unexpected keyword 'casual'"):
         cm.parse("document([3, 5], casual=false)")
+
+
+def test_lengths_and_counts_take_numpy_integers_and_0d_tensors_everywhere():
+    m = cm.masks.per_head([cm.masks.causal(), cm.masks.sliding_window(2)])
+    for n, h in ((torch.tensor(8), np.int64(2)), (np.int32(8), torch.tensor(2)), (8, 2)):
+        plan = cm.compile(m, n, heads=h)
+        assert (plan.q_len, plan.heads) == (8, 2) and type(plan.heads) is int
+        assert cm.dense(m, n, heads=h).shape == (1, 2, 8, 8)
+    for bad in (torch.tensor(8.0), torch.tensor([8]), True, 8.0):
+        with pytest.raises(CompileMaskError, match="q_len must be an int"):
+            cm.compile(cm.masks.causal(), bad)
+    with pytest.raises(CompileMaskError, match="heads must be a positive int"):
+        cm.compile(m, 8, heads=np.bool_(True))
+    assert cm.masks.document([3, 5], causal=np.bool_(False)) == cm.masks.document([3, 5], False)

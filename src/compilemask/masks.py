@@ -18,6 +18,8 @@ import numbers
 import sys
 from collections.abc import Sequence
 
+import numpy as np
+
 from .errors import CompileMaskError
 from .language.ast import Builtin, Mask, PerBatch, PerHead
 
@@ -124,6 +126,8 @@ def document(lengths: Sequence[int], causal: bool = True) -> Mask:
     lens = _ints(lengths, "lengths", 1)
     if not lens:
         raise CompileMaskError("lengths must hold at least one document")
+    if isinstance(causal, np.bool_):
+        causal = bool(causal)
     if not isinstance(causal, bool):
         raise CompileMaskError(f"causal must be a bool, got {causal!r}")
     return Builtin("document", (lens, causal))

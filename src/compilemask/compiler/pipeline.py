@@ -14,7 +14,7 @@ import torch
 from ..errors import CompileMaskError, LengthError, too_deep
 from ..language.ast import Builtin, Mask, TiledGrid
 from ..language.permutation import grid_permutation
-from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
+from ..language.semantics import accepted_lengths, integer_value, natural_lengths, offsets_of
 from . import intervals as iv
 from .lower import TABLED, lower, piece_table
 from .permute import permute_rows
@@ -95,10 +95,11 @@ def dependence(mask: Mask, batch: int | None, heads: int | None) -> tuple[int | 
     """The batch / head counts a plan of ``mask`` carries (None: broadcasts)."""
     out = []
     for given, own, name in ((batch, mask.batch_count, "batch"), (heads, mask.head_count, "heads")):
-        if given is not None and (
-            isinstance(given, bool) or not isinstance(given, int) or given < 1
-        ):
-            raise CompileMaskError(f"{name} must be a positive int or None, got {given!r}")
+        if given is not None:
+            n = integer_value(given)
+            if n is None or n < 1:
+                raise CompileMaskError(f"{name} must be a positive int or None, got {given!r}")
+            given = n
         if own is not None and given is not None and given != own:
             raise CompileMaskError(
                 f"the mask is per_{'batch' if name == 'batch' else 'head'} with {own} entries "

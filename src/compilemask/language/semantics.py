@@ -117,12 +117,29 @@ def accepted_lengths(mask: Mask, q_len: int, kv_len: int | None = None) -> tuple
     return q_len, kv_len
 
 
-def _length(value: object, name: str) -> int:
+def integer_value(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer (an int, a numpy integer, a 0-d integer
+    tensor; not a bool), else None."""
+    if isinstance(value, torch.Tensor):
+        if (
+            value.dim() != 0
+            or value.dtype == torch.bool
+            or not (not value.dtype.is_floating_point and not value.dtype.is_complex)
+        ):
+            return None
+        return int(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise LengthError(f"{name} must be an int >= 1, got {value!r}")
-    if value < 1:
-        raise LengthError(f"{name} must be an int >= 1, got {value}")
+        return None
     return int(value)
+
+
+def _length(value: object, name: str) -> int:
+    n = integer_value(value)
+    if n is None:
+        raise LengthError(f"{name} must be an int >= 1, got {value!r}")
+    if n < 1:
+        raise LengthError(f"{name} must be an int >= 1, got {n}")
+    return n
 
 
 def _describe(mask: Mask) -> str:
@@ -385,8 +402,10 @@ def offsets_of(q_offset) -> int | list[int]:
 def _check_size(given: int | None, count: int | None, name: str, kind: str) -> None:
     if given is None:
         return
-    if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 1:
+    n = integer_value(given)
+    if n is None or n < 1:
         raise CompileMaskError(f"{name} must be an int >= 1 or None, got {given!r}")
+    given = n
     if count is not None and given != count:
         raise CompileMaskError(f"the mask is a {kind} mask of {count}, but {name}={given}")
 
