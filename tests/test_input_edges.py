@@ -69,3 +69,13 @@ def test_lengths_and_counts_take_numpy_integers_and_0d_tensors_everywhere():
     with pytest.raises(CompileMaskError, match="heads must be a positive int"):
         cm.compile(m, 8, heads=np.bool_(True))
     assert cm.masks.document([3, 5], causal=np.bool_(False)) == cm.masks.document([3, 5], False)
+
+
+def test_masks_chained_too_deep_to_print_or_evaluate_say_so():
+    m = cm.masks.prefix_lm(0)
+    for i in range(1, 3000):
+        m = m | cm.masks.prefix_lm(i % 7)
+    for show in (str, repr, lambda mask: cm.dense(mask, 64)):
+        with pytest.raises(CompileMaskError, match="nested too deeply"):
+            show(m)
+    assert repr(cm.masks.causal() | cm.masks.prefix_lm(3)) == "Combine(causal() | prefix_lm(3))"

@@ -154,6 +154,9 @@ class Combine(Mask):
     left: Mask
     right: Mask
 
+    def __repr__(self) -> str:
+        return f"Combine({self})"
+
     def children(self) -> tuple[Mask, ...]:
         return (self.left, self.right)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ..errors import CompileMaskError
+from ..errors import CompileMaskError, too_deep
 from .ast import (
     Builtin,
     Combine,
@@ -154,6 +154,7 @@ def _expr(mask: Mask) -> tuple[str, int]:
     raise CompileMaskError(f"cannot print {type(mask).__name__}: not a mask")
 
 
+@too_deep
 def to_text(mask: Mask) -> str:
     """The text of ``mask``: a rule block as lines, anything else as one expression.
 

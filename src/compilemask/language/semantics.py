@@ -38,7 +38,7 @@ import numbers
 
 import torch
 
-from ..errors import CompileMaskError, LayoutError, LengthError
+from ..errors import CompileMaskError, LayoutError, LengthError, too_deep
 from .ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask, TiledGrid
 from .permutation import grid_permutation
 from .resolve import check_rules, fixed_length, resolve, span_ranges
@@ -288,6 +288,7 @@ def _positions(value: object, name: str) -> torch.Tensor:
 DENSE_MAX_CELLS = 2**33
 
 
+@too_deep
 def dense(
     mask: Mask,
     q_len: int,
