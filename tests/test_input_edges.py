@@ -79,3 +79,23 @@ def test_masks_chained_too_deep_to_print_or_evaluate_say_so():
         with pytest.raises(CompileMaskError, match="nested too deeply"):
             show(m)
     assert repr(cm.masks.causal() | cm.masks.prefix_lm(3)) == "Combine(causal() | prefix_lm(3))"
+
+
+def test_plan_files_name_a_bad_path_or_a_meta_location(tmp_path):
+    plan = cm.compile(cm.masks.causal(), 8)
+    for path in (None, 3):
+        with pytest.raises(InputError, match="path must be a str, an os.PathLike or a writable"):
+            plan.save(path)
+    with pytest.raises(InputError, match="readable file object, got NoneType"):
+        cm.load_plan(None)
+    plan.save(tmp_path / "p.plan")
+    with pytest.raises(CompileMaskError, match="map_location='meta' holds no data"):
+        cm.load_plan(tmp_path / "p.plan", map_location="meta")
+    assert cm.load_plan(tmp_path / "p.plan").q_len == 8
+
+
+def test_builders_refuse_meta_tensors_by_name():
+    with pytest.raises(CompileMaskError, match="lengths must be .* on the meta device"):
+        cm.masks.document(torch.tensor([3, 4], device="meta"))
+    with pytest.raises(CompileMaskError, match="window must be an integer, .* meta device"):
+        cm.masks.sliding_window(torch.tensor(3, device="meta"))

@@ -34,6 +34,8 @@ def _array_kind(value: object) -> tuple[int, str] | None:
     if torch is not None and isinstance(value, torch.Tensor):
         dt = value.dtype
         kind = "b" if dt == torch.bool else "f" if dt.is_floating_point or dt.is_complex else "i"
+        if value.is_meta:  # no values to read: refused like a wrong dtype
+            kind = "meta"
         return value.dim(), kind
     if np is not None and isinstance(value, np.ndarray):
         return value.ndim, "i" if value.dtype.kind in "iu" else value.dtype.kind
@@ -45,7 +47,8 @@ def _what(value: object) -> str:
     shape = _array_kind(value)
     if shape is None:
         return repr(value)
-    return f"a {shape[0]}-D {type(value).__name__} of {value.dtype}"
+    meta = " on the meta device (no values)" if shape[1] == "meta" else ""
+    return f"a {shape[0]}-D {type(value).__name__} of {value.dtype}{meta}"
 
 
 def _int(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -14,7 +15,18 @@ _SAVE_FORMAT = "compilemask.MaskPlan"
 _SAVE_VERSION = 1
 
 
+def _check_path(path, writing: bool) -> None:
+    """``path``: a str, an ``os.PathLike`` or a file object (with ``write`` / ``read``)."""
+    if isinstance(path, (str, os.PathLike)) or hasattr(path, "write" if writing else "read"):
+        return
+    raise InputError(
+        f"path must be a str, an os.PathLike or a {'writable' if writing else 'readable'} file "
+        f"object, got {type(path).__name__}"
+    )
+
+
 def save_plan(plan, path) -> None:
+    _check_path(path, writing=True)
     s = plan.schedule
     meta = {
         "q_len": plan.q_len,
@@ -40,6 +52,9 @@ def save_plan(plan, path) -> None:
 
 
 def load_plan(cls, path, map_location=None):
+    _check_path(path, writing=False)
+    if map_location is not None and str(map_location) == "meta":
+        raise PlanError("map_location='meta' holds no data: load the plan on the CPU or a GPU")
     try:
         obj = torch.load(path, map_location=map_location or "cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a PlanError
