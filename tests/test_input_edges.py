@@ -99,3 +99,10 @@ def test_builders_refuse_meta_tensors_by_name():
         cm.masks.document(torch.tensor([3, 4], device="meta"))
     with pytest.raises(CompileMaskError, match="window must be an integer, .* meta device"):
         cm.masks.sliding_window(torch.tensor(3, device="meta"))
+
+
+def test_complement_and_text_masks_point_to_what_works():
+    with pytest.raises(CompileMaskError, match="no complement operator"):
+        ~cm.masks.causal()  # noqa: B018
+    with pytest.raises(CompileMaskError, match=r"compilemask.parse\(text\)"):
+        cm.compile("causal()", 8)

@@ -165,7 +165,8 @@ def compile(  # noqa: A001 - the public name is fixed by the design
         True
     """
     if not isinstance(mask, Mask):
-        raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}")
+        hint = "; parse text with compilemask.parse(text)" if isinstance(mask, str) else ""
+        raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}{hint}")
     strict_bool(cache, "cache")
     if q_len is None:
         q_len = natural_lengths(mask)[0]

@@ -47,6 +47,14 @@ class Mask:
     def __sub__(self, other: Mask) -> Mask:
         return Combine("-", self, _check_mask(other, "-"))
 
+    def __invert__(self):
+        from ..errors import CompileMaskError
+
+        raise CompileMaskError(
+            "~mask: masks have no complement operator; subtract the mask from the one that "
+            "should remain, e.g. parse('{ layout a:*; a -> a : full }') - mask"
+        )
+
     def __str__(self) -> str:
         from .printer import to_text
 
