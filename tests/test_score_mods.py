@@ -479,3 +479,19 @@ def test_a_tensor_of_the_wrong_dtype_is_named_with_its_dtype():
         cm.attention(q, k, v, plan, score_mod=sm.alibi(torch.ones(2, dtype=torch.int64)))
     with pytest.raises(InputError, match="got a torch.int32 tensor"):
         cm.attention(q, k, v, plan, score_mod=sm.bias(torch.zeros(1, 2, 16, 16, dtype=torch.int32)))
+
+
+@triton.jit
+def _broken(score, b, h, q_idx, kv_idx, aux):
+    return score + tl.load(aux) + undefined_name  # noqa: F821
+
+
+def test_a_broken_triton_fn_is_reported_by_the_modifier_s_name():
+    """An error inside the user's @triton.jit function (compile or interpreter) arrives as an
+    InputError naming the custom stage and the innermost error, not Triton's nested wrappers."""
+    plan = cm.compile(cm.masks.causal(), 32, device=DEVICE)
+    dt = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    q = torch.randn(1, 2, 32, 32, device=DEVICE, dtype=dt)
+    mod = sm.custom(_halve_plus_head_torch, _broken, aux=torch.ones(1, device=DEVICE), name="oops")
+    with pytest.raises(InputError, match=r"custom score_mod 'oops': its Triton functions failed"):
+        cm.attention(q, q, q, plan, score_mod=mod, backend="triton")

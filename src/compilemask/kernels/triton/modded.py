@@ -14,8 +14,11 @@ Gradients (``score_mods.py`` has the kernels' side):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ...errors import InputError
 from .configs import BwdConfig, FwdConfig
 from .schedule import DKDV_SCHEDULE_FIELDS, FWD_SCHEDULE_FIELDS
 from .score_mods import pack, sink_grad
@@ -29,6 +32,28 @@ class _Args:
 
     def __init__(self, plan, prepared, scale, score_mod):
         self.plan, self.p, self.scale, self.score_mod = plan, prepared, scale, score_mod
+
+
+@contextlib.contextmanager
+def _custom_errors(score_mod):
+    """Triton's errors from a modifier with custom stages, as an InputError naming the stage
+    and the innermost error (a compile or interpreter error of the user's ``@triton.jit``
+    functions arrives wrapped several times)."""
+    try:
+        yield
+    except Exception as exc:
+        custom = [st for st in score_mod.stages() if st.kind == 5] if score_mod else []
+        if not custom or not type(exc).__module__.startswith("triton"):
+            raise
+        root = exc
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        names = ", ".join(repr(st.name) for st in custom)
+        lines = str(root).strip().splitlines()
+        raise InputError(
+            f"custom score_mod {names}: its Triton functions failed "
+            f"({type(root).__name__}: {lines[-1] if lines else ''})"
+        ) from exc
 
 
 class ModdedAttention(torch.autograd.Function):
@@ -45,11 +70,12 @@ class ModdedAttention(torch.autograd.Function):
         fast = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
         mods = pack(args.score_mod, Nq, Nk, q.device, fast) if args.score_mod is not None else None
         sinks_f = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-        out, lse = attention_forward(
-            q, k, v, plan.row_lo, plan.row_hi, dict(zip(FWD_SCHEDULE_FIELDS, p.schedule)),
-            scale=args.scale, mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
-            cfg=FwdConfig(*p.config), mods=mods, sinks=sinks_f,
-        )  # fmt: skip
+        with _custom_errors(args.score_mod):
+            out, lse = attention_forward(
+                q, k, v, plan.row_lo, plan.row_hi, dict(zip(FWD_SCHEDULE_FIELDS, p.schedule)),
+                scale=args.scale, mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
+                cfg=FwdConfig(*p.config), mods=mods, sinks=sinks_f,
+            )  # fmt: skip
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args, ctx.mods, ctx.n_learn = args, mods, len(learn)
@@ -81,7 +107,7 @@ class ModdedAttention(torch.autograd.Function):
         Tk = dkdv["kind"].shape[2]
         mod_grad = mods.grad_buffer(B, Hq, Nq, Nk, Tk) if mods is not None else None
         delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-        with torch.no_grad():
+        with torch.no_grad(), _custom_errors(args.score_mod):
             dq, dk, dv = attention_backward(
                 q, k, v, out, lse.contiguous(), dout, args.plan.row_lo, args.plan.row_hi, dkdv,
                 dict(zip(FWD_SCHEDULE_FIELDS, sched[_N_DKDV:_N_BWD])), scale=args.scale,
