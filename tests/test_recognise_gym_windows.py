@@ -125,3 +125,11 @@ def test_in_place_operation_not_recognised():
     # reading the later ``d`` as ``q - k`` would give the lower half of the band only
     assert recognised(mm, 20, 20) is None
     check(mm, 20, 20, expect=False)
+
+
+def test_abs_band_recognised():
+    m = recognised(lambda b, h, q, k: abs(q - k) <= 3, 40, 40)  # Python's abs
+    assert "band(-3, 3)" in str(m)
+    m = recognised(lambda b, h, q, k: (k - q - 2).abs() < 3, 40, 40)  # kv - q in [0, 4]
+    assert "band(0, 4)" in str(m)
+    check(lambda b, h, q, k: (k - q - 2).abs() < 3, 40, 40)
