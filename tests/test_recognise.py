@@ -136,7 +136,6 @@ def test_documents_q_len_not_kv_len_fall_back():
         lambda b, h, q, k: 2 * k <= q,  # a coefficient other than +-1
         lambda b, h, q, k: (k <= q) & (q < 30),  # a bound on q
         lambda b, h, q, k: k < 5,  # a bound on kv outside a union with causal
-        lambda b, h, q, k: abs(q - k) <= 3,
         lambda b, h, q, k: (q - k) % 2 == 0,
         lambda b, h, q, k: (k - q < 2.5) & (k <= q),  # a float constant
         lambda b, h, q, k: (k <= q) & (k > q),  # empty

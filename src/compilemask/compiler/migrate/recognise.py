@@ -53,6 +53,7 @@ from ... import masks
 from ...language.ast import Mask
 from ...language.parser import parse
 from . import packed, trace
+from . import recognise_gym as gym
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -201,7 +202,7 @@ _DOC_LIN = (_DocLin,)  # ``b.device`` (``noop_mask``'s new_ones reads it)
 
 
 _ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, _ModBand, _InDoc, _RowStart,
-          *packed.ROW_ATOMS)  # fmt: skip
+          *packed.ROW_ATOMS, *gym.ATOMS)  # fmt: skip
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
@@ -276,6 +277,9 @@ def _in_doc(x, y, op: str) -> _InDoc:
 
 
 def _compare(x, y, op: str):
+    v = gym.compare(x, y, op)
+    if v is not None:
+        return v
     if isinstance(x, _DocLin) or isinstance(y, _DocLin):
         return _in_doc(x, y, op)
     if isinstance(y, _SumSq) and not isinstance(x, _SumSq):
@@ -453,6 +457,9 @@ def _formula(gm):
             continue
         if node.kwargs:
             raise _No(f"keyword arguments to {node.target}")
+        t = node.target
+        if node.op == "call_method" and t.endswith("_") and not t.endswith("__"):
+            raise _No(f"an in-place operation {t}")  # its input is changed for later uses
         args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
         for a in args:
             if isinstance(a, tuple) and a[0] == "placeholder":
@@ -527,6 +534,9 @@ def _grid_op(name: str, args):
 
 
 def _op(name: str, target, args):
+    v = gym.op(name, target, args)
+    if v is not None:
+        return v
     if name in ("floordiv", "floor_divide", "mod", "remainder") or (
         name not in _CMPS and any(isinstance(a, _GRID) for a in args)
     ):
@@ -641,7 +651,7 @@ def _is_causal(b: _Band) -> bool:
 
 def _conj(parts: list, nq: int, nk: int) -> Mask:
     band = _Band(None, None)
-    chunks, blocks, docs, ors, discs, mods = set(), set(), [], [], [], []
+    chunks, blocks, docs, ors, discs, mods, nattens = set(), set(), [], [], [], [], []
     for p in parts:
         if isinstance(p, _Band):
             lo = [v for v in (band.lo, p.lo) if v is not None]
@@ -661,6 +671,8 @@ def _conj(parts: list, nq: int, nk: int) -> Mask:
             discs.append(p)
         elif isinstance(p, (_ModBand, _InDoc, _RowStart)):
             mods.append(p)
+        elif isinstance(p, gym.NattenAxis):
+            nattens.append(p)
         elif isinstance(p, _QBound):
             raise _No("q against a constant outside a union with a disc")
         else:
@@ -677,7 +689,7 @@ def _conj(parts: list, nq: int, nk: int) -> Mask:
         lo = [v for v in (band.lo, p.lo) if v is not None]
         hi = [v for v in (band.hi, p.hi) if v is not None]
         band = _Band(max(lo) if lo else None, min(hi) if hi else None)
-    out: list[Mask] = [_clear(d, [], [], nq, nk) for d in discs]
+    out: list[Mask] = [_clear(d, [], [], nq, nk) for d in discs] + gym.natten(nattens, nq, nk)
     causal_left = _is_causal(band)
     if docs:
         if nq != nk:
@@ -729,6 +741,9 @@ def _clear(d: _Disc, qs: list, kvs: list, nq: int, nk: int) -> Mask:
 def _disj(parts: list, nq: int, nk: int) -> Mask:
     out = []
     discs = [p for p in parts if isinstance(p, _Disc)]
+    glob = None if discs else gym.global_local(parts, nq, nk)
+    if glob is not None:
+        return glob
     if discs or any(isinstance(p, _QBound) for p in parts):
         if len(discs) != 1:
             raise _No("q against a constant outside a union with one disc")
