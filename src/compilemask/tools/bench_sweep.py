@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="compilemask bench",
         description="Time CompileMask beside its peers on the seed workloads "
         "(docs/benchmarking.md).",
+        epilog="compilemask bench --distributed [--help]: context parallelism's balance and "
+        "per-rank times (its own options).",
     )
     p.add_argument(
         "--workloads",
