@@ -15,31 +15,16 @@ Example::
 from __future__ import annotations
 
 import numbers
-import sys
 from collections.abc import Sequence
 
 import numpy as np
 
 from .errors import CompileMaskError
 from .language.ast import Builtin, Mask, PerBatch, PerHead
+from .language.values import array_kind as _array_kind
+from .language.values import integer_value
 
 MAX_INT = 2**31 - 1  # token positions and mask parameters are int32 in plans
-
-
-def _array_kind(value: object) -> tuple[int, str] | None:
-    """``(dimensions, dtype kind)`` of a torch tensor or numpy array (kind ``"i"`` integer,
-    ``"b"`` bool, ``"f"`` float, ...), None for anything else. Neither module is imported
-    here: a tensor or an array comes from an imported module."""
-    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
-    if torch is not None and isinstance(value, torch.Tensor):
-        dt = value.dtype
-        kind = "b" if dt == torch.bool else "f" if dt.is_floating_point or dt.is_complex else "i"
-        if value.is_meta:  # no values to read: refused like a wrong dtype
-            kind = "meta"
-        return value.dim(), kind
-    if np is not None and isinstance(value, np.ndarray):
-        return value.ndim, "i" if value.dtype.kind in "iu" else value.dtype.kind
-    return None
 
 
 def _what(value: object) -> str:
@@ -56,15 +41,10 @@ def _int(
 ) -> int:
     """``value`` as a Python int: an int, a numpy integer, or a 0-d integer tensor / array;
     else ``error`` naming ``name`` (bools, floats, other dimensions; below ``minimum``)."""
-    if type(value) is not int:
-        shape = _array_kind(value)
-        if shape is not None:
-            if shape != (0, "i"):
-                raise error(f"{name} must be an integer, got {_what(value)}")
-            value = value.item()
-        elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise error(f"{name} must be an integer, got {value!r}")
-        value = int(value)
+    n = integer_value(value)
+    if n is None:
+        raise error(f"{name} must be an integer, got {_what(value)}")
+    value = n
     if minimum is not None and value < minimum:
         raise error(f"{name} must be >= {minimum}, got {value}")
     if abs(value) > MAX_INT:

@@ -14,7 +14,8 @@ import torch
 from ..errors import CompileMaskError, LengthError, too_deep
 from ..language.ast import Builtin, Mask, TiledGrid
 from ..language.permutation import grid_permutation
-from ..language.semantics import accepted_lengths, integer_value, natural_lengths, offsets_of
+from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
+from ..language.values import integer_value
 from . import intervals as iv
 from .lower import TABLED, lower, piece_table
 from .permute import permute_rows

@@ -42,6 +42,7 @@ from ..errors import CompileMaskError, LayoutError, LengthError, too_deep
 from .ast import Builtin, Combine, Mask, PerBatch, PerHead, RuleMask, TiledGrid
 from .permutation import grid_permutation
 from .resolve import check_rules, fixed_length, resolve, span_ranges
+from .values import integer_value
 
 __all__ = ["accepted_lengths", "natural_lengths", "visible", "dense", "offsets_of"]
 
@@ -115,22 +116,6 @@ def accepted_lengths(mask: Mask, q_len: int, kv_len: int | None = None) -> tuple
         kv_len = _length(kv_len, "kv_len")
     _check_lengths(mask, q_len, kv_len)
     return q_len, kv_len
-
-
-def integer_value(value: object) -> int | None:
-    """``value`` as a Python int when it is an integer (an int, a numpy integer, a 0-d integer
-    tensor; not a bool), else None."""
-    if isinstance(value, torch.Tensor):
-        if (
-            value.dim() != 0
-            or value.dtype == torch.bool
-            or not (not value.dtype.is_floating_point and not value.dtype.is_complex)
-        ):
-            return None
-        return int(value.item())
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
 
 
 def _length(value: object, name: str) -> int:
