@@ -334,15 +334,15 @@ class _Parser:
             self.next()
         self.expect_op(")", f"to close {name.value}(...)")
         fn = CATALOGUE[name.value]
-        params = inspect.signature(fn).parameters
-        unknown = [kw for kw in kwargs if kw not in params]
+        signature = inspect.signature(fn)
+        unknown = [kw for kw in kwargs if kw not in signature.parameters]
         if unknown:  # before binding: a misspelt keyword, not the argument it left out
             sig = _signature(name.value, fn)
             raise self.error(
                 f"bad arguments for {sig}: unexpected keyword {unknown[0]!r}", name
             ) from None
         try:
-            inspect.signature(fn).bind(*args, **kwargs)
+            signature.bind(*args, **kwargs)
         except TypeError as err:
             sig = _signature(name.value, fn)
             raise self.error(f"bad arguments for {sig}: {err}", name) from None

@@ -42,7 +42,9 @@ def _custom_errors(score_mod):
     try:
         yield
     except Exception as exc:
-        custom = [st for st in score_mod.stages() if st.kind == 5] if score_mod else []
+        from ...score_mods import CUSTOM
+
+        custom = [st for st in score_mod.stages() if st.kind == CUSTOM] if score_mod else []
         if not custom or not type(exc).__module__.startswith("triton"):
             raise
         root = exc
