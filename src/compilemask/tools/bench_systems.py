@@ -500,6 +500,13 @@ SYSTEMS: tuple[System, ...] = (
         applies=_grid_only,
         supports_bwd=False,
     ),
+    System(
+        "compilemask-cute-tiled-kept",
+        _all(_cuda, _backend_ok("cute")),
+        _compilemask_tiled("cute", keep_tiled=True),
+        applies=_grid_only,
+        supports_bwd=False,
+    ),
     System("compilemask-auto", _cuda, _compilemask("auto")),
     System("compilemask-auto-tiled", _cuda, _compilemask_tiled("auto"), applies=_grid_only),
     System(
