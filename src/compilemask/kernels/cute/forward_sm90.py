@@ -546,7 +546,7 @@ class FlashFwdSm90:
         overwrite ``ts.rP`` with P_i (they were the PV operand)."""
         if cutlass.const_expr(masked):
             # the first entry's mask loads, before the loop; each step then issues the next's
-            pre = Int32(0)
+            pre = (Int32(0), Int32(0), Int32(0), Int32(0))
             for i in cutlass.range(start, stop, unroll=1):
                 # this entry's words from the load issued at the end of the step before (made
                 # before the GEMMs: only the two words stay live while they run); the first
@@ -656,15 +656,12 @@ class FlashFwdSm90:
         them by shuffles: one register carried from step to step, not four. 0 (an empty
         interval) when the tile has no slot or is a bitmask tile."""
         _, j0, j1, page = ent
-        v = Int32(0)
+        p0, p1, p2, p3 = Int32(0), Int32(0), Int32(0), Int32(0)
         if page < 0 and j0 < j1:
-            q = ts.lane % 4
-            row = cutlass.min(ts.row0 + 8 * (q // 2), ts.row_cap)
-            lo, hi = row_bounds(ts.row_lo, ts.row_hi, ts.m, row, j0)
-            v = lo
-            if q % 2 == 1:
-                v = hi
-        return v
+            p0, p1 = row_bounds(ts.row_lo, ts.row_hi, ts.m, cutlass.min(ts.row0, ts.row_cap), j0)
+            row = cutlass.min(ts.row0 + 8, ts.row_cap)
+            p2, p3 = row_bounds(ts.row_lo, ts.row_hi, ts.m, row, j0)
+        return p0, p1, p2, p3
 
     @cute.jit
     def mask_words(self, ent, pre, ts):
@@ -678,8 +675,7 @@ class FlashFwdSm90:
         kt, j0, j1, page = ent
         col0 = kt * N + 2 * (ts.lane % 4)
         shift = 2 * (ts.lane % 4)
-        quad = ts.lane - ts.lane % 4
-        bounds = [cute.arch.shuffle_sync(pre, quad + k) for k in range(4)]
+        bounds = pre
         seen = [Uint32(0), Uint32(0)]
         for r in cutlass.range_constexpr(2):
             word = Uint32(0)
