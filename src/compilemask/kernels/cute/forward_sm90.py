@@ -20,10 +20,9 @@ bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
 registers. FULL kv-tiles (the first ``nf`` of the list) run without mask arithmetic;
 PARTIAL ones hide every key the tile's bitmask does not show (``page >= 0`` in the entry's
-``tiles`` row) or, for the others, every key outside the row's intervals, read through
-:func:`row_bounds`. Those loads are issued one kv-tile ahead: while the PARTIAL tile ``i``
-is masked, the loads of tile ``i + 1``'s entry and mask data go out, and land while the
-softmax of ``i`` and the GEMMs of ``i + 1`` run (:meth:`FlashFwdSm90.kv_steps`).
+``tiles`` row, :func:`bits_seen`) or, for the others, every key outside the row's intervals,
+read through :func:`row_bounds`; those reads are issued right after the tile's GEMMs, before
+the wait for S (:meth:`FlashFwdSm90.mask_seen`), so their latency runs under the GEMMs.
 A row that sees no key ends with a zero sum: out 0, lse -inf. O leaves through shared
 memory: ``stmatrix`` into the warpgroup's 64 x D tile, then one TMA store (lse: per element).
 
@@ -119,6 +118,17 @@ def interval_seen(lo: Int32, hi: Int32, col0: Int32):
     b = Uint64(columns_below(cutlass.max(hi - col0, 0), cutlass.min))
     one = Uint64(1)
     return Uint32(((one << b) - one) & ~((one << a) - one))
+
+
+@cute.jit
+def bits_seen(bits: cute.Tensor, page: Int32, row: Int32, lane: Int32):
+    """The ``seen`` word (bit ``c``: the thread's column ``c`` is visible) of tile row ``row``
+    (0..127) of bitmask page ``page``: one load per word of the row (4 per row)."""
+    shift = 2 * (lane % 4)
+    seen = Int32(0)
+    for w in cutlass.range_constexpr(BLOCK_N // 32):
+        seen = seen | seen_from_word(bits[page, row, w] >> shift, w)
+    return Uint32(seen)
 
 
 class FlashFwdSm90:
@@ -535,77 +545,42 @@ class FlashFwdSm90:
         entries.
 
         Per entry ``i``: wait for V_{i-1} then K_i (the ring holds them in that order); issue
-        S_i = Q K_i^T and O += P_{i-1} V_{i-1} (two wgmma groups); on PARTIAL entries make the
-        rows' ``seen`` words before the GEMMs, from the mask data whose loads went out at
-        the end of step ``i - 1`` (the loop's ``ent`` / ``pre``; entry ``i + 1``'s go out at
-        the end of this step), so no load latency sits between the GEMMs and the softmax
-        and only two words are live beside the wgmma registers; wait for the first group
-        only and release K_i; mask and
+        S_i = Q K_i^T and O += P_{i-1} V_{i-1} (two wgmma groups); on PARTIAL entries read the
+        tile's mask into the rows' ``seen`` words while both GEMMs run (global loads, off the
+        softmax's critical path); wait for the first group only and release K_i; mask and
         softmax S_i while the PV GEMM runs; wait for it and
         release V_{i-1}; only then rescale O (its registers are the PV accumulator) and
         overwrite ``ts.rP`` with P_i (they were the PV operand)."""
-        if cutlass.const_expr(masked):
-            # the first entry's mask loads, before the loop; each step then issues the next's
-            pre = (Int32(0), Int32(0), Int32(0), Int32(0))
-            for i in cutlass.range(start, stop, unroll=1):
-                # this entry's words from the load issued at the end of the step before (made
-                # before the GEMMs: only the two words stay live while they run); the first
-                # entry loads its own here (a load before the loop would be hoisted above the
-                # FULL tiles' loop by ptxas and stay live through it)
-                ent = self.tile_entry(i, stop, ts)
-                if i == start:
-                    pre = self.mask_load(ent, ts)
-                seen = self.mask_words(ent, pre, ts)
-                kv_cons, vh, kh = self.issue_gemms(kv_cons, ts)
-                warpgroup.wait_group(1)
-                kh.release()
-                self.softmax(True, ts.acc_s, seen, ts)
-                warpgroup.wait_group(0)
-                vh.release()
-                # the next entry's mask loads, outside the GEMMs' register window: they land
-                # while O is rescaled and the next step waits for its tiles
-                pre = self.mask_load(self.tile_entry(i + 1, stop, ts), ts)
-                self.rescale_and_keep_p(ts)
-        else:
-            for _i in cutlass.range(start, stop, unroll=1):
-                kv_cons, vh, kh = self.issue_gemms(kv_cons, ts)
-                warpgroup.wait_group(1)
-                kh.release()
-                self.softmax(False, ts.acc_s, None, ts)
-                warpgroup.wait_group(0)
-                vh.release()
-                self.rescale_and_keep_p(ts)
+        D = self.head_dim
+        o_mn = cute.make_tensor(ts.acc_o.iterator, self.mn_layout(D))
+        for i in cutlass.range(start, stop, unroll=1):
+            vh = kv_cons.wait_and_advance()
+            kh = kv_cons.wait_and_advance()
+            acc_s = ts.acc_s
+            # ping-pong: wait for the other warpgroup to have issued its GEMMs, issue ours,
+            # let it go (its softmax then runs while our GEMMs do, and vice versa)
+            cute.arch.barrier(barrier_id=SCHED_BARRIER + ts.cw, number_of_threads=2 * WG_THREADS)
+            warpgroup.fence()
+            self.qk_gemm(ts, acc_s, kh.index)
+            warpgroup.commit_group()
+            self.pv_gemm(ts, vh.index)
+            warpgroup.commit_group()
+            cute.arch.barrier_arrive(
+                barrier_id=SCHED_BARRIER + 1 - ts.cw, number_of_threads=2 * WG_THREADS
+            )
+            seen = None
+            if cutlass.const_expr(masked):  # the mask's loads do not wait for S
+                seen = self.mask_seen(i, ts)
+            warpgroup.wait_group(1)
+            kh.release()
+            self.softmax(masked, acc_s, seen, ts)
+            warpgroup.wait_group(0)
+            vh.release()
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(D // 4):
+                    o_mn[r, c] = o_mn[r, c] * ts.corr[r]
+            ts.rP.store(acc_s.load().to(self.dtype))
         return kv_cons
-
-    @cute.jit
-    def issue_gemms(self, kv_cons, ts):
-        """One step's GEMMs: wait for V_{i-1} then K_i (the ring holds them in that order);
-        in ping-pong turn (wait for the other warpgroup to have issued its GEMMs, issue ours,
-        let it go: its softmax then runs while our GEMMs do, and vice versa) issue
-        S_i = Q K_i^T and O += P_{i-1} V_{i-1} as two wgmma groups. Returns the consumer
-        and the V and K stage handles."""
-        vh = kv_cons.wait_and_advance()
-        kh = kv_cons.wait_and_advance()
-        cute.arch.barrier(barrier_id=SCHED_BARRIER + ts.cw, number_of_threads=2 * WG_THREADS)
-        warpgroup.fence()
-        self.qk_gemm(ts, ts.acc_s, kh.index)
-        warpgroup.commit_group()
-        self.pv_gemm(ts, vh.index)
-        warpgroup.commit_group()
-        cute.arch.barrier_arrive(
-            barrier_id=SCHED_BARRIER + 1 - ts.cw, number_of_threads=2 * WG_THREADS
-        )
-        return kv_cons, vh, kh
-
-    @cute.jit
-    def rescale_and_keep_p(self, ts):
-        """After the step's PV GEMM has completed: O *= the rows' correction factors (its
-        registers are the PV accumulator), then P_i over ``ts.rP`` (the PV operand)."""
-        o_mn = cute.make_tensor(ts.acc_o.iterator, self.mn_layout(self.head_dim))
-        for r in cutlass.range_constexpr(2):
-            for c in cutlass.range_constexpr(self.head_dim // 4):
-                o_mn[r, c] = o_mn[r, c] * ts.corr[r]
-        ts.rP.store(ts.acc_s.load().to(self.dtype))
 
     @cute.jit
     def last_pv(self, kv_cons, ts):
@@ -632,63 +607,25 @@ class FlashFwdSm90:
     @cute.jit
     def mask_seen(self, i: Int32, ts):
         """The two ``seen`` words (one per row of the thread) of entry ``i`` of the q-tile's
-        kv list: bit ``c`` says the thread's column ``c`` of the row is visible
-        (:meth:`tile_entry`, :meth:`mask_load`, then :meth:`mask_words`). Reads no S."""
-        ent = self.tile_entry(i, i + 1, ts)
-        return self.mask_words(ent, self.mask_load(ent, ts), ts)
-
-    @cute.jit
-    def tile_entry(self, i: Int32, stop: Int32, ts):
-        """Row ``list0 + min(i, stop - 1)`` of ``tiles``: ``(kt, jlo, jhi, page)`` of entry
-        ``i`` of the q-tile's kv list (``stop >= 1``; the lowering clamps ``kt``, the slots
-        and the page to their ranges). Past the list it reads the last entry again, so a
-        prefetch beyond the last PARTIAL tile stays in bounds."""
-        at = ts.list0 + cutlass.min(i, stop - 1)
-        return ts.tiles[at, 0], ts.tiles[at, 1], ts.tiles[at, 2], ts.tiles[at, 3]
-
-    @cute.jit
-    def mask_load(self, ent, ts):
-        """This thread's share of a PARTIAL tile's first interval slot ``jlo`` (``ent`` from
-        :meth:`tile_entry`), issued apart from its use so that its latency runs under other
-        work: the four threads of a quad hold the same two rows, so thread ``lane % 4 = q``
-        loads one of their four bounds (``lo`` / ``hi`` of row ``row0 + 8 (q // 2)``, the row
-        clamped to ``ts.row_cap``, through :func:`row_bounds`) and :meth:`mask_words` shares
-        them by shuffles: one register carried from step to step, not four. 0 (an empty
-        interval) when the tile has no slot or is a bitmask tile."""
-        _, j0, j1, page = ent
-        p0, p1, p2, p3 = Int32(0), Int32(0), Int32(0), Int32(0)
-        if page < 0 and j0 < j1:
-            p0, p1 = row_bounds(ts.row_lo, ts.row_hi, ts.m, cutlass.min(ts.row0, ts.row_cap), j0)
-            row = cutlass.min(ts.row0 + 8, ts.row_cap)
-            p2, p3 = row_bounds(ts.row_lo, ts.row_hi, ts.m, row, j0)
-        return p0, p1, p2, p3
-
-    @cute.jit
-    def mask_words(self, ent, pre, ts):
-        """The two ``seen`` words of a PARTIAL tile: from its bitmask words (``page >= 0``,
-        loaded here: 4 per row, rows past ``q_len`` read their zero rows of the page,
-        :func:`.lower.seen_from_word`), or from the first interval of each row
-        (:meth:`mask_load`'s ``pre``, gathered from the quad by shuffles) and then the slots
-        ``(jlo, jhi)`` read here (a tile of one interval per row, the common case, reads
-        nothing more), each interval's columns by :func:`interval_seen`."""
+        kv list: bit ``c`` says the thread's column ``c`` of the row is visible. One load of
+        the entry's ``tiles`` row ``(kt, jlo, jhi, page)``; then from the tile's bitmask when
+        it has one (``page >= 0``: 4 word loads per row; rows past ``q_len`` read their zero
+        rows of the page), else from the row's interval slots ``[jlo, jhi)`` through
+        :func:`row_bounds` (the row clamped to ``ts.row_cap``), each interval's columns
+        by :func:`interval_seen`. Reads no S: issued before the
+        S GEMM's wait. The lowering clamps ``kt``, the slots and the page to their ranges."""
         N = self.block_n
-        kt, j0, j1, page = ent
+        at = ts.list0 + i
+        kt, j0, j1, page = ts.tiles[at, 0], ts.tiles[at, 1], ts.tiles[at, 2], ts.tiles[at, 3]
         col0 = kt * N + 2 * (ts.lane % 4)
-        shift = 2 * (ts.lane % 4)
-        bounds = pre
         seen = [Uint32(0), Uint32(0)]
         for r in cutlass.range_constexpr(2):
             word = Uint32(0)
             if page >= 0:
-                bits = Int32(0)
-                for w in cutlass.range_constexpr(BLOCK_N // 32):
-                    x = ts.bits[page, ts.tile_row0 + 8 * r, w]
-                    bits = bits | seen_from_word(x >> shift, w)
-                word = Uint32(bits)
+                word = bits_seen(ts.bits, page, ts.tile_row0 + 8 * r, ts.lane)
             else:
-                word = interval_seen(bounds[2 * r], bounds[2 * r + 1], col0)
                 row = cutlass.min(ts.row0 + 8 * r, ts.row_cap)
-                for slot in cutlass.range(j0 + 1, j1, unroll=1):
+                for slot in cutlass.range(j0, j1, unroll=1):
                     lo, hi = row_bounds(ts.row_lo, ts.row_hi, ts.m, row, slot)
                     word = word | interval_seen(lo, hi, col0)
             seen[r] = word
