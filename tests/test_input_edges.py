@@ -81,6 +81,17 @@ def test_masks_chained_too_deep_to_print_or_evaluate_say_so():
     assert repr(cm.masks.causal() | cm.masks.prefix_lm(3)) == "Combine(causal() | prefix_lm(3))"
 
 
+def test_masks_chained_thousands_deep_hash_and_compare_without_recursing():
+    a, b = cm.masks.prefix_lm(0), cm.masks.prefix_lm(0)
+    for i in range(1, 5000):
+        a, b = a | cm.masks.prefix_lm(i % 7), b | cm.masks.prefix_lm(i % 7)
+    assert hash(a) == hash(b) and a == b and len({a, b}) == 1
+    assert a != (b | cm.masks.causal()) and a != (b & cm.masks.causal())
+    c, s = cm.masks.causal(), cm.masks.sliding_window(3)
+    assert (c | s) == (c | s) and (c | s) != (c & s) and (c | s) != (c | cm.masks.sliding_window(4))
+    assert (c | s) != (s | c) and (c | (s | c)) != ((c | s) | c)  # structure, not the set
+
+
 def test_plan_files_name_a_bad_path_or_a_meta_location(tmp_path):
     plan = cm.compile(cm.masks.causal(), 8)
     for path in (None, 3):

@@ -168,6 +168,33 @@ class Combine(Mask):
     def children(self) -> tuple[Mask, ...]:
         return (self.left, self.right)
 
+    def _flat(self) -> tuple:
+        """The tree in prefix order, ``Combine`` nodes as their ``op``, other nodes as
+        themselves: walked with a stack, so hashing and comparing masks chained thousands
+        deep does not recurse."""
+        out, stack = [], [self]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, Combine):
+                out.append(node.op)
+                stack.append(node.right)
+                stack.append(node.left)
+            else:
+                out.append(node)
+        return tuple(out)
+
+    def __hash__(self) -> int:
+        return hash(("Combine",) + self._flat())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Combine):
+            return NotImplemented
+        a, b = self._flat(), other._flat()
+        # a leaf of one tree may face an op string of the other: compare types first
+        return len(a) == len(b) and all(
+            type(x) is type(y) and x == y for x, y in zip(a, b, strict=True)
+        )
+
 
 @dataclass(frozen=True, eq=True)
 class TiledGrid(Mask):
