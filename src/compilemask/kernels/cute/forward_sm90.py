@@ -321,74 +321,51 @@ class FlashFwdSm90:
             if cw == 1:
                 q_cons.advance()
             item = q_item[q_cons.wait().index]
-            # O, the row statistics, S and P live across items: an item's last PV GEMM runs
-            # beside the next item's first S GEMM (``boundary_step``), and its O is stored
-            # after that (``pending``: the item before holds its last PV and its O store)
-            acc_o = pv_thr.make_fragment_C(o_shape)
-            acc_o.fill(0.0)
-            rP = cute.make_rmem_tensor(qk_thr.make_fragment_C(s_shape).layout, self.dtype)
-            pending = Int32(0)
-            prev = Int32(0)  # the pending item's work entry
-            inv0, inv1 = Float32(0.0), Float32(0.0)  # its rows' 1 / sum
             while item >= 0:
                 b, hq, qt, m, n, nf, list0 = read_entry(work, tiles, row_lo, item)
                 tile_row0 = cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4  # in the q-tile
                 row0 = qt * (2 * ROWS_PER_WG) + tile_row0
                 qh = q_cons.wait()
+                acc_o = pv_thr.make_fragment_C(o_shape)
+                acc_o.fill(0.0)
                 row_max = cute.make_rmem_tensor((2,), Float32)
                 row_sum = cute.make_rmem_tensor((2,), Float32)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
                 corr = cute.make_rmem_tensor((2,), Float32)
+                # S of the current tile, and P of the previous one (the register A operand of
+                # its PV GEMM)
                 acc_s = qk_thr.make_fragment_C(s_shape)
-                # the item's tiles, software-pipelined one tile deep: S of tile 0 first (beside
-                # the last PV of the item before, when one is pending), then per tile i >= 1
-                # the GEMMs S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together while
-                # the softmax of S_i runs; the last PV waits for the next item
+                rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+                # the item's tiles, software-pipelined one tile deep: S of tile 0 first, then
+                # per tile i >= 1 the GEMMs S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight
+                # together while the softmax of S_i runs, then the last PV alone
                 ts = SimpleNamespace(
                     qh=qh, qk_mma=qk_mma, qk_mma_acc=qk_mma_acc, pv_mma=pv_mma, tSrQ=tSrQ,
                     tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
                     row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, tiles=tiles,
                     row_lo=row_lo, row_hi=row_hi, bits=bits, m=m, list0=list0, row0=row0,
-                    tile_row0=tile_row0, row_cap=row_cap, lane=lane, cw=cw, q_len=q_len,
-                    wtid=wtid, tma_o=tma_o, tO=tO, sO=sO, mLSE=mLSE,
+                    tile_row0=tile_row0, row_cap=row_cap, lane=lane, cw=cw,
                 )  # fmt: skip
                 if n > 0:
-                    if pending > 0:
-                        kv_cons = self.boundary_step(kv_cons, nf, ts, work, prev, inv0, inv1)
-                    else:
-                        kv_cons = self.first_tile(kv_cons, nf, ts)
+                    kv_cons = self.first_tile(kv_cons, nf, ts)
                     kv_cons = self.kv_steps(False, Int32(1), nf, kv_cons, ts)
                     kv_cons = self.kv_steps(True, cutlass.max(nf, Int32(1)), n, kv_cons, ts)
-                    # every S GEMM has completed (each step waits for all its wgmma groups):
-                    # the Q stage goes back to the producer
-                    qh.release()
-                else:
-                    qh.release()
-                    if pending > 0:
-                        kv_cons = self.last_pv(kv_cons, ts)
-                        self.store_o(ts, work, prev, inv0, inv1)
-                    acc_o.fill(0.0)
-                # the row statistics are final: lse out now, O after the last PV GEMM (with
-                # the next item's first S GEMM); an item without kv-tiles: out 0, lse -inf
-                inv_new0, inv_new1 = self.finish_rows(ts, row_max, row_sum, b, hq)
+                # every S GEMM has completed (each step waits for all its wgmma groups): the
+                # Q stage goes back to the producer before the last PV GEMM and the epilogue
+                qh.release()
                 if n > 0:
-                    pending = Int32(1)
-                    prev = item
-                    inv0, inv1 = inv_new0, inv_new1
-                else:
-                    pending = Int32(0)
-                    self.store_o(ts, work, item, inv_new0, inv_new1)
+                    kv_cons = self.last_pv(kv_cons, ts)
+                if cw == 0:
+                    q_cons.advance()
                 q_cons.advance()
-                q_cons.advance()
-                item = q_item[q_cons.wait().index]
-            if pending > 0:  # the last item's last PV and its O
-                tail = SimpleNamespace(
-                    pv_mma=pv_mma, tOrV=tOrV, acc_o=acc_o, rP=rP, wtid=wtid, cw=cw, tma_o=tma_o,
-                    tO=tO, sO=sO,
+                self.epilogue(
+                    acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
+                    cw, row0, q_len, wtid, lane,
                 )  # fmt: skip
-                kv_cons = self.last_pv(kv_cons, tail)
-                self.store_o(tail, work, prev, inv0, inv1)
+                if cw == 1:
+                    q_cons.advance()
+                item = q_item[q_cons.wait().index]
             if warp_in_wg == 0:  # the last O tile has left shared memory before the CTA ends
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -562,30 +539,6 @@ class FlashFwdSm90:
         return kv_cons
 
     @cute.jit
-    def boundary_step(self, kv_cons, nf: Int32, ts, work, prev: Int32, inv0, inv1):
-        """Entry 0 of this item's kv list beside the last PV GEMM of the item before (work
-        entry ``prev``, its rows' ``1 / sum`` ``inv0`` / ``inv1``): as a kv step, S_0 = Q K_0^T
-        and O_prev += P V_last issued together in ping-pong turn, (mask,) softmax of S_0 while
-        the PV GEMM runs; then the previous item's O goes out (:meth:`store_o`), O is zeroed
-        and P_0 takes ``ts.rP``. The tensor cores stay busy across the items' boundary."""
-        kv_cons, vh, kh = self.issue_gemms(kv_cons, ts)
-        seen0, seen1 = Uint32(0), Uint32(0)
-        if nf == 0:  # PARTIAL: its mask is read while the GEMMs run
-            seen0, seen1 = self.mask_seen(Int32(0), ts)
-        warpgroup.wait_group(1)
-        kh.release()
-        if nf > 0:
-            self.softmax(False, ts.acc_s, None, ts)
-        else:
-            self.softmax(True, ts.acc_s, (seen0, seen1), ts)
-        warpgroup.wait_group(0)
-        vh.release()
-        self.store_o(ts, work, prev, inv0, inv1)
-        ts.acc_o.fill(0.0)
-        ts.rP.store(ts.acc_s.load().to(self.dtype))
-        return kv_cons
-
-    @cute.jit
     def kv_steps(self, masked: cutlass.Constexpr, start: Int32, stop: Int32, kv_cons, ts):
         """Entries ``[start, stop)`` (``start >= 1``) of the q-tile's kv list, each overlapped
         with the PV GEMM of the entry before it. ``masked`` (a compile-time flag): the PARTIAL
@@ -601,8 +554,20 @@ class FlashFwdSm90:
         D = self.head_dim
         o_mn = cute.make_tensor(ts.acc_o.iterator, self.mn_layout(D))
         for i in cutlass.range(start, stop, unroll=1):
+            vh = kv_cons.wait_and_advance()
+            kh = kv_cons.wait_and_advance()
             acc_s = ts.acc_s
-            kv_cons, vh, kh = self.issue_gemms(kv_cons, ts)
+            # ping-pong: wait for the other warpgroup to have issued its GEMMs, issue ours,
+            # let it go (its softmax then runs while our GEMMs do, and vice versa)
+            cute.arch.barrier(barrier_id=SCHED_BARRIER + ts.cw, number_of_threads=2 * WG_THREADS)
+            warpgroup.fence()
+            self.qk_gemm(ts, acc_s, kh.index)
+            warpgroup.commit_group()
+            self.pv_gemm(ts, vh.index)
+            warpgroup.commit_group()
+            cute.arch.barrier_arrive(
+                barrier_id=SCHED_BARRIER + 1 - ts.cw, number_of_threads=2 * WG_THREADS
+            )
             seen = None
             if cutlass.const_expr(masked):  # the mask's loads do not wait for S
                 seen = self.mask_seen(i, ts)
@@ -616,26 +581,6 @@ class FlashFwdSm90:
                     o_mn[r, c] = o_mn[r, c] * ts.corr[r]
             ts.rP.store(acc_s.load().to(self.dtype))
         return kv_cons
-
-    @cute.jit
-    def issue_gemms(self, kv_cons, ts):
-        """One step's GEMMs: wait for V_{i-1} then K_i (the ring holds them in that order);
-        in ping-pong turn (wait for the other warpgroup to have issued its GEMMs, issue ours,
-        let it go: its softmax then runs while our GEMMs do, and vice versa) issue
-        S_i = Q K_i^T and O += P_{i-1} V_{i-1} as two wgmma groups. Returns the consumer
-        and the V and K stage handles."""
-        vh = kv_cons.wait_and_advance()
-        kh = kv_cons.wait_and_advance()
-        cute.arch.barrier(barrier_id=SCHED_BARRIER + ts.cw, number_of_threads=2 * WG_THREADS)
-        warpgroup.fence()
-        self.qk_gemm(ts, ts.acc_s, kh.index)
-        warpgroup.commit_group()
-        self.pv_gemm(ts, vh.index)
-        warpgroup.commit_group()
-        cute.arch.barrier_arrive(
-            barrier_id=SCHED_BARRIER + 1 - ts.cw, number_of_threads=2 * WG_THREADS
-        )
-        return kv_cons, vh, kh
 
     @cute.jit
     def last_pv(self, kv_cons, ts):
@@ -687,58 +632,50 @@ class FlashFwdSm90:
         return seen[0], seen[1]
 
     @cute.jit
-    def finish_rows(self, ts, row_max, row_sum, b: Int32, hq: Int32):
-        """The item's rows once their statistics are final (after the last softmax): lse =
-        ln(sum) + max * scale stored (-inf where the sum is 0), and ``1 / sum`` returned per
-        row (0 there), for :meth:`store_o` after the last PV GEMM."""
-        inv = [Float32(0.0), Float32(0.0)]
-        for r in cutlass.range_constexpr(2):
-            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            lse = -Float32.inf
-            scale = Float32(0.0)
-            if total > 0.0:
-                scale = 1.0 / total
-                lse = (row_max[r] * ts.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
-            inv[r] = scale
-            row = ts.row0 + 8 * r
-            if row < ts.q_len and ts.lane % 4 == 0:
-                ts.mLSE[row, hq, b] = lse
-        return inv[0], inv[1]
-
-    @cute.jit
-    def store_o(self, ts, work: cute.Tensor, item: Int32, inv0, inv1):
-        """out = O * (1 / sum) of work entry ``item`` (its ``b``, ``hq``, ``qt`` read again).
+    def epilogue(
+        self, acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt, cw,
+        row0, q_len, wtid, lane,
+    ):  # fmt: skip
+        """out = O / sum (0 where the sum is 0), lse = ln(sum) + max * scale (-inf there).
 
         O goes registers -> shared memory (``stmatrix``, this warpgroup's tile ``sO[.., cw]``)
         -> global memory (one TMA store issued by the warpgroup's first warp; rows past
         ``q_len`` are clipped by the TMA unit). The first warp waits for its previous store to
         have read the tile before the warpgroup barrier that opens the next write of it."""
         D = self.head_dim
-        b, hq, qt = work[item, 0], work[item, 1], work[item, 2]
-        o_mn = cute.make_tensor(ts.acc_o.iterator, self.mn_layout(D))
-        for c in cutlass.range_constexpr(D // 4):
-            o_mn[0, c] = o_mn[0, c] * inv0
-            o_mn[1, c] = o_mn[1, c] * inv1
-        rO = cute.make_rmem_tensor(ts.acc_o.layout, self.dtype)
-        rO.store(ts.acc_o.load().to(self.dtype))
-        warp_in_wg = ts.wtid // 32
+        o_mn = cute.make_tensor(acc_o.iterator, self.mn_layout(D))
+        for r in cutlass.range_constexpr(2):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = 1.0 / total
+                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            for c in cutlass.range_constexpr(D // 4):
+                o_mn[r, c] = o_mn[r, c] * inv
+            row = row0 + 8 * r
+            if row < q_len and lane % 4 == 0:
+                mLSE[row, hq, b] = lse
+        rO = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        rO.store(acc_o.load().to(self.dtype))
+        warp_in_wg = wtid // 32
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=EPI_BARRIER + ts.cw, number_of_threads=WG_THREADS)
+        cute.arch.barrier(barrier_id=EPI_BARRIER + cw, number_of_threads=WG_THREADS)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
-        st_thr = cute.make_tiled_copy_C(st_atom, ts.pv_mma).get_slice(ts.wtid)
-        cute.copy(st_atom, st_thr.retile(rO), st_thr.partition_D(ts.sO[None, None, ts.cw]))
+        st_thr = cute.make_tiled_copy_C(st_atom, pv_mma).get_slice(wtid)
+        cute.copy(st_atom, st_thr.retile(rO), st_thr.partition_D(sO[None, None, cw]))
         cute.arch.fence_view_async_shared()  # the smem writes, visible to the TMA unit
-        cute.arch.barrier(barrier_id=EPI_BARRIER + ts.cw, number_of_threads=WG_THREADS)
+        cute.arch.barrier(barrier_id=EPI_BARRIER + cw, number_of_threads=WG_THREADS)
         if warp_in_wg == 0:
-            gO = cute.local_tile(ts.tO[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
+            gO = cute.local_tile(tO[None, None, hq, b], (ROWS_PER_WG, D), (None, 0))
             tOs, tOg = cpasync.tma_partition(
-                ts.tma_o, 0, cute.make_layout(1),
-                cute.group_modes(ts.sO, 0, 2), cute.group_modes(gO, 0, 2),
+                tma_o, 0, cute.make_layout(1),
+                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
             )  # fmt: skip
-            cute.copy(ts.tma_o, tOs[None, ts.cw], tOg[None, qt * 2 + ts.cw])
+            cute.copy(tma_o, tOs[None, cw], tOg[None, qt * 2 + cw])
             cute.arch.cp_async_bulk_commit_group()
 
 
