@@ -67,13 +67,13 @@ def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
 
 
 #: Catalogue masks lowered as piecewise-affine rows (:meth:`_Ctx.pieces`): their device table
-#: is kept per (mask, Nk, trim, device) (:data:`_TABLES`).
+#: is kept per (mask, Nq, Nk, trim, device) (:data:`_TABLES`).
 PIECEWISE = frozenset({"document", "shared_prompt", "hstu"})
 #: Catalogue masks with a piece table (:func:`piece_table`): the piecewise ones and ``causal``
 #: (whose own lowering is a closed form of three operations).
 TABLED = PIECEWISE | {"causal"}
 _CACHED = 32  # entries kept in each of _TABLES and _ROWS (least recently made dropped first)
-# (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table` (the
+# (context class, name, args, Nq, Nk, trim, device) -> the device table of :meth:`_Ctx.table` (the
 # host :class:`PieceTable` of :meth:`_TableCtx.table`);
 # the query rows (Nq, device) -> arange. Both read only (never returned or written), shared.
 _TABLES: dict[tuple, tuple] = {}
@@ -110,8 +110,8 @@ class PieceTable(NamedTuple):
 
 def piece_table(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = False):
     """The :class:`PieceTable` of a :data:`TABLED` catalogue mask (its host table, made once
-    per (mask, Nk, trim, device) and kept), or None for any other mask. A device builder that
-    evaluates the table itself (``kernels/triton/tile_builder.py``) makes the rows
+    per (mask, Nq, Nk, trim, device) and kept), or None for any other mask. A device builder
+    that evaluates the table itself (``kernels/triton/tile_builder.py``) makes the rows
     :func:`lower` would, bit for bit, without its ``searchsorted``, gathers and ``addcmul``."""
     if not isinstance(mask, Builtin) or mask.name not in TABLED:
         return None
@@ -331,10 +331,10 @@ class _Ctx:
         return self.expand(*self.table(pieces, k))
 
     def _table_of(self, mask: Builtin) -> tuple:
-        """The device table of a :data:`PIECEWISE` catalogue mask, made once per (mask, Nk,
-        trim, device) and context class (a decoding context restates some): the pieces do
-        not depend on the query rows."""
-        key = (type(self), mask.name, mask.args, self.kv_len, self.trim, self.device)
+        """The device table of a :data:`TABLED` catalogue mask, made once per (mask, Nq, Nk,
+        trim, device) and context class (a decoding context restates some): causal's pieces
+        end at ``min(Nq, Nk)`` and ``Nq``."""
+        key = (type(self), mask.name, mask.args, self.q_len, self.kv_len, self.trim, self.device)
         table = _TABLES.get(key)
         if table is None:
             with torch.inference_mode(False):
