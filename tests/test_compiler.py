@@ -450,3 +450,48 @@ def test_compile_does_not_hand_out_a_cached_plan_modified_in_place():
     assert torch.equal(fresh.to_dense(), torch.ones(64, 64, dtype=torch.bool).tril())
     with pytest.raises(PlanError):
         p.check_unchanged()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"q_len": True}, {"q_len": 1.0}, {"kv_len": 1.0}, {"block_m": 1.0}, {"block_m": True},
+        {"cache": 1}, {"heads": 2.0},
+    ],
+    ids=str,
+)  # fmt: skip
+def test_checked_calls_kept_per_mask_do_not_admit_equal_values_of_other_types(bad):
+    """``compile`` keeps each mask object's checked call arguments; a later call whose
+    arguments equal a kept call's but are of another type (True == 1, 1.0 == 1) is checked
+    as before, and refused."""
+    from compilemask.compiler import pipeline
+
+    mask = masks.causal()
+    good = {"q_len": 1, "kv_len": 1, "block_m": 1, "block_n": 16, "heads": 2}
+    cm.compile(mask, **good, cache=False)
+    cm.compile(mask, **good, cache=True)
+    assert len(pipeline._entry(mask)[2]) == 1
+    with pytest.raises(CompileMaskError):
+        cm.compile(mask, **{**good, **bad})
+    assert len(pipeline._entry(mask)[2]) == 1  # a refused call is not kept
+
+
+def test_calls_kept_per_mask_give_the_plans_of_fresh_masks():
+    """A mask object compiled again (its checked arguments kept), at other lengths and
+    tilings too, gives the plan a new equal mask object gives; the arguments kept per mask
+    stay bounded."""
+    from compilemask.compiler import pipeline
+
+    mask = masks.shared_prompt(9, [5, 7, 4])
+    for _ in range(2):
+        for kw in ({}, {"block_m": 16, "block_n": 32}, {"kv_len": 25, "heads": 3}):
+            plan = cm.compile(mask, None, **kw, cache=False)
+            ref = cm.compile(masks.shared_prompt(9, [5, 7, 4]), None, **kw, cache=False)
+            assert (plan.q_len, plan.kv_len, plan.block_m, plan.source) == (
+                ref.q_len, ref.kv_len, ref.block_m, ref.source,
+            )  # fmt: skip
+            assert torch.equal(plan.to_dense(), ref.to_dense())
+    causal = masks.causal()
+    for n in range(1, 3 * pipeline._CALLS_KEPT):
+        assert cm.compile(causal, n, cache=False).q_len == n
+    assert len(pipeline._entry(causal)[2]) <= pipeline._CALLS_KEPT

@@ -115,7 +115,10 @@ def piece_table(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = Fal
     :func:`lower` would, bit for bit, without its ``searchsorted``, gathers and ``addcmul``."""
     if not isinstance(mask, Builtin) or mask.name not in TABLED:
         return None
-    return _TableCtx(q_len, kv_len, torch.device(device), trim)._table_of(mask)
+    if device.__class__ is not torch.device:
+        device = torch.device(device)
+    hit = _TABLES.get((_TableCtx, mask.name, mask.args, q_len, kv_len, trim, device))
+    return hit if hit is not None else _TableCtx(q_len, kv_len, device, trim)._table_of(mask)
 
 
 class _Ctx:
@@ -337,7 +340,10 @@ class _Ctx:
         key = (type(self), mask.name, mask.args, self.q_len, self.kv_len, self.trim, self.device)
         table = _TABLES.get(key)
         if table is None:
-            with torch.inference_mode(False):
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    table = getattr(self, "_t_" + mask.name)(*mask.args)
+            else:
                 table = getattr(self, "_t_" + mask.name)(*mask.args)
             _keep(_TABLES, key, table)
         return table
