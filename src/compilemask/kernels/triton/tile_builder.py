@@ -588,33 +588,51 @@ def build_from_table(
     return (*rows, schedule)
 
 
+# (M, K, Nq, Nk, block_m, block_n, table words, fused-order limit) -> _setup(...)
+_SETUPS: dict[tuple, tuple] = {}
+
+
+def _setup(m, k, q_len, kv_len, block_m, block_n, words) -> tuple:
+    """What a build's launch and outputs take from its sizes alone: ``(runs, where, total
+    words, order, grid, constants, Tq, Tk)``."""
+    tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
+    order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
+    runs, where = _layout(m, tq, tk, block_m, block_n, order, (q_len, k, words) if words else ())
+    k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
+    consts = (
+        ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
+        ("CHUNK_Q", max(1, min(64, 4096 // (block_m * k_pad)))), ("ORDER", order),
+        ("FROM_TABLE", words > 0),
+    )  # fmt: skip
+    return runs, where, runs[-1][3] + runs[-1][0], order, (tq + tk, m), consts, tq, tk
+
+
 def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
     """``(schedule, rows)``: :func:`build_tiles_triton` of the intervals ``lo, hi`` on
     ``device``, or of the rows a piece ``table`` evaluates (``lo``, ``hi`` None), ``rows``
     then their ``(row_lo, row_hi, row_count)`` (else empty)."""
-    tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
-    order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
-    shape = (q_len, k, table.flat.shape[0]) if table is not None else ()
-    runs, where = _layout(m, tq, tk, block_m, block_n, order, shape)
-    total = runs[-1][3] + runs[-1][0]
+    words = table.flat.shape[0] if table is not None else 0
+    key = (m, k, q_len, kv_len, block_m, block_n, words, _FUSED_ORDER_MAX_TILES)
+    setup = _SETUPS.get(key)
+    if setup is None:
+        if len(_SETUPS) >= 256:
+            _SETUPS.clear()
+        setup = _SETUPS[key] = _setup(m, k, q_len, kv_len, block_m, block_n, words)
+    runs, where, total, order, grid, consts, tq, tk = setup
     flat = torch.empty(total, dtype=torch.int32, device=device)
     built = m * tq * tk
     if built:  # the launch first: the views' Python runs while the device builds
         if table is not None:  # the table and the ticket before it: the one operation
             # pinned on a GPU's host; the table (or the tickets) are the allocation's last words
-            flat[total - shape[2] :].copy_(table.flat, non_blocking=True)
+            flat[total - words :].copy_(table.flat, non_blocking=True)
             lo = hi = flat  # unused: the launch reads the table from its allocation
-        elif order:
-            flat[total - m :].zero_()
-        k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
-        pieces = table.pieces if table is not None else 1
-        consts = (
-            ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
-            ("CHUNK_Q", max(1, min(64, 4096 // (block_m * k_pad)))), ("ORDER", order),
-            ("FROM_TABLE", table is not None),
-        )  # fmt: skip
+            pieces = table.pieces
+        else:
+            if order:
+                flat[total - m :].zero_()
+            pieces = 1
         values = (lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length())
-        launch(_build_schedule, (tq + tk, m), device, values, consts)
+        launch(_build_schedule, grid, device, values, consts)
     out = _views(flat, runs, where)
     kind, pairs, jlo, jhi, bits_index = out[:5]
     q_count, q_list, q_full_first, q_full_count = out[6:10]
