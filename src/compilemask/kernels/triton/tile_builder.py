@@ -624,12 +624,12 @@ def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
     if built:  # the launch first: the views' Python runs while the device builds
         if table is not None:  # the table and the ticket before it: the one operation
             # pinned on a GPU's host; the table (or the tickets) are the allocation's last words
-            flat[total - words :].copy_(table.flat, non_blocking=True)
+            flat.as_strided((words,), (1,), total - words).copy_(table.flat, non_blocking=True)
             lo = hi = flat  # unused: the launch reads the table from its allocation
             pieces = table.pieces
         else:
             if order:
-                flat[total - m :].zero_()
+                flat.as_strided((m,), (1,), total - m).zero_()
             pieces = 1
         values = (lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length())
         launch(_build_schedule, grid, device, values, consts)
