@@ -190,14 +190,19 @@ class MaskPlan:
             s.bits_index, s.bits, s.q_count, s.q_list, s.kv_count, s.kv_list, s.q_order,
             s.kv_order,
         )  # fmt: skip
+        own = [t._version for t in objs[6:]]
         versions = (
             row_lo._version, row_hi._version, row_count._version, None,
-            None if permutation is None else permutation._version, None,
-            *[t._version for t in objs[6:]],
+            None if permutation is None else permutation._version, None, *own,
         )  # fmt: skip
-        core = plan._core_state(objs, versions)
+        scalars = (
+            q_len, kv_len, batch, heads, "intervals", s.block_m, s.block_n, s.q_len, s.kv_len,
+        )  # fmt: skip
+        core = (  # _core_state: no permutation; the versions of the tensors
+            *scalars, *map(id, objs[:4]), *map(id, objs[5:]), *versions[:3], *own,
+        )  # fmt: skip
         plan.__dict__["_cache"] = {_BASIS: core}
-        plan.__dict__["_verified"] = (plan._scalars(), objs, versions)
+        plan.__dict__["_verified"] = (scalars, objs, versions)
         with _VERIFIED_LOCK:
             _VERIFIED[core] = plan
         return plan

@@ -40,6 +40,7 @@ tensor builder through Triton's interpreter, ``tests/test_gpu.py`` on a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import weakref
@@ -588,6 +589,7 @@ def build_from_table(
     return (*rows, schedule)
 
 
+_SCHEDULE_FIELDS = tuple(f.name for f in dataclasses.fields(TileSchedule))
 # (M, K, Nq, Nk, block_m, block_n, table words, fused-order limit) -> _setup(...)
 _SETUPS: dict[tuple, tuple] = {}
 
@@ -654,10 +656,11 @@ def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
     _FULL_FIRST[key] = (
         ref, (q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)
     )  # fmt: skip
-    schedule = TileSchedule(
+    schedule = object.__new__(TileSchedule)  # the frozen dataclass's fields, set directly
+    schedule.__dict__.update(zip(_SCHEDULE_FIELDS, (
         block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits,
         q_count, q_list, kv_count, kv_list, q_order, kv_order,
-    )  # fmt: skip
+    )))  # fmt: skip
     return schedule, out[20:]
 
 
