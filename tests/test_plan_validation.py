@@ -565,7 +565,7 @@ def test_compiled_plans_meet_the_structure_checks_they_skip(monkeypatch, device_
 
 @pytest.mark.parametrize("permuted", [False, True])
 def test_built_plans_have_the_state_of_constructed_ones(permuted):
-    """``MaskPlan.built`` (the builders' constructor, without the dataclass ``__init__``) makes
+    """``MaskPlan._built`` (the builders' constructor, without the dataclass ``__init__``) makes
     the state the constructor makes inside ``built_plans(own_tensors=True)``: the same fields,
     the same recorded state and cache basis, registered as checked (a copy of its tensors
     skips the value checks), and refused once a tensor is written."""
@@ -581,7 +581,7 @@ def test_built_plans_have_the_state_of_constructed_ones(permuted):
     fields.pop("row_runs")
     with built_plans(own_tensors=True):
         made = MaskPlan(**fields)
-    plan = MaskPlan.built(**fields)
+    plan = MaskPlan._built(**fields)
     assert list(vars(plan)) == list(vars(made))
     for name in vars(made):
         if name not in ("_verified", "_cache"):

@@ -391,7 +391,7 @@ def build_plan(
     if not host_sync and isinstance(mask, Builtin) and mask.name in TABLED:
         built = _rows_in_the_launch(mask, q_len, kv_len, block_m, block_n, device)
         if built is not None:
-            return MaskPlan.built(q_len, kv_len, batch, heads, *built, source=source)
+            return MaskPlan._built(q_len, kv_len, batch, heads, *built, source=source)
     perm = None
     if isinstance(mask, TiledGrid):
         perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)
@@ -404,7 +404,7 @@ def build_plan(
     if perm is not None:
         lo, hi, count = permute_rows(lo, hi, perm, kv_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
-    return MaskPlan.built(  # correct by construction, its own fresh tensors
+    return MaskPlan._built(  # correct by construction, its own fresh tensors
         q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
     )
 

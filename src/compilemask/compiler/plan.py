@@ -163,7 +163,7 @@ class MaskPlan:
         self._admit(keep_cache=True)
 
     @classmethod
-    def built(
+    def _built(
         cls, q_len, kv_len, batch, heads, row_lo, row_hi, row_count, schedule, *, source,
         permutation=None,
     ) -> MaskPlan:  # fmt: skip
