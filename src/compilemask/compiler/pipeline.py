@@ -237,12 +237,12 @@ def _compile_call(mask, q_len, kv_len, batch, heads, block_m, block_n, device, c
         hint = "; parse text with compilemask.parse(text)" if isinstance(mask, str) else ""
         raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}{hint}")
     strict_bool(cache, "cache")
+    if q_len is None:
+        q_len = natural_lengths(mask)[0]
+        if q_len is None:
+            raise CompileMaskError(f"q_len is needed: {mask} accepts any length")
     offsets = offsets_of(q_offset)
     if offsets != 0:
-        if q_len is None:
-            q_len = natural_lengths(mask)[0]
-            if q_len is None:
-                raise CompileMaskError(f"q_len is needed: {mask} accepts any length")
         return _compile_offset(
             mask, q_len, kv_len, offsets, batch, heads, block_m, block_n, device, cache
         )
