@@ -10,8 +10,9 @@ after (wall time), ``host_ms`` the median host time of a build issued without wa
 device (what the CPU spends; builds do not synchronise). Uses only the public API and the
 schedule functions, so an older tree runs it too (``PYTHONPATH=<its src>``); run the trees as
 alternating processes (``--variant`` names the tree, ``COMPILEMASK_COMMIT`` its commit).
-``--fresh`` forgets the lowering's per-mask tables before each build (``tables`` column), as a
-new mask every step would.
+``--fresh`` forgets the lowering's per-mask tables and what is kept per mask object (its text,
+its checked call arguments) before each build (``tables`` column), as a new mask every step
+would.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 import compilemask as cm
 from compilemask.compiler import lower as lower_mod
+from compilemask.compiler import pipeline
 from compilemask.kernels.triton.schedule import dkdv_schedule, forward_schedule
 from compilemask.tools.bench_report import append_rows, environment
 from compilemask.workloads import workload
@@ -39,10 +41,18 @@ def main() -> None:
     ap.add_argument("--variant", default="this tree")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fresh", action="store_true",
-                    help="forget the lowering's per-mask tables before every build (untimed): "
-                         "what a new mask each step costs")  # fmt: skip
+                    help="forget the lowering's per-mask tables and what is kept per mask "
+                         "object before every build (untimed): what a new mask each step "
+                         "costs")  # fmt: skip
     a = ap.parse_args()
-    clear_tables = getattr(lower_mod, "clear_tables", lambda: None)
+    clear = getattr(lower_mod, "clear_tables", lambda: None)
+    # what is kept per mask object (its text, its checked calls): a new mask has none
+    forget = getattr(pipeline, "forget_masks", None) or getattr(pipeline, "_TEXTS", {}).clear
+
+    def clear_tables():
+        clear()
+        forget()
+
     dev = torch.device("cuda")
     env = environment()
     rows = []

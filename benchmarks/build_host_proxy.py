@@ -12,10 +12,14 @@ nothing, and no memory query (a GPU build asks the driver, a CPU build reads /pr
 What remains is the Python of the build and the tensor operations, which on the CPU also
 compute (at 32K that is not host time). Each row: minimum and median ms over ``--repeats``
 builds, the operations a GPU would launch (``compilemask.tools.op_counts.OpCounter``) and the
-Triton launches. ``tables``: ``kept`` builds the same mask object again (its lowering tables
-kept, if the tree keeps them), ``fresh`` forgets them before every build (a new mask each
-step, what ``benchmarks/bench_build.py --fresh`` times on a GPU); both by default, ``--fresh``
-or ``--kept`` for one. Runs on any tree with ``tools/op_counts.py`` (an older one: pass its
+Triton launches; ``launch_at_*``: the time from the build's start to its ``_build_schedule``
+launch (on a GPU the device builds from then on, while the rest of the Python runs: a build's
+wall time there is about this plus the longer of the launch's device time and the Python
+after it). ``tables``: ``kept`` builds the same mask object again (its lowering tables kept,
+if the tree keeps them), ``fresh`` forgets them and what is kept per mask object (its text,
+its checked call arguments) before every build (a new mask each step, what
+``benchmarks/bench_build.py --fresh`` times on a GPU); both by default, ``--fresh`` or
+``--kept`` for one. Runs on any tree with ``tools/op_counts.py`` (an older one: pass its
 ``src`` on PYTHONPATH, ``--variant`` names it).
 """
 
@@ -44,13 +48,16 @@ SEEDS = ("causal", "hstu", "shared_prompt")
 
 
 class _Stub:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` counts and launches nothing."""
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` counts, notes when it was
+    launched (``perf_counter``) and launches nothing."""
 
     def __init__(self):
         self.n = 0
+        self.at = 0.0
 
     def __getitem__(self, grid):
         self.n += 1
+        self.at = time.perf_counter()
         return lambda *args, **kwargs: None
 
 
@@ -82,7 +89,14 @@ def main() -> None:
     modes = ("fresh",) if a.fresh else ("kept",) if a.kept else ("kept", "fresh")
     torch.set_num_threads(1)
     stubs = _device_style()
-    clear = getattr(lower_mod, "clear_tables", lambda: None)
+    clear_tables = getattr(lower_mod, "clear_tables", lambda: None)
+    # what is kept per mask object (its text, its checked calls): a new mask has none
+    forget = getattr(pipeline, "forget_masks", None) or getattr(pipeline, "_TEXTS", {}).clear
+
+    def clear():
+        clear_tables()
+        forget()
+
     env = environment()
     rows = []
     for n0 in a.n0:
@@ -103,17 +117,20 @@ def main() -> None:
                 with OpCounter() as ops:
                     build()
                 launches = sum(s.n for s in stubs.values()) - before
-                times = []
+                times, before_launch = [], []
+                first = stubs["_build_schedule"]
                 for _ in range(a.repeats):
                     t0 = time.perf_counter()
                     build()
                     times.append((time.perf_counter() - t0) * 1e3)
+                    before_launch.append((first.at - t0) * 1e3)
                 row = {
                     **env, "kind": "host_proxy", "workload": name, "N0": n0, "N": w.N,
                     "variant": a.variant, "tables": tables, "ops": ops.real(),
                     "launches": launches, "min_ms": round(min(times), 4),
                     "median_ms": round(statistics.median(times), 4), "repeats": a.repeats,
-                    "threads": 1,
+                    "threads": 1, "launch_at_min_ms": round(min(before_launch), 4),
+                    "launch_at_median_ms": round(statistics.median(before_launch), 4),
                 }  # fmt: skip
                 rows.append(row)
                 print(json.dumps({k: row[k] for k in row if k not in ("date", "torch", "triton")}))

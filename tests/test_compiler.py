@@ -450,3 +450,114 @@ def test_compile_does_not_hand_out_a_cached_plan_modified_in_place():
     assert torch.equal(fresh.to_dense(), torch.ones(64, 64, dtype=torch.bool).tril())
     with pytest.raises(PlanError):
         p.check_unchanged()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"q_len": True}, {"q_len": 1.0}, {"kv_len": 1.0}, {"block_m": 1.0}, {"block_m": True},
+        {"cache": 1}, {"heads": 2.0},
+    ],
+    ids=str,
+)  # fmt: skip
+def test_checked_calls_kept_per_mask_do_not_admit_equal_values_of_other_types(bad):
+    """``compile`` keeps each mask object's checked call arguments; a later call whose
+    arguments equal a kept call's but are of another type (True == 1, 1.0 == 1) is checked
+    as before, and refused."""
+    from compilemask.compiler import pipeline
+
+    mask = masks.causal()
+    good = {"q_len": 1, "kv_len": 1, "block_m": 1, "block_n": 16, "heads": 2}
+    cm.compile(mask, **good, cache=False)
+    cm.compile(mask, **good, cache=True)
+    assert len(pipeline._entry(mask)[2]) == 1
+    with pytest.raises(CompileMaskError):
+        cm.compile(mask, **{**good, **bad})
+    assert len(pipeline._entry(mask)[2]) == 1  # a refused call is not kept
+
+
+def test_calls_kept_per_mask_give_the_plans_of_fresh_masks():
+    """A mask object compiled again (its checked arguments kept), at other lengths and
+    tilings too, gives the plan a new equal mask object gives; the arguments kept per mask
+    stay bounded."""
+    from compilemask.compiler import pipeline
+
+    mask = masks.shared_prompt(9, [5, 7, 4])
+    for _ in range(2):
+        for kw in ({}, {"block_m": 16, "block_n": 32}, {"kv_len": 25, "heads": 3}):
+            plan = cm.compile(mask, None, **kw, cache=False)
+            ref = cm.compile(masks.shared_prompt(9, [5, 7, 4]), None, **kw, cache=False)
+            assert (plan.q_len, plan.kv_len, plan.block_m, plan.source) == (
+                ref.q_len, ref.kv_len, ref.block_m, ref.source,
+            )  # fmt: skip
+            assert torch.equal(plan.to_dense(), ref.to_dense())
+    causal = masks.causal()
+    for n in range(1, 3 * pipeline._CALLS_KEPT):
+        assert cm.compile(causal, n, cache=False).q_len == n
+    assert len(pipeline._entry(causal)[2]) <= pipeline._CALLS_KEPT
+
+
+def _reference_table(mask, q_len, kv_len, trim):
+    """The piece table of a document / shared_prompt / hstu mask as the pieces it is
+    defined by (``(end, lo_a, lo_b, hi_a, hi_b)``, ends ascending, a piece without rows
+    skipped), padded to K slots: ``[ends | lo_a | hi_a | lo_b | hi_b | counts]``."""
+    pieces, nk = [], kv_len
+    if mask.name == "document":
+        (lengths, causal), k, s = mask.args, 1, 0
+        for n in lengths:
+            pieces.append((s + n, (0,), (s,), (1,), (1,)) if causal else
+                          (s + n, (0,), (s,), (0,), (s + n,)))  # fmt: skip
+            s += n
+    elif mask.name == "shared_prompt":
+        k, pos = 2, 0
+        for p, resp in zip(*mask.args):
+            gs, pe = pos, pos + p
+            pos = pe
+            pieces.append((pe, (0,), (gs,), (1,), (1,)))
+            for n in resp:
+                s, pos = pos, pos + n
+                if s == pe:
+                    pieces.append((pos, (0,), (gs,), (1,), (1,)))
+                elif p:
+                    pieces.append((pos, (0, 0), (gs, s), (0, 1), (pe, 1)))
+                else:
+                    pieces.append((pos, (0,), (s,), (1,), (1,)))
+    else:
+        (lengths, targets, contextual), k, s = mask.args, 2, 0
+        for n, t in zip(lengths, targets):
+            e, h = s + n, s + n - t
+            pieces.append((s + min(contextual, h - s), (0,), (s,), (0,), (h,)))
+            pieces.append((min(h + 1, e), (0,), (s,), (1,), (1,)))
+            pieces.append((e, (0, 1), (s, 0), (0, 1), (h, 1)))
+            s = e
+    rows, start = [], 0
+    for piece in pieces:
+        if piece[0] > start:
+            rows.append(piece)
+            start = piece[0]
+    if trim:
+        k = max(len(piece[1]) for piece in rows)
+    cols = [[], [], [], []]
+    for _, la, lb, ha, hb in rows:
+        pad = k - len(la)
+        for col, v, fill in zip(cols, (la, ha, lb, hb), (0, 0, nk, nk)):
+            col += [*v, *(fill,) * pad]
+    values = [r[0] for r in rows] + sum(cols, []) + [len(r[1]) for r in rows]
+    return values, len(rows), k
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 90).flatmap(lambda n: st.tuples(st.just(n), fixed_masks(n))), st.booleans())
+def test_piece_tables_are_their_pieces(case, trim):
+    """The tables of document, shared_prompt and hstu (written as records by their lowering,
+    ``lower._Ctx.host_values``) are those of the pieces that define them, bit for bit, for
+    a device table (``lower.piece_table``) and the lowering's host values, trimmed or not."""
+    from compilemask.compiler import lower as lower_mod
+
+    n, mask = case
+    if getattr(mask, "name", None) not in ("document", "shared_prompt", "hstu"):
+        return
+    want = _reference_table(mask, n, n, trim)
+    lower_mod.clear_tables()
+    table = lower_mod.piece_table(mask, n, n, "cpu", trim=trim)
+    assert (table.flat.tolist(), table.pieces, table.k) == ([0, *want[0]], *want[1:])

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import operator
 import os
 import pickle
 import random
@@ -560,3 +561,37 @@ def test_compiled_plans_meet_the_structure_checks_they_skip(monkeypatch, device_
             for name, t in plan_check.plan_tensor_fields(plan):
                 if t is not None:
                     assert t.is_contiguous() and not t.is_inference(), (mask, name)
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_built_plans_have_the_state_of_constructed_ones(permuted):
+    """``MaskPlan._built`` (the builders' constructor, without the dataclass ``__init__``) makes
+    the state the constructor makes inside ``built_plans(own_tensors=True)``: the same fields,
+    the same recorded state and cache basis, registered as checked (a copy of its tensors
+    skips the value checks), and refused once a tensor is written."""
+    from compilemask.compiler.plan import _BASIS, _VERIFIED, MaskPlan, built_plans
+
+    mask = (
+        cm.masks.tile_grid(cm.masks.clear((4, 8), 2, 0), (2, 4)) if permuted else cm.masks.causal()
+    )
+    ref = cm.compile(mask, 32, block_m=16, block_n=16, cache=False)
+    assert (ref.permutation is not None) == permuted
+    fields = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref) if f.init}
+    fields.pop("_cache"), fields.pop("shape_class"), fields.pop("encoding")
+    fields.pop("row_runs")
+    with built_plans(own_tensors=True):
+        made = MaskPlan(**fields)
+    plan = MaskPlan._built(**fields)
+    assert list(vars(plan)) == list(vars(made))
+    for name in vars(made):
+        if name not in ("_verified", "_cache"):
+            assert getattr(plan, name) is getattr(made, name), name
+    assert plan._verified[0] == made._verified[0]
+    assert all(map(operator.is_, plan._verified[1], made._verified[1]))
+    assert plan._verified[2] == made._verified[2]
+    assert plan._cache == made._cache == {_BASIS: plan._core_state()}
+    assert plan._pending is None and _VERIFIED.get(plan._core_state()) in (plan, made)
+    plan.check_unchanged()
+    plan.row_count.add_(0)
+    with pytest.raises(PlanError, match="row_count"):
+        plan.check_unchanged()

@@ -290,3 +290,36 @@ def test_heaviest_first_kernel_equals_a_stable_argsort(monkeypatch):
         monkeypatch.setattr(tile_builder, "_ORDER_KERNEL_MAX_TILES", limit)
         got = tile_builder.heaviest_first(q_count, kv_count)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_kept_causal_table_serves_only_its_own_query_length():
+    """Causal's piece table ends at ``min(Nq, Nk)`` and ``Nq``: a build for another ``Nq``
+    with the same ``Nk`` (table kept from the first) gets its own table, rows equal to the
+    dense evaluator's."""
+    from compilemask.compiler import pipeline
+    from compilemask.compiler.lower import clear_tables
+
+    mask = cm.masks.causal()
+    clear_tables()
+    with tile_builder.using(True):
+        for n in (30, 40, 20):
+            plan = pipeline.build_plan(mask, n, 20, None, None, 16, 16, "cpu", host_sync=False,
+                                       source="")  # fmt: skip
+            assert torch.equal(plan.to_dense().reshape(n, 20), dense(mask, n, 20).reshape(n, 20))
+
+
+def test_built_schedules_are_the_dataclass_of_their_fields():
+    """The builder sets a schedule's fields directly (no generated ``__init__``): the object
+    is the one the constructor makes from the same values (fields in order, nothing else),
+    frozen, and ``dataclasses.replace`` copies it."""
+    import dataclasses
+
+    lo, hi, count, plan = _intervals(cm.masks.causal(), 40, None)
+    got = tile_builder.build_tiles_triton(lo, hi, 40, 40, 16, 16)
+    names = [f.name for f in dataclasses.fields(tiles_mod.TileSchedule)]
+    made = tiles_mod.TileSchedule(*(getattr(got, n) for n in names))
+    assert list(vars(got)) == list(vars(made)) == names
+    assert all(getattr(got, n) is getattr(made, n) for n in names)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.kind = got.pairs
+    assert dataclasses.replace(got, block_m=32).block_m == 32

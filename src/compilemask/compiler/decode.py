@@ -483,10 +483,11 @@ class _PositionsCtx(_Ctx):
 
 
 class _PiecesOf(_PositionsCtx):
-    """Records the pieces of a piecewise catalogue mask instead of lowering them."""
+    """Keeps the pieces of a piecewise catalogue mask (its records, ``lower._Ctx.records``)
+    instead of lowering them."""
 
-    def table(self, pieces, k: int):
-        return pieces, k
+    def table_of(self, records: list, k: int):
+        return records, k
 
 
 @functools.lru_cache(maxsize=256)
@@ -496,15 +497,12 @@ def _pieces_table(mask: Builtin, kv_len: int) -> tuple[list[int], int, int]:
     table ``[n, 1 + 4 K]``: per piece its end, then ``lo_a``, ``hi_a``, ``lo_b``, ``hi_b``
     ``[K]`` (unused slots ``[Nk, Nk)``). Returns ``(values, n, K)``."""
     ctx = _PiecesOf(torch.zeros(0, dtype=I32), kv_len)
-    pieces, k = getattr(ctx, "_t_" + mask.name)(*mask.args)
-    values, start, n = [], 0, 0
-    for end, lo_a, lo_b, hi_a, hi_b in pieces:
-        if end <= start:
-            continue
-        start, n, pad = end, n + 1, (k - len(lo_a))
-        values += [end, *lo_a, *(0,) * pad, *hi_a, *(0,) * pad]
-        values += [*lo_b, *(kv_len,) * pad, *hi_b, *(kv_len,) * pad]
-    return values, n, k
+    records, k = getattr(ctx, "_t_" + mask.name)(*mask.args)
+    width, values = 2 + 4 * k, []
+    for i in range(0, len(records), width):  # each record without its count
+        values += records[i : i + 1]
+        values += records[i + 2 : i + width]
+    return values, len(records) // width, k
 
 
 @functools.lru_cache(maxsize=256)

@@ -67,13 +67,13 @@ def lower(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = True):
 
 
 #: Catalogue masks lowered as piecewise-affine rows (:meth:`_Ctx.pieces`): their device table
-#: is kept per (mask, Nk, trim, device) (:data:`_TABLES`).
+#: is kept per (mask, Nq, Nk, trim, device) (:data:`_TABLES`).
 PIECEWISE = frozenset({"document", "shared_prompt", "hstu"})
 #: Catalogue masks with a piece table (:func:`piece_table`): the piecewise ones and ``causal``
 #: (whose own lowering is a closed form of three operations).
 TABLED = PIECEWISE | {"causal"}
 _CACHED = 32  # entries kept in each of _TABLES and _ROWS (least recently made dropped first)
-# (context class, name, args, Nk, trim, device) -> the device table of :meth:`_Ctx.table` (the
+# (context class, name, args, Nq, Nk, trim, device) -> the device table of :meth:`_Ctx.table` (the
 # host :class:`PieceTable` of :meth:`_TableCtx.table`);
 # the query rows (Nq, device) -> arange. Both read only (never returned or written), shared.
 _TABLES: dict[tuple, tuple] = {}
@@ -98,7 +98,7 @@ class PieceTable(NamedTuple):
     CUDA device, so that its copy does not block): a zero word, then ``ends [P]`` (ascending,
     the last one ``Nq``), ``ab [2, 2, P, K]`` (``lo_a, hi_a, lo_b, hi_b``: row ``q`` of piece
     ``p`` has ``[lo_a q + lo_b, hi_a q + hi_b)`` in slot ``j``; unused slots ``[Nk, Nk)``) and
-    ``counts [P]``, back to back (:meth:`_Ctx.host_table`). The device builder copies it as
+    ``counts [P]``, back to back (:meth:`_Ctx.host_values`). The device builder copies it as
     it is into its own allocation, its first word being the launch's ordering ticket (zero
     before the launch): the table's copy is the one operation before the launch. Read only
     (kept per mask, :data:`_TABLES`)."""
@@ -110,12 +110,15 @@ class PieceTable(NamedTuple):
 
 def piece_table(mask: Mask, q_len: int, kv_len: int, device, *, trim: bool = False):
     """The :class:`PieceTable` of a :data:`TABLED` catalogue mask (its host table, made once
-    per (mask, Nk, trim, device) and kept), or None for any other mask. A device builder that
-    evaluates the table itself (``kernels/triton/tile_builder.py``) makes the rows
+    per (mask, Nq, Nk, trim, device) and kept), or None for any other mask. A device builder
+    that evaluates the table itself (``kernels/triton/tile_builder.py``) makes the rows
     :func:`lower` would, bit for bit, without its ``searchsorted``, gathers and ``addcmul``."""
     if not isinstance(mask, Builtin) or mask.name not in TABLED:
         return None
-    return _TableCtx(q_len, kv_len, torch.device(device), trim)._table_of(mask)
+    if device.__class__ is not torch.device:
+        device = torch.device(device)
+    hit = _TABLES.get((_TableCtx, mask.name, mask.args, q_len, kv_len, trim, device))
+    return hit if hit is not None else _TableCtx(q_len, kv_len, device, trim)._table_of(mask)
 
 
 class _Ctx:
@@ -239,12 +242,13 @@ class _Ctx:
 
     def _t_document(self, lengths, causal):
         # a document [s, e): its rows see [s, q + 1) (causal) or [s, e)
-        pieces, s = [], 0
+        records, s = [], 0  # (a piece without rows, ending where the last one ended: none)
         for n in lengths:
             e = s + n
-            pieces.append((e, (0,), (s,), (1,), (1,)) if causal else (e, (0,), (s,), (0,), (e,)))
-            s = e
-        return self.table(pieces, 1)
+            if e > s:
+                records += (e, 1, 0, 1, s, 1) if causal else (e, 1, 0, 0, s, e)
+                s = e
+        return self.table_of(records, 1)
 
     def _t_causal(self):
         # [0, q + 1) up to Nk, then [0, Nk): the rows of _b_causal as a table
@@ -278,34 +282,47 @@ class _Ctx:
         # a group starting at gs, its prompt ending at pe: the prompt's rows and those of the
         # response starting at pe (the first) see [gs, q + 1); a later response starting at s
         # sees [gs, pe) and [s, q + 1), or only [s, q + 1) when the prompt is empty
-        pieces, pos = [], 0
+        nk, records, pos, start = self.kv_len, [], 0, 0  # start: where the last piece ended
         for p, resp in zip(prompts, responses):
             gs = pos
             pe = pos = gs + p
-            pieces.append((pe, (0,), (gs,), (1,), (1,)))
+            if pe > start:
+                records += (pe, 1, 0, 0, 1, 0, gs, nk, 1, nk)
+                start = pe
             for n in resp:
                 s, pos = pos, pos + n
+                if pos <= start:  # no rows
+                    continue
                 if s == pe:
-                    pieces.append((pos, (0,), (gs,), (1,), (1,)))
+                    records += (pos, 1, 0, 0, 1, 0, gs, nk, 1, nk)
                 elif p:
-                    pieces.append((pos, (0, 0), (gs, s), (0, 1), (pe, 1)))
+                    records += (pos, 2, 0, 0, 0, 1, gs, s, pe, 1)
                 else:
-                    pieces.append((pos, (0,), (s,), (1,), (1,)))
-        return self.table(pieces, 2)
+                    records += (pos, 1, 0, 0, 1, 0, s, nk, 1, nk)
+                start = pos
+        return self.table_of(records, 2)
 
     def _t_hstu(self, lengths, num_targets, contextual):
         # a user [s, e), its history ending at h = e - targets (h > s): the first
         # c = min(contextual, h - s) rows see [s, h); later history rows and the first target
         # see [s, q + 1); later targets see [s, h) and [q, q + 1)
-        pieces, s = [], 0
+        nk, records, s, start = self.kv_len, [], 0, 0  # start: where the last piece ended
         for n, t in zip(lengths, num_targets):
             e = s + n
             h = e - t
-            pieces.append((s + min(contextual, h - s), (0,), (s,), (0,), (h,)))
-            pieces.append((min(h + 1, e), (0,), (s,), (1,), (1,)))
-            pieces.append((e, (0, 1), (s, 0), (0, 1), (h, 1)))
+            end = s + min(contextual, h - s)
+            if end > start:
+                records += (end, 1, 0, 0, 0, 0, s, nk, h, nk)
+                start = end
+            end = min(h + 1, e)
+            if end > start:
+                records += (end, 1, 0, 0, 1, 0, s, nk, 1, nk)
+                start = end
+            if e > start:
+                records += (e, 2, 0, 1, 0, 1, s, 0, h, 1)
+                start = e
             s = e
-        return self.table(pieces, 2)
+        return self.table_of(records, 2)
 
     def pieces(self, pieces, k: int) -> _Rows:
         """Canonical intervals of piecewise-affine rows.
@@ -331,13 +348,16 @@ class _Ctx:
         return self.expand(*self.table(pieces, k))
 
     def _table_of(self, mask: Builtin) -> tuple:
-        """The device table of a :data:`PIECEWISE` catalogue mask, made once per (mask, Nk,
-        trim, device) and context class (a decoding context restates some): the pieces do
-        not depend on the query rows."""
-        key = (type(self), mask.name, mask.args, self.kv_len, self.trim, self.device)
+        """The device table of a :data:`TABLED` catalogue mask, made once per (mask, Nq, Nk,
+        trim, device) and context class (a decoding context restates some): causal's pieces
+        end at ``min(Nq, Nk)`` and ``Nq``."""
+        key = (type(self), mask.name, mask.args, self.q_len, self.kv_len, self.trim, self.device)
         table = _TABLES.get(key)
         if table is None:
-            with torch.inference_mode(False):
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    table = getattr(self, "_t_" + mask.name)(*mask.args)
+            else:
                 table = getattr(self, "_t_" + mask.name)(*mask.args)
             _keep(_TABLES, key, table)
         return table
@@ -345,41 +365,50 @@ class _Ctx:
     def table(self, pieces, k: int) -> tuple:
         """``(ends [P], ab [2, 2, P, K], counts [P])`` on the device, one host-to-device copy:
         the pieces of :meth:`pieces` with rows, their coefficients padded to ``K`` slots
-        (views of one tensor, :meth:`host_table`)."""
-        values, n, k = self.host_table(pieces, k)
+        (views of one tensor, :meth:`host_values`)."""
+        return self.table_of(self.records(pieces, k), k)
+
+    def table_of(self, records: list, k: int) -> tuple:
+        """:meth:`table` of :meth:`records` (what the catalogue's tables write directly)."""
+        values, n, k = self.host_values(records, k)
         host = self.t(values)  # one host-to-device copy
         return host[:n], host[n : n + 4 * n * k].view(2, 2, n, k), host[-n:]
 
-    def host_table(self, pieces, k: int, lead: tuple = ()) -> tuple:
-        """``(values, P, K)``: the table of :meth:`table` as one flat list of ints, ``[ends |
-        a of lo, hi | b of lo, hi | counts]`` after the ints ``lead``, in one pass over the
-        pieces with rows (unused slots ``[Nk, Nk)``: ``a = 0``, ``b = Nk``)."""
-        rows, start = [], 0
-        for piece in pieces:
-            if piece[0] > start:
-                rows.append(piece)
-                start = piece[0]
-        if self.trim:
-            k = max(1, max(len(piece[1]) for piece in rows))
+    def records(self, pieces, k: int) -> list:
+        """The pieces with rows (a piece ending at or before the previous one has none) as one
+        flat list of records ``end, count, lo_a, hi_a, lo_b, hi_b`` of ``2 + 4 k`` ints, the
+        coefficients padded to ``k`` slots (unused slots ``[Nk, Nk)``: ``a = 0``, ``b = Nk``)."""
         zeros = [(0,) * (k - c) for c in range(k + 1)]
         fills = [(self.kv_len,) * (k - c) for c in range(k + 1)]
-        ends, counts, lo_a, hi_a, lo_b, hi_b = list(lead), [], [], [], [], []
-        for end, la, lb, ha, hb in rows:
-            ends.append(end)
-            c = len(la)
-            counts.append(c)
-            if c == k:
-                lo_a += la
-                hi_a += ha
-                lo_b += lb
-                hi_b += hb
+        records, start = [], 0
+        for end, la, lb, ha, hb in pieces:
+            if end > start:
+                c = len(la)
+                z, f = zeros[c], fills[c]
+                records += (end, c, *la, *z, *ha, *z, *lb, *f, *hb, *f)
+                start = end
+        return records
+
+    def host_values(self, records: list, k: int, lead: tuple = ()) -> tuple:
+        """``(values, P, K)``: the table of :meth:`table` as one flat list of ints, ``[ends |
+        a of lo, hi | b of lo, hi | counts]`` after the ints ``lead``, from :meth:`records`
+        of ``k`` slots (``K = k``, or the largest count when trimming: the slots past it are
+        padding), one strided slice per column and slot."""
+        width = 2 + 4 * k
+        n = len(records) // width
+        counts = records[1::width]
+        kk = max(1, max(counts)) if self.trim else k
+        values = [*lead, *records[0::width]]
+        for base in range(2, width, k):  # lo_a, hi_a, lo_b, hi_b
+            if kk == 1:
+                values += records[base::width]
             else:
-                zero, fill = zeros[c], fills[c]
-                lo_a += la + zero
-                hi_a += ha + zero
-                lo_b += lb + fill
-                hi_b += hb + fill
-        return ends + lo_a + hi_a + lo_b + hi_b + counts, len(rows), k
+                column = [0] * (n * kk)
+                for j in range(kk):
+                    column[j::kk] = records[base + j :: width]
+                values += column
+        values += counts
+        return values, n, kk
 
     def expand(self, ends: torch.Tensor, ab: torch.Tensor, counts: torch.Tensor) -> _Rows:
         """The rows of a :meth:`table`: a ``searchsorted``, two gathers, an ``addcmul``."""
@@ -610,8 +639,8 @@ class _TableCtx(_Ctx):
     """Makes the :class:`PieceTable` of a :data:`TABLED` mask instead of its rows (kept apart
     from :class:`_Ctx`'s tables: the context class is part of :data:`_TABLES`' key)."""
 
-    def table(self, pieces, k: int) -> PieceTable:
-        values, n, k = self.host_table(pieces, k, lead=(0,))
+    def table_of(self, records: list, k: int) -> PieceTable:
+        values, n, k = self.host_values(records, k, lead=(0,))
         host = torch.frombuffer(array.array(_I32_CODE, values), dtype=I32)
         if self.device.type == "cuda":  # copied without blocking by the builder
             host = host.pin_memory()

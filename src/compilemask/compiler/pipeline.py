@@ -36,26 +36,45 @@ _BYTES_PER_TILE = 64
 _SMALL_GPU_PLAN = 64 << 20
 
 
-# mask object id -> (weak reference, its text): masks are frozen, so each is printed once
-_TEXTS: dict[int, tuple] = {}
+# mask object id -> (weak reference, its text, {call arguments: validated call}): masks are
+# frozen, so each is printed once and each call's arguments are checked once (at most
+# _CALLS_KEPT argument sets per mask)
+_MASKS: dict[int, tuple] = {}
+_CALLS_KEPT = 16
+# the argument types whose values alone decide a call's checks (ints, None, device names):
+# only such calls are kept (a bool or a float equals an int, a tensor can change)
+_PLAIN = frozenset({int, type(None), str, torch.device})
+
+
+def _entry(mask: Mask) -> tuple | None:
+    """``(weak reference, text, calls)`` of a mask object, made on first use; None where none
+    is kept (while tracing, or a mask that is not weakly referenceable)."""
+    if torch.compiler.is_compiling():  # traced: no weak references
+        return None
+    key = id(mask)
+    hit = _MASKS.get(key)
+    if hit is not None and hit[0]() is mask:
+        return hit
+    text = str(mask)
+    try:
+        ref = weakref.ref(mask, lambda _, key=key: _MASKS.pop(key, None))
+    except TypeError:  # not weakly referenceable: printed every time
+        return None
+    hit = _MASKS[key] = (ref, text, {})
+    return hit
 
 
 def mask_text(mask: Mask) -> str:
     """``str(mask)``, kept per mask object while it lives (a build prints its mask for the
     plan cache's key and the plan's ``source``; a long ``hstu`` mask takes microseconds)."""
-    if torch.compiler.is_compiling():  # traced: no weak references
-        return str(mask)
-    key = id(mask)
-    hit = _TEXTS.get(key)
-    if hit is not None and hit[0]() is mask:
-        return hit[1]
-    text = str(mask)
-    try:
-        ref = weakref.ref(mask, lambda _, key=key: _TEXTS.pop(key, None))
-    except TypeError:  # not weakly referenceable: printed every time
-        return text
-    _TEXTS[key] = (ref, text)
-    return text
+    entry = _entry(mask)
+    return str(mask) if entry is None else entry[1]
+
+
+def forget_masks() -> None:
+    """Forget what is kept per mask object (texts and checked call arguments): what a new mask
+    object costs (``benchmarks/bench_build.py --fresh``, with ``lower.clear_tables``)."""
+    _MASKS.clear()
 
 
 def positive_int(value: object, name: str) -> int:
@@ -165,6 +184,55 @@ def compile(  # noqa: A001 - the public name is fixed by the design
         >>> plan.stats()["tiles_full"] > 0
         True
     """
+    entry = _entry(mask) if isinstance(mask, Mask) else None
+    if (
+        entry is not None and q_offset.__class__ is int and q_offset == 0
+        and cache.__class__ is bool and _PLAIN.issuperset((
+            q_len.__class__, kv_len.__class__, batch.__class__, heads.__class__,
+            block_m.__class__, block_n.__class__, device.__class__,
+        ))
+    ):  # fmt: skip
+        args = (q_len, kv_len, batch, heads, block_m, block_n, device)
+        calls = entry[2]
+        call = calls.get(args)
+        if call is None:
+            call = _checked_call(mask, entry[1], *args, cache)
+            if len(calls) >= _CALLS_KEPT:
+                calls.clear()
+            calls[args] = call
+    else:
+        call = _compile_call(mask, q_len, kv_len, batch, heads, block_m, block_n, device, cache,
+                             q_offset)  # fmt: skip
+        if not isinstance(call, tuple):  # a plan at a query offset
+            return call
+    q_len, kv_len, batch, heads, block_m, block_n, device, key, small = call
+    if cache:
+        with _CACHE_LOCK:
+            hit = _CACHE.get(key)
+            if hit is not None and hit._verified is not None and hit._changed():
+                del _CACHE[key]  # modified in place since it was built: build a new one
+                hit = None
+            if hit is not None:
+                _CACHE.move_to_end(key)
+                return hit
+    if not small:
+        check_plan_size((batch or 1) * (heads or 1), q_len, kv_len, block_m, block_n, device)
+    plan = build_plan(
+        mask, q_len, kv_len, batch, heads, block_m, block_n, device,
+        host_sync=device.type == "cpu", source=key[0],
+    )  # fmt: skip
+    if cache:
+        with _CACHE_LOCK:
+            plan = _CACHE.setdefault(key, plan)
+            _CACHE.move_to_end(key)
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    return plan
+
+
+def _compile_call(mask, q_len, kv_len, batch, heads, block_m, block_n, device, cache, q_offset):
+    """:func:`_checked_call` of a call that is not kept, or the plan of a call with a query
+    offset."""
     if not isinstance(mask, Mask):
         hint = "; parse text with compilemask.parse(text)" if isinstance(mask, str) else ""
         raise CompileMaskError(f"mask must be a compilemask Mask, got {type(mask).__name__}{hint}")
@@ -178,6 +246,19 @@ def compile(  # noqa: A001 - the public name is fixed by the design
         return _compile_offset(
             mask, q_len, kv_len, offsets, batch, heads, block_m, block_n, device, cache
         )
+    return _checked_call(mask, mask_text(mask), q_len, kv_len, batch, heads, block_m, block_n,
+                         device, cache)  # fmt: skip
+
+
+def _checked_call(mask, text, q_len, kv_len, batch, heads, block_m, block_n, device, cache):
+    """``(q_len, kv_len, batch, heads, block_m, block_n, device, cache key, small)``: the
+    arguments of a :func:`compile` call at offset 0, checked (``small``: a GPU plan that skips
+    :func:`check_plan_size`). Depends on the mask (frozen) and the arguments alone."""
+    strict_bool(cache, "cache")
+    if q_len is None:
+        q_len = natural_lengths(mask)[0]
+        if q_len is None:
+            raise CompileMaskError(f"q_len is needed: {mask} accepts any length")
     q_len, kv_len = accepted_lengths(mask, q_len, kv_len)
     if max(q_len, kv_len) > 2**31 - 1:
         raise CompileMaskError(
@@ -187,28 +268,12 @@ def compile(  # noqa: A001 - the public name is fixed by the design
     batch, heads = dependence(mask, batch, heads)
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     device = resolve_device(device)
-    key = (mask_text(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
-    if cache:
-        with _CACHE_LOCK:
-            hit = _CACHE.get(key)
-            if hit is not None and hit._verified is not None and hit._changed():
-                del _CACHE[key]  # modified in place since it was built: build a new one
-                hit = None
-            if hit is not None:
-                _CACHE.move_to_end(key)
-                return hit
-    check_plan_size((batch or 1) * (heads or 1), q_len, kv_len, block_m, block_n, device)
-    plan = build_plan(
-        mask, q_len, kv_len, batch, heads, block_m, block_n, device,
-        host_sync=device.type == "cpu", source=key[0],
-    )  # fmt: skip
-    if cache:
-        with _CACHE_LOCK:
-            plan = _CACHE.setdefault(key, plan)
-            _CACHE.move_to_end(key)
-            while len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
-    return plan
+    key = (text, q_len, kv_len, batch, heads, block_m, block_n, str(device))
+    masks = (batch or 1) * (heads or 1)
+    small = device.type == "cuda" and _plan_bytes(masks, q_len, kv_len, block_m, block_n) <= (
+        _SMALL_GPU_PLAN
+    )
+    return q_len, kv_len, batch, heads, block_m, block_n, device, key, small
 
 
 def _compile_offset(mask, q_len, kv_len, offsets, batch, heads, block_m, block_n, device, cache):
@@ -295,8 +360,7 @@ def check_plan_size(masks: int, q_len: int, kv_len: int, block_m: int, block_n: 
     """Refuse, before building, a plan whose tile schedule (``[M, Tq, Tk]`` tensors, quadratic
     in the lengths) would not fit in the memory free on ``device`` (on a GPU, plans needing
     at most 64 MiB are not compared: the query costs as much as a launch)."""
-    tiles = masks * math.ceil(q_len / block_m) * math.ceil(kv_len / block_n)
-    need = tiles * _BYTES_PER_TILE
+    need = _plan_bytes(masks, q_len, kv_len, block_m, block_n)
     if device.type == "cuda" and need <= _SMALL_GPU_PLAN:
         return
     free = available_memory(device)
@@ -307,6 +371,10 @@ def check_plan_size(masks: int, q_len: int, kv_len: int, block_m: int, block_n: 
             f"tiles) needs about {_gib(need)} to build, but {device} has {_gib(free)} free; "
             f"use larger block_m / block_n or shorter lengths"
         )
+
+
+def _plan_bytes(masks: int, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
+    return masks * math.ceil(q_len / block_m) * math.ceil(kv_len / block_n) * _BYTES_PER_TILE
 
 
 def _gib(n: int) -> str:
@@ -323,8 +391,7 @@ def build_plan(
     if not host_sync and isinstance(mask, Builtin) and mask.name in TABLED:
         built = _rows_in_the_launch(mask, q_len, kv_len, block_m, block_n, device)
         if built is not None:
-            with built_plans(own_tensors=True):
-                return MaskPlan(q_len, kv_len, batch, heads, *built, source=source)
+            return MaskPlan._built(q_len, kv_len, batch, heads, *built, source=source)
     perm = None
     if isinstance(mask, TiledGrid):
         perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)
@@ -337,10 +404,9 @@ def build_plan(
     if perm is not None:
         lo, hi, count = permute_rows(lo, hi, perm, kv_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
-    with built_plans(own_tensors=True):  # correct by construction, its own fresh tensors
-        return MaskPlan(
-            q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
-        )
+    return MaskPlan._built(  # correct by construction, its own fresh tensors
+        q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
+    )
 
 
 def _rows_in_the_launch(mask: Builtin, q_len, kv_len, block_m, block_n, device):

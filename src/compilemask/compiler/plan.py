@@ -162,6 +162,51 @@ class MaskPlan:
             return
         self._admit(keep_cache=True)
 
+    @classmethod
+    def _built(
+        cls, q_len, kv_len, batch, heads, row_lo, row_hi, row_count, schedule, *, source,
+        permutation=None,
+    ) -> MaskPlan:  # fmt: skip
+        """The plan of a builder that made every tensor itself (``pipeline.build_plan``):
+        what the constructor makes inside ``built_plans(own_tensors=True)``, without its
+        generated ``__init__`` and the checks it skips for such plans (no structure, value or
+        contiguity checks, no lookup of a live plan with these tensors); the state recorded,
+        the plan registered as checked. Only for tensors fresh from the library's builders:
+        contiguous, outside inference mode, of the shapes the fields give."""
+        if torch.compiler.is_compiling():
+            with built_plans(own_tensors=True):
+                return cls(q_len, kv_len, batch, heads, row_lo, row_hi, row_count, schedule,
+                           source=source, permutation=permutation)  # fmt: skip
+        plan = object.__new__(cls)
+        plan.__dict__.update(
+            q_len=q_len, kv_len=kv_len, batch=batch, heads=heads, row_lo=row_lo,
+            row_hi=row_hi, row_count=row_count, schedule=schedule, source=source,
+            encoding="intervals", row_runs=None, permutation=permutation, _cache=None,
+            shape_class=(), _pending=None,
+        )  # fmt: skip
+        s = schedule
+        objs = (
+            row_lo, row_hi, row_count, None, permutation, s, s.kind, s.pairs, s.jlo, s.jhi,
+            s.bits_index, s.bits, s.q_count, s.q_list, s.kv_count, s.kv_list, s.q_order,
+            s.kv_order,
+        )  # fmt: skip
+        own = [t._version for t in objs[6:]]
+        versions = (
+            row_lo._version, row_hi._version, row_count._version, None,
+            None if permutation is None else permutation._version, None, *own,
+        )  # fmt: skip
+        scalars = (
+            q_len, kv_len, batch, heads, "intervals", s.block_m, s.block_n, s.q_len, s.kv_len,
+        )  # fmt: skip
+        core = (  # _core_state: no permutation; the versions of the tensors
+            *scalars, *map(id, objs[:4]), *map(id, objs[5:]), *versions[:3], *own,
+        )  # fmt: skip
+        plan.__dict__["_cache"] = {_BASIS: core}
+        plan.__dict__["_verified"] = (scalars, objs, versions)
+        with _VERIFIED_LOCK:
+            _VERIFIED[core] = plan
+        return plan
+
     # (copies and unpickled plans are checked again; their derived caches are rebuilt)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -42,7 +42,7 @@ NO_LAUNCH = frozenset({
     "aten.expand.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.t.default",
     "aten.transpose.int", "aten.squeeze.dim", "aten.permute.default", "aten.alias.default",
     "aten.detach.default", "aten.unbind.int", "aten.split_with_sizes.default",
-    "aten.split.Tensor",
+    "aten.split.Tensor", "aten.as_strided.default",
     "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
     "aten.lift_fresh.default",
 })  # fmt: skip

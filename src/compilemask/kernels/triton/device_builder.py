@@ -46,11 +46,21 @@ def triton_table_builder(make_table, q_len, kv_len, device, block_m, block_n):
     """The registered hook for masks with a piece table (``compiler.lower.piece_table``): the
     rows and the schedule in the one launch (``tile_builder.build_from_table``) on CUDA
     devices; None (decline: the pipeline lowers the rows itself) elsewhere."""
-    if not serves_device(device):
+    if device.type != "cuda" or not triton_usable(device)[0]:
         return None
+    build = _FROM_TABLE or _import_from_table()
+    return build(make_table, q_len, kv_len, device, block_m, block_n)
+
+
+_FROM_TABLE = None  # tile_builder._device_builder_from_table, imported on first use
+
+
+def _import_from_table():
+    global _FROM_TABLE
     from .tile_builder import _device_builder_from_table
 
-    return _device_builder_from_table(make_table, q_len, kv_len, device, block_m, block_n)
+    _FROM_TABLE = _device_builder_from_table
+    return _FROM_TABLE
 
 
 triton_tile_builder.serves = _on_cuda  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import FULL
 
 #: Order of the forward schedule tensors (the ``schedule`` argument of the custom op).
@@ -91,25 +92,32 @@ def _full_first(kind, lists, counts, order, transposed: bool):
     :func:`work_list`, or what the Triton tile builder made with this schedule (one launch
     each for the lists and, with the order, for the work entries) when the registered tile
     builder serves the schedule's device (``compiler.tiles.register_device_tile_builder``)."""
-    from ...compiler import tiles as tiles_mod
-
     builder = tiles_mod.device_tile_builder()
     serves = getattr(builder, "serves", None)
     if serves is not None and not torch.compiler.is_compiling() and serves(kind):
-        from .tile_builder import full_first_lists, tile_lists
-
-        made = full_first_lists(kind, transposed)  # by the Triton builder, with this schedule
+        made = _tile_builder().full_first_lists(kind, transposed)  # made with this schedule
         if made is not None:
             full_first, full_count, work = made
         else:
-            _, _, full_first, full_count = tile_lists(kind.contiguous(), transposed=transposed)
-            work = None
+            lists = _tile_builder().tile_lists(kind.contiguous(), transposed=transposed)
+            full_first, full_count, work = lists[2], lists[3], None
     else:
         full_first, full_count = split_full_first(kind, lists, counts, transposed=transposed)
         work = None
     if work is None:
         work = work_list(order, counts, full_count, full_first)
     return full_first, full_count, work
+
+
+_TILE_BUILDER = []  # kernels/triton/tile_builder, imported on first use (it imports Triton)
+
+
+def _tile_builder():
+    if not _TILE_BUILDER:
+        from . import tile_builder
+
+        _TILE_BUILDER.append(tile_builder)
+    return _TILE_BUILDER[0]
 
 
 _DUMMY_BITS: dict[torch.device, torch.Tensor] = {}

@@ -40,6 +40,7 @@ tensor builder through Triton's interpreter, ``tests/test_gpu.py`` on a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import weakref
@@ -496,9 +497,11 @@ def _layout(
     [M, Tq, 8]; kv_work; the tickets [M] (none without the fused ordering); the bitmask words
     (none). With ``rows = (Nq, K, W)`` (a build from a piece table, M = 1): after kv_work the
     plan's row_lo, row_hi [M, Nq, K] and row_count [M, Nq], then the piece table's ``W``
-    words in the tickets' place (its first word is the ticket). ``runs``: ``(size, count,
-    shape)`` per run of consecutive outputs of one shape (made as one view and one
-    ``unbind``); ``where[i]``: the position in memory order of the i-th output in the order
+    words in the tickets' place (its first word is the ticket). The tickets (or the table)
+    are the last words of the allocation (the bitmask words are none). ``runs``: ``(size,
+    count, shape, offset, size, stride)`` per run of consecutive outputs of one shape (made
+    as one strided view, unbound when ``count > 1``: ``size`` and ``stride`` of that view);
+    ``where[i]``: the position in memory order of the i-th output in the order
     :func:`build_tiles_triton` unpacks them."""
     key = (m, tq, tk, block_m, block_n, order, rows)
     hit = _LAYOUTS.get(key)
@@ -513,30 +516,43 @@ def _layout(
         if rows:
             shapes += [(m, *rows[:2]), (m, *rows[:2]), (m, rows[0])]
             memory[-2:-2] = [20, 21, 22]
-        runs: list[list] = []
+        grouped: list[list] = []
         for i in memory:
             shape = shapes[i]
-            if runs and runs[-1][2] == shape:
-                runs[-1][1] += 1
+            if grouped and grouped[-1][1] == shape:
+                grouped[-1][0] += 1
             else:
-                runs.append([0, 1, shape])
-        runs = [(count * math.prod(shape), count, shape) for _, count, shape in runs]
+                grouped.append([1, shape])
+        runs, offset = [], 0
+        for count, shape in grouped:
+            one = math.prod(shape)
+            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+            size = shape if count == 1 else (count, *shape)
+            runs.append((count * one, count, shape, offset, size, stride if count == 1 else
+                         (one, *stride)))  # fmt: skip
+            offset += count * one
         hit = _LAYOUTS[key] = (runs, [memory.index(i) for i in range(len(shapes))])
     return hit
+
+
+def _views(flat: torch.Tensor, runs: list, where: list) -> list:
+    """The outputs of one :func:`_layout` as contiguous views of ``flat``: one strided view
+    per run, unbound where the run has several outputs."""
+    views = []
+    strided = flat.as_strided
+    for _, count, _, offset, size, stride in runs:
+        if count == 1:
+            views.append(strided(size, stride, offset))
+        else:
+            views += strided(size, stride, offset).unbind(0)
+    return [views[i] for i in where]
 
 
 def _outputs(runs: list, where: list, device: torch.device) -> tuple:
     """``(flat, outputs)``: one new int32 allocation and the outputs of one :func:`_layout`,
     contiguous views of it."""
-    flat = torch.empty(sum(r[0] for r in runs), dtype=torch.int32, device=device)
-    parts = flat.split([r[0] for r in runs])
-    views = []
-    for part, (_, count, shape) in zip(parts, runs):
-        if count == 1:
-            views.append(part.view(shape))
-        else:
-            views += part.view(count, *shape).unbind(0)
-    return flat, [views[i] for i in where]
+    flat = torch.empty(runs[-1][3] + runs[-1][0], dtype=torch.int32, device=device)
+    return flat, _views(flat, runs, where)
 
 
 def build_tiles_triton(
@@ -573,53 +589,78 @@ def build_from_table(
     return (*rows, schedule)
 
 
+_SCHEDULE_FIELDS = tuple(f.name for f in dataclasses.fields(TileSchedule))
+# (M, K, Nq, Nk, block_m, block_n, table words, fused-order limit) -> _setup(...)
+_SETUPS: dict[tuple, tuple] = {}
+
+
+def _setup(m, k, q_len, kv_len, block_m, block_n, words) -> tuple:
+    """What a build's launch and outputs take from its sizes alone: ``(runs, where, total
+    words, order, grid, constants, Tq, Tk)``."""
+    tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
+    order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
+    runs, where = _layout(m, tq, tk, block_m, block_n, order, (q_len, k, words) if words else ())
+    k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
+    consts = (
+        ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
+        ("CHUNK_Q", max(1, min(64, 4096 // (block_m * k_pad)))), ("ORDER", order),
+        ("FROM_TABLE", words > 0),
+    )  # fmt: skip
+    return runs, where, runs[-1][3] + runs[-1][0], order, (tq + tk, m), consts, tq, tk
+
+
 def _build(lo, hi, table, m, k, q_len, kv_len, block_m, block_n, device):
     """``(schedule, rows)``: :func:`build_tiles_triton` of the intervals ``lo, hi`` on
     ``device``, or of the rows a piece ``table`` evaluates (``lo``, ``hi`` None), ``rows``
     then their ``(row_lo, row_hi, row_count)`` (else empty)."""
-    tq, tk = -(-q_len // block_m), -(-kv_len // block_n)
-    order = max(tq, tk) <= _FUSED_ORDER_MAX_TILES
-    shape = (q_len, k, table.flat.shape[0]) if table is not None else ()
-    flat, out = _outputs(*_layout(m, tq, tk, block_m, block_n, order, shape), device)
+    words = table.flat.shape[0] if table is not None else 0
+    key = (m, k, q_len, kv_len, block_m, block_n, words, _FUSED_ORDER_MAX_TILES)
+    setup = _SETUPS.get(key)
+    if setup is None:
+        if len(_SETUPS) >= 256:
+            _SETUPS.clear()
+        setup = _SETUPS[key] = _setup(m, k, q_len, kv_len, block_m, block_n, words)
+    runs, where, total, order, grid, consts, tq, tk = setup
+    flat = torch.empty(total, dtype=torch.int32, device=device)
+    built = m * tq * tk
+    if built:  # the launch first: the views' Python runs while the device builds
+        if table is not None:  # the table and the ticket before it: the one operation
+            # pinned on a GPU's host; the table (or the tickets) are the allocation's last words
+            flat.as_strided((words,), (1,), total - words).copy_(table.flat, non_blocking=True)
+            lo = hi = flat  # unused: the launch reads the table from its allocation
+            pieces = table.pieces
+        else:
+            if order:
+                flat.as_strided((m,), (1,), total - m).zero_()
+            pieces = 1
+        values = (lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length())
+        launch(_build_schedule, grid, device, values, consts)
+    out = _views(flat, runs, where)
     kind, pairs, jlo, jhi, bits_index = out[:5]
     q_count, q_list, q_full_first, q_full_count = out[6:10]
     kv_count, kv_list, kv_full_first, kv_full_count = out[10:14]
-    q_order, kv_order, q_work, kv_work, tickets, bits = out[14:20]
-    if m * tq * tk:
-        if table is not None:  # the table and the ticket before it: the one operation
-            tickets.copy_(table.flat, non_blocking=True)  # pinned on a GPU's host
-            lo = hi = flat  # unused: the launch reads the table from its allocation
-        elif order:
-            tickets.zero_()
-        k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
-        pieces = table.pieces if table is not None else 1
-        consts = (
-            ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
-            ("CHUNK_Q", max(1, min(64, 4096 // (block_m * k_pad)))), ("ORDER", order),
-            ("FROM_TABLE", table is not None),
-        )  # fmt: skip
-        values = (lo, hi, flat, q_len, kv_len, k, tq, tk, pieces, pieces.bit_length())
-        launch(_build_schedule, (tq + tk, m), device, values, consts)
-        if not order:
-            lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
-            q_order, kv_order, made = heaviest_first(
-                q_count, kv_count, out=(q_order, kv_order), work=lists
-            )
-            if not made:
-                q_work = kv_work = None
-    else:
+    q_order, kv_order, q_work, kv_work, _, bits = out[14:20]
+    if not built:
         for t in (q_count, q_full_count, kv_count, kv_full_count, q_order, kv_order):
             t.zero_()  # not reached by the seeds: an empty axis has no tiles to list
         q_work = kv_work = None
+    elif not order:
+        lists = ((q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work))
+        q_order, kv_order, made = heaviest_first(
+            q_count, kv_count, out=(q_order, kv_order), work=lists
+        )
+        if not made:
+            q_work = kv_work = None
     key = id(kind)
     ref = weakref.ref(kind, lambda _, key=key: _FULL_FIRST.pop(key, None))
     _FULL_FIRST[key] = (
         ref, (q_full_first, q_full_count, q_work), (kv_full_first, kv_full_count, kv_work)
     )  # fmt: skip
-    schedule = TileSchedule(
+    schedule = object.__new__(TileSchedule)  # the frozen dataclass's fields, set directly
+    schedule.__dict__.update(zip(_SCHEDULE_FIELDS, (
         block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits,
         q_count, q_list, kv_count, kv_list, q_order, kv_order,
-    )  # fmt: skip
+    )))  # fmt: skip
     return schedule, out[20:]
 
 
