@@ -53,6 +53,7 @@ from ... import masks
 from ...language.ast import Mask
 from ...language.parser import parse
 from . import packed, trace
+from . import recognise_bh as bh
 from . import recognise_gym as gym
 
 log = logging.getLogger("compilemask.migrate")
@@ -460,7 +461,7 @@ def _formula(gm):
         t = node.target
         if node.op == "call_method" and t.endswith("_") and not t.endswith("__"):
             raise _No(f"an in-place operation {t}")  # its input is changed for later uses
-        args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        args = [_resolve(a, env) for a in node.args]
         for a in args:
             if isinstance(a, tuple) and a[0] == "placeholder":
                 if a[1] < 2:
@@ -472,6 +473,16 @@ def _formula(gm):
     if not isinstance(out, (*_BOOL, _Const)):
         raise _No("the output is not a recognised boolean")
     return out
+
+
+def _resolve(a, env):
+    """A node's argument: a node's value, a tuple of them (an index ``t[b, h, q]``), or
+    itself."""
+    if isinstance(a, torch.fx.Node):
+        return env[a]
+    if isinstance(a, tuple) and any(isinstance(x, torch.fx.Node) for x in a):
+        return tuple(env[x] if isinstance(x, torch.fx.Node) else x for x in a)
+    return a
 
 
 def _is_index(v) -> bool:
@@ -534,7 +545,9 @@ def _grid_op(name: str, args):
 
 
 def _op(name: str, target, args):
-    v = gym.op(name, target, args)
+    v = bh.op(name, target, args)
+    if v is None:
+        v = gym.op(name, target, args)
     if v is not None:
         return v
     if name in ("floordiv", "floor_divide", "mod", "remainder") or (
@@ -607,10 +620,16 @@ def _rule(relation: str) -> Mask:
 
 def _doc_lengths(t: torch.Tensor, n: int, tables=()) -> list[int]:
     """The run lengths of the ids ``t[:n]`` (one host read); ``tables``: 1-D tensors
-    gathered by these ids (``offsets[doc[q]]``), each long enough for every id."""
-    if not packed.readable(t, n):
+    gathered by these ids (``offsets[doc[q]]``), each long enough for every id. ``t`` may be
+    an int64 numpy row already read (``recognise_bh.py``)."""
+    if isinstance(t, np.ndarray):
+        if t.ndim != 1 or t.dtype != np.int64 or len(t) < n:
+            raise _No("doc is not a 1-D integer row covering the length")
+        d = t[:n]
+    elif not packed.readable(t, n):
         raise _No("doc is not a 1-D integer tensor covering the length")
-    d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
+    else:
+        d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
     if (
         tables
         and len(d)
