@@ -40,11 +40,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import intervals as iv
-from ..pipeline import build_plan, dependence, mask_text
 from ..plan import MaskPlan, built_plans
 from ..tiles import build_tiles
-from . import modeval, plan_cache, trace
-from .recognise_bh import recognise_parts
+from . import modeval, trace
+from .catalogue import recognised_plan
 from .values import (
     _ELEMENTWISE,
     KV,
@@ -813,26 +812,14 @@ def try_lift(
     mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device, state=False, cache=False
 ):
     """A plan of the lifted mask_mod (``source == "from_mask_mod:lifted"``), or None (the
-    reason is logged at INFO on ``compilemask.migrate``). A common form (``recognise.py``; with
-    ``batch`` or ``heads`` only documents per batch row and head, ``recognise_bh.py``) is
-    built by ``compile``'s path (kept
-    by the mask's text with ``cache``: ``plan_cache.py``). ``state``: the mask_mod's
-    ``trace.structure`` when known."""
+    reason is logged at INFO on ``compilemask.migrate``). A common form is built by
+    ``compile``'s path (``catalogue.py``; kept by the mask's text with ``cache``).
+    ``state``: the mask_mod's ``trace.structure`` when known."""
     try:
         gm = traced(mask_mod, state)
-        mask = recognise_parts(gm, q_len, kv_len, batch, heads)
-        if mask is not None:
-            log.debug("mask_mod recognised as %s", mask)
-            key = (mask_text(mask), q_len, kv_len, batch, heads, block_m, block_n, str(device))
-            hit = plan_cache.get_recognised(key) if cache else None
-            if hit is not None:
-                return hit
-            nb, nh = dependence(mask, batch, heads)
-            plan = build_plan(
-                mask, q_len, kv_len, nb, nh, block_m, block_n, device,
-                host_sync=device.type == "cpu", source="from_mask_mod:lifted",
-            )  # fmt: skip
-            return plan_cache.put_recognised(key, plan) if cache else plan
+        plan = recognised_plan(gm, q_len, kv_len, batch, heads, block_m, block_n, device, cache)
+        if plan is not None:
+            return plan
         lo, hi = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
         count = (lo < hi).sum(-1, dtype=torch.int32)  # the same once cut: the rest is empty
         # the most non-empty slots of a row, read with the probe's verdict (one host read)

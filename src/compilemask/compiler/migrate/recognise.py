@@ -50,11 +50,12 @@ import numpy as np
 import torch
 
 from ... import masks
-from ...language.ast import Mask
+from ...language.ast import Mask, TiledGrid
 from ...language.parser import parse
 from . import packed, trace
 from . import recognise_bh as bh
 from . import recognise_gym as gym
+from . import recognise_tiled as tiled
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -203,7 +204,7 @@ _DOC_LIN = (_DocLin,)  # ``b.device`` (``noop_mask``'s new_ones reads it)
 
 
 _ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, _ModBand, _InDoc, _RowStart,
-          *packed.ROW_ATOMS, *gym.ATOMS)  # fmt: skip
+          *packed.ROW_ATOMS, *gym.ATOMS, *tiled.ATOMS)  # fmt: skip
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
@@ -547,6 +548,8 @@ def _grid_op(name: str, args):
 def _op(name: str, target, args):
     v = bh.op(name, target, args)
     if v is None:
+        v = tiled.op(name, target, args)
+    if v is None:
         v = gym.op(name, target, args)
     if v is not None:
         return v
@@ -669,6 +672,10 @@ def _is_causal(b: _Band) -> bool:
 
 
 def _conj(parts: list, nq: int, nk: int) -> Mask:
+    if any(isinstance(p, tiled.TiledAxis) for p in parts):
+        if not all(isinstance(p, tiled.TiledAxis) for p in parts):
+            raise _No("tiled NATTEN windows with other terms (tile_grid is outermost)")
+        return tiled.natten(parts, nq, nk)
     band = _Band(None, None)
     chunks, blocks, docs, ors, discs, mods, nattens = set(), set(), [], [], [], [], []
     for p in parts:
@@ -781,6 +788,8 @@ def _disj(parts: list, nq: int, nk: int) -> Mask:
         rest.remove(causal[0])
         out.append(masks.prefix_lm(min(max(0, bounds[0].hi + 1), _LIMIT)))
     out += [_mask(p, nq, nk) for p in rest]
+    if any(isinstance(x, TiledGrid) for x in out):
+        raise _No("tiled NATTEN windows in a union (tile_grid is outermost)")
     m = out[0]
     for x in out[1:]:
         m = m | x
