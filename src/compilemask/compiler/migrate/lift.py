@@ -69,7 +69,7 @@ from .values import (
 log = logging.getLogger("compilemask.migrate")
 
 #: the most key runs one row's intervals may cross when a comparison is lowered inside them
-MAX_RUNS_PER_ROW = 64
+MAX_RUNS_PER_ROW = 128
 #: a comparison inside ``K`` slots per row over a key term of ``R`` runs takes all ``R`` runs
 #: per slot (no host read of how many it crosses) when ``R * K`` is at most this
 _RUNS_UNREAD = 16
