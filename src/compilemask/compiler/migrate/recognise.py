@@ -55,6 +55,7 @@ from ...language.parser import parse
 from . import packed, trace
 from . import recognise_bh as bh
 from . import recognise_gym as gym
+from . import recognise_prefix as prefix
 from . import recognise_tiled as tiled
 
 log = logging.getLogger("compilemask.migrate")
@@ -204,7 +205,8 @@ _DOC_LIN = (_DocLin,)  # ``b.device`` (``noop_mask``'s new_ones reads it)
 
 
 _ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, _ModBand, _InDoc, _RowStart,
-          *packed.ROW_ATOMS, *gym.ATOMS, *tiled.ATOMS)  # fmt: skip
+          *packed.ROW_ATOMS, *gym.ATOMS, *tiled.ATOMS,
+          *prefix.ATOMS)  # fmt: skip
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
@@ -550,6 +552,8 @@ def _op(name: str, target, args):
     if v is None:
         v = tiled.op(name, target, args)
     if v is None:
+        v = prefix.op(name, target, args)
+    if v is None:
         v = gym.op(name, target, args)
     if v is not None:
         return v
@@ -829,6 +833,8 @@ def recognise(gm, q_len: int, kv_len: int) -> Mask | None:
             if not f.value:
                 raise _No("a mask that is always false")
             return _rule(f"band({-q_len}, {kv_len})")
+        if prefix.is_form(f):
+            return prefix.shared_prefix(f, q_len, kv_len)
         if packed.has_rows(f):
             return packed.packed_mask(f, q_len, kv_len, (_And, _Or, _Band, _Doc))
         return _mask(f, q_len, kv_len)
