@@ -97,3 +97,15 @@ def test_new_values_in_place_give_a_new_plan():
     doc[1, 0] = torch.tensor([0, 0, 0, 0, 3, 3])
     again = check(mm, 6, 2, None, True)
     assert str(first) != str(again)
+
+
+def test_a_3d_table_indexed_otherwise_not_read_per_head():
+    doc = torch.tensor([[[0, 0, 1, 1, 2, 2]] * 2] * 2)
+    plain = lift.traced(lambda b, h, q, k: doc[q] == doc[k])  # rows of the table, not ids
+    assert recognise_parts(plain, 2, 2, None, None) is None
+    assert recognise_parts(plain, 2, 2, 2, 2) is None
+
+    def mixed(b, h, q, k):
+        return (doc[b, h, q] == doc[b, h, k]) & (doc[q] == doc[k])
+
+    assert recognise_parts(lift.traced(mixed), 2, 2, 2, 2) is None

@@ -43,6 +43,11 @@ class BHGather:  # t[b, h, var]
     var: str
 
 
+@dataclasses.dataclass
+class BHDoc(r._Doc):  # t[b, h, q] == t[b, h, kv]: a document atom per (b, h)
+    pass
+
+
 def _bh_index(x) -> str | None:
     """``"q"`` / ``"kv"`` when ``x`` is the index tuple ``(b, h, q_idx | kv_idx)`` (the
     placeholders themselves, as ``recognise._formula`` resolves them), else None."""
@@ -68,22 +73,23 @@ def op(name: str, target, args):
     x, y = (list(args) + [None])[:2]
     if name == "eq" and len(args) == 2 and isinstance(x, BHGather) and isinstance(y, BHGather):
         if x.t is y.t and x.var != y.var:
-            return r._Doc(x.t)
+            return BHDoc(x.t)
     raise r._No(f"{name} of t[b, h, idx] other than t[b, h, q] == t[b, h, kv]")
 
 
-def _tables(f, out: dict) -> dict:
-    """``{id: t}`` of the 3-D tables of the formula ``f``."""
-    if isinstance(f, torch.Tensor):
-        if f.dim() == 3:
-            out[id(f)] = f
+def _tables(f, bh: dict, other: dict) -> None:
+    """The tables of :class:`BHDoc` atoms of the formula ``f`` into ``bh``, every other
+    tensor it holds into ``other`` (``{id: t}``)."""
+    if isinstance(f, BHDoc):
+        bh[id(f.t)] = f.t
+    elif isinstance(f, torch.Tensor):
+        other[id(f)] = f
     elif isinstance(f, (list, tuple)):
         for x in f:
-            _tables(x, out)
+            _tables(x, bh, other)
     elif dataclasses.is_dataclass(f) and not isinstance(f, type):
         for fld in dataclasses.fields(f):
-            _tables(getattr(f, fld.name), out)
-    return out
+            _tables(getattr(f, fld.name), bh, other)
 
 
 def recognise_parts(gm, q_len: int, kv_len: int, batch, heads) -> Mask | None:
@@ -95,11 +101,14 @@ def recognise_parts(gm, q_len: int, kv_len: int, batch, heads) -> Mask | None:
     except r._No as exc:
         log.debug("mask_mod not a recognised form: %s", exc)
         return None
-    tables = list(_tables(f, {}).values())
-    if not tables:
+    found, other = {}, {}
+    _tables(f, found, other)
+    if not found:
         return r.recognise(gm, q_len, kv_len) if batch is None and heads is None else None
     try:
-        return _parts(f, tables, q_len, kv_len, batch, heads)
+        if any(k in other for k in found):  # t[q] of the same 3-D table elsewhere
+            raise r._No("a t[b, h, idx] table also used otherwise")
+        return _parts(f, list(found.values()), q_len, kv_len, batch, heads)
     except (r._No, packed.NoForm) as exc:
         log.debug("mask_mod not a recognised form: %s", exc)
     except Exception as exc:  # noqa: BLE001 - the lifted / evaluated paths report errors
