@@ -25,7 +25,11 @@ With ``--rank`` (sizes given by ``--sizes``) one warm build of every seed mask_m
 gym mask_mod is counted (``"set"``: ``seed`` / ``gym``) and the rows are printed ranked by
 ``score = ops + 20 * host_reads``, a proxy of the build's host time on a GPU (an operation
 there costs about 5-10 us of host time, a synchronisation tens to hundreds); ``score_sync``
-adds ``20 * h2d``.
+adds ``20 * h2d``. ``score`` counts a repeated call (a plan kept by ``from_mask_mod``'s plan
+cache is reused: a mask_mod that captures no tensor, or a recognised one whose tables hold
+the same values); ``ops_build`` / ``host_reads_build`` / ``score_build`` count the same call
+with ``cache=False``: the build itself. With ``--gym`` the rows carry both too; the seed
+rows have a ``compilemask-auto-build`` twin (``cache=False``).
 ``h2d`` counts the host values made device tensors by ``torch.tensor`` / ``torch.as_tensor``
 with a ``device`` (on a GPU a blocking copy from pageable memory, which waits for the stream
 like a read); on the CPU nothing is copied, so the count is of the calls.
@@ -77,23 +81,32 @@ def language_mask(name: str, n: int):
     return None
 
 
-def measure(fn, calls: int) -> dict:
-    """``calls`` 0: counts only (``ms_min`` null)."""
+def count(fn) -> tuple[int, int, int]:
+    """``(ops, host reads, h2d)`` of one call of ``fn``."""
+    with OpCounter() as counted, counting_host_copies() as copies:
+        fn()
+    reads = copies["n"] + sum(n for op, n in counted.ops.items() if op.startswith(HOST_READS))
+    return counted.real(), reads, copies["h2d"]
+
+
+def measure(fn, calls: int, build=None) -> dict:
+    """``calls`` 0: counts only (``ms_min`` null). ``build``: the same call with the plan
+    cache off (``cache=False``), counted once after ``fn``'s calls (``*_build`` keys)."""
     out = fn()
     best = float("inf")
     for _ in range(calls):
         t = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t)
-    with OpCounter() as counted, counting_host_copies() as copies:
-        fn()
-    reads = copies["n"] + sum(n for op, n in counted.ops.items() if op.startswith(HOST_READS))
+    ops, reads, h2d = count(fn)
     source = str(getattr(out, "source", ""))
-    ops = counted.real()
-    return {"ms_min": round(best * 1e3, 3) if calls else None, "ops": ops, "host_reads": reads,
-            "h2d": copies["h2d"], "score": ops + 20 * reads,
-            "score_sync": ops + 20 * (reads + copies["h2d"]),
-            "source": source if len(source) <= 60 else source[:57] + "..."}  # fmt: skip
+    row = {"ms_min": round(best * 1e3, 3) if calls else None, "ops": ops, "host_reads": reads,
+           "h2d": h2d, "score": ops + 20 * reads, "score_sync": ops + 20 * (reads + h2d),
+           "source": source if len(source) <= 60 else source[:57] + "..."}  # fmt: skip
+    if build is not None:
+        b_ops, b_reads, _ = count(build)
+        row.update(ops_build=b_ops, host_reads_build=b_reads, score_build=b_ops + 20 * b_reads)
+    return row
 
 
 def main() -> None:
@@ -121,7 +134,9 @@ def main() -> None:
         for n in a.sizes:
             for name in a.masks:
                 mm, length = mask_mod_for(name, n, "cpu")
-                rows = [("compilemask-auto", lambda: cm.from_mask_mod(mm, length))]  # noqa: B023
+                rows = [("compilemask-auto", lambda: cm.from_mask_mod(mm, length)),  # noqa: B023
+                        ("compilemask-auto-build",
+                         lambda: cm.from_mask_mod(mm, length, cache=False))]  # noqa: B023  # fmt: skip
                 lang = language_mask(name, n)
                 if lang is not None:
                     rows.append(
@@ -144,7 +159,8 @@ def gym(names, sizes, calls: int, out: str, base: dict) -> None:
                        "system": "compilemask-auto", **base,
                        "recognised": None if got is None else str(got).split("\n")[0]}  # fmt: skip
                 row.update(measure(
-                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads), calls  # noqa: B023
+                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads), calls,  # noqa: B023
+                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads, cache=False),  # noqa: B023
                 ))  # fmt: skip
                 print(json.dumps(row), flush=True)
                 f.write(json.dumps(row) + "\n")
@@ -163,18 +179,19 @@ def rank(sizes, calls: int, out: str, base: dict) -> None:
                 row = {"set": kind, "mask": name, "n": nq, "kv_len": nk or nq, "batch": batch,
                        "heads": heads, "system": "compilemask-auto", **base}  # fmt: skip
                 row.update(measure(
-                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads), calls  # noqa: B023
+                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads), calls,  # noqa: B023
+                    lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads, cache=False),  # noqa: B023
                 ))  # fmt: skip
                 print(json.dumps(row), flush=True)
                 f.write(json.dumps(row) + "\n")
                 rows.append(row)
-    print(
-        f"{'set':5} {'mask':24} {'n':>6} {'ops':>5} {'reads':>5} {'h2d':>4} {'score':>6} {'ms':>8}"
-    )
+    print(f"{'set':5} {'mask':24} {'n':>6} {'ops':>5} {'reads':>5} {'h2d':>4} {'score':>6} "
+          f"{'sync':>6} {'build':>6} {'ms':>8}")  # fmt: skip
     for r in sorted(rows, key=lambda r: -r["score"]):
         ms = r["ms_min"] or 0
         print(f"{r['set']:5} {r['mask']:24} {r['n']:6} {r['ops']:5} {r['host_reads']:5} "
-              f"{r['h2d']:4} {r['score']:6} {r['score_sync']:6} {ms:8.3f}")  # fmt: skip
+              f"{r['h2d']:4} {r['score']:6} {r['score_sync']:6} {r['score_build']:6} "
+              f"{ms:8.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

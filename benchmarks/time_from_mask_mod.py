@@ -8,7 +8,10 @@ prefix_lm, hstu, shared_prompt, clear) and the attention-gym / FlashAttention-4 
 median of ``--repeat`` warm calls of each system (the two alternating; a device
 synchronisation before and after each call on CUDA), after one call of each not timed. One
 JSON line per case on stdout, flushed (a run cut short keeps the lines it printed), with
-``--label`` and the commit (``COMPILEMASK_COMMIT`` or git).
+``--label`` and the commit (``COMPILEMASK_COMMIT`` or git). Where ``from_mask_mod`` keeps
+plans (its ``cache`` argument), a repeated call of a mask_mod without tensors or of a
+recognised one reuses its plan: ``compilemask_ms`` is that repeated call and
+``compilemask_build_ms`` the build (``cache=False``), timed alternating with the others.
 
     PYTHONPATH=src python benchmarks/time_from_mask_mod.py --device cuda --label new
 """
@@ -16,6 +19,7 @@ JSON line per case on stdout, flushed (a run cut short keeps the lines it printe
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -52,18 +56,23 @@ def main() -> None:
     a = ap.parse_args()
     device = torch.device(a.device)
     sha = commit()
+    keeps = "cache" in inspect.signature(cm.from_mask_mod).parameters
     for kind, name, mm, nq, nk, batch, heads in cases(a.size, device, a.masks):
         systems = {
             "compilemask": lambda: cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads,  # noqa: B023
                                                     device=device),
             "flex": lambda: create_block_mask(mm, batch, heads, nq, nk, device=device),  # noqa: B023
         }  # fmt: skip
+        if keeps:
+            systems["compilemask_build"] = lambda: cm.from_mask_mod(mm, nq, nk, batch=batch,  # noqa: B023
+                heads=heads, device=device, cache=False)  # noqa: B023  # fmt: skip
         times = {s: [] for s in systems}
         row = {"label": a.label, "commit": sha, "set": kind, "mask": name, "N": nq,
                "kv_len": nk, "batch": batch, "heads": heads, "device": str(device)}  # fmt: skip
         try:
             row["path"] = systems["compilemask"]().source
-            systems["flex"]()
+            for s in list(systems)[1:]:
+                systems[s]()
             for _ in range(a.repeat):
                 for s, fn in systems.items():
                     times[s].append(timed(fn, device))

@@ -585,7 +585,7 @@ def test_probe_rejects_wrong_lifted_intervals(monkeypatch):
         return lo, hi + (hi < lo.new_tensor(40)).int()
 
     monkeypatch.setattr(lift, "lift_intervals", off_by_one)
-    monkeypatch.setattr(lift, "recognise", lambda *args: None)  # causal: the general lifting
+    monkeypatch.setattr(lift, "recognised_plan", lambda *args: None)  # causal: the general lifting
     plan = cm.from_mask_mod(lambda b, h, q, k: k <= q, 40)
     assert plan.source == "from_mask_mod:broadcast"
     assert torch.equal(plan.to_dense(), torch.ones(40, 40, dtype=torch.bool).tril())

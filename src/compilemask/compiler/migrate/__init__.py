@@ -8,10 +8,12 @@ evaluating the N x N pairs); a mask_mod it does not recognise is evaluated
 in blocks (``evaluate.py``), on broadcast indices when that gives FlexAttention's answer, else
 under ``torch.vmap`` with FlexAttention's scalar semantics (``modeval.py``). ``plan.source``
 (and ``plan.stats()["source"]``) names the path taken: ``from_mask_mod:lifted``,
-``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. These plans are never cached: a closure's
-captured tensors can change between calls (only the ``torch.fx`` trace is reused, cached by the
-mask_mod's structure in ``trace.py``, and it reads them fresh). They are admitted as compiler
-output (host-side checks only, as ``compile``'s plans; ``plan.verify()`` runs every check).
+``from_mask_mod:broadcast`` or ``from_mask_mod:vmap``. A plan is reused (``plan_cache.py``) only
+where it is provably the same: a mask_mod that captures no tensor, keyed by its structure
+(``trace.py``), or a recognised one keyed by the catalogue mask made of its tables' values (read
+fresh on each call: a closure's captured tensors can change between calls). They are admitted
+as compiler output (host-side checks only, as ``compile``'s plans; ``plan.verify()`` runs every
+check).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from ...errors import CompileMaskError
 from ..pipeline import positive_int, resolve_device, strict_bool
 from ..plan import MaskPlan, outside_inference_mode
-from . import lift, modeval
+from . import lift, modeval, plan_cache, trace
 from .blockmask import from_block_mask
 from .evaluate import build_plan, check_dense, chunk_rows
 
@@ -85,6 +87,7 @@ def from_mask_mod(
     block_n: int = 128,
     device=None,
     lifting: bool = True,
+    cache: bool = True,
 ) -> MaskPlan:
     """Build a plan from a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``, giving
     exactly the mask of ``torch.nn.attention.flex_attention.create_mask``.
@@ -114,10 +117,17 @@ def from_mask_mod(
         batch, heads: evaluate per batch row / per query head (the plan then depends on them).
         block_m, block_n, device: as in :func:`compilemask.compile` (device None: CPU).
         lifting: try the analytic path first (False: always evaluate).
+        cache: reuse the plan of an earlier call where it is provably the same plan
+            (``plan_cache.py``): a mask_mod that captures no tensor and whose trace is cached
+            by its structure, at the same lengths, batch, heads, tiles and device (any path;
+            nothing is computed or read); a mask_mod recognised as a catalogue mask with
+            the same values read from its tables (the tables are read, nothing is built).
+            Only with ``lifting`` (the trace proves what the mask_mod depends on).
 
     Raises:
-        CompileMaskError: bad lengths, a ``lifting`` that is not True or False, a mask_mod
-            that raises (both ways) or returns a non-boolean or wrongly shaped tensor.
+        CompileMaskError: bad lengths, a ``lifting`` or ``cache`` that is not True or False,
+            a mask_mod that raises (both ways) or returns a non-boolean or wrongly shaped
+            tensor.
     """
     q_len = positive_int(q_len, "q_len")
     kv_len = q_len if kv_len is None else positive_int(kv_len, "kv_len")
@@ -128,12 +138,22 @@ def from_mask_mod(
     if not callable(mask_mod):
         raise CompileMaskError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
     strict_bool(lifting, "lifting")
+    strict_bool(cache, "cache")
     device = resolve_device(device)
     bh = [(b, h) for b in range(batch or 1) for h in range(heads or 1)]
+    state, key = False, None
     if lifting:
-        plan = lift.try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device)
+        state = trace.structure(mask_mod)
+        if cache and state is not None and not state[1]:  # no tensor captured
+            key = (state[0], q_len, kv_len, batch, heads, block_m, block_n, str(device))
+            hit = plan_cache.get_pure(key)
+            if hit is not None:
+                return hit
+        plan = lift.try_lift(
+            mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device, state, cache
+        )
         if plan is not None:
-            return plan
+            return plan_cache.put_pure(key, plan)
     mode = modeval.choose_mode(mask_mod, q_len, kv_len, bh, device)
     call = modeval.evaluator(mask_mod, mode)
     rows = chunk_rows(kv_len, block_m, device)
@@ -147,4 +167,5 @@ def from_mask_mod(
         return (one(b, h) for b, h in bh)
 
     source = f"from_mask_mod:{mode}"
-    return build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source)
+    plan = build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source)
+    return plan_cache.put_pure(key, plan)

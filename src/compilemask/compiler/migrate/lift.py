@@ -40,11 +40,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import intervals as iv
-from ..pipeline import build_plan
 from ..plan import MaskPlan, built_plans
 from ..tiles import build_tiles
 from . import modeval, trace
-from .recognise import recognise
+from .catalogue import recognised_plan
 from .values import (
     _ELEMENTWISE,
     KV,
@@ -70,7 +69,7 @@ from .values import (
 log = logging.getLogger("compilemask.migrate")
 
 #: the most key runs one row's intervals may cross when a comparison is lowered inside them
-MAX_RUNS_PER_ROW = 64
+MAX_RUNS_PER_ROW = 128
 #: a comparison inside ``K`` slots per row over a key term of ``R`` runs takes all ``R`` runs
 #: per slot (no host read of how many it crosses) when ``R * K`` is at most this
 _RUNS_UNREAD = 16
@@ -752,14 +751,15 @@ def _search(key: torch.Tensor, target: torch.Tensor, top_bound: int, table=None)
     return left, torch.searchsorted(key, flat, right=True).view(target.shape)
 
 
-def traced(mask_mod):
-    """The ``torch.fx`` trace of ``mask_mod`` (``trace.symbolic_trace``).
+def traced(mask_mod, state=False):
+    """The ``torch.fx`` trace of ``mask_mod`` (``trace.symbolic_trace``; ``state``: its
+    ``trace.structure`` when known).
 
     Raises:
         Unsupported: torch.fx cannot trace it.
     """
     try:
-        return trace.symbolic_trace(mask_mod)
+        return trace.symbolic_trace(mask_mod, state)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means: evaluate
         raise Unsupported(f"torch.fx cannot trace it ({type(exc).__name__}: {exc})") from None
 
@@ -808,20 +808,18 @@ def finished(lo, hi, k: int, kv_len: int):
     return torch.where(valid, lo, pad), torch.where(valid, hi, pad)
 
 
-def try_lift(mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device):
+def try_lift(
+    mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device, state=False, cache=False
+):
     """A plan of the lifted mask_mod (``source == "from_mask_mod:lifted"``), or None (the
-    reason is logged at INFO on ``compilemask.migrate``). A common form (``recognise.py``,
-    only when the plan broadcasts over batch and heads) is built by ``compile``'s path."""
+    reason is logged at INFO on ``compilemask.migrate``). A common form is built by
+    ``compile``'s path (``catalogue.py``; kept by the mask's text with ``cache``).
+    ``state``: the mask_mod's ``trace.structure`` when known."""
     try:
-        gm = traced(mask_mod)
-        if batch is None and heads is None:
-            mask = recognise(gm, q_len, kv_len)
-            if mask is not None:
-                log.debug("mask_mod recognised as %s", mask)
-                return build_plan(
-                    mask, q_len, kv_len, None, None, block_m, block_n, device,
-                    host_sync=device.type == "cpu", source="from_mask_mod:lifted",
-                )  # fmt: skip
+        gm = traced(mask_mod, state)
+        plan = recognised_plan(gm, q_len, kv_len, batch, heads, block_m, block_n, device, cache)
+        if plan is not None:
+            return plan
         lo, hi = lift_intervals(mask_mod, q_len, kv_len, bh, device, gm)
         count = (lo < hi).sum(-1, dtype=torch.int32)  # the same once cut: the rest is empty
         # the most non-empty slots of a row, read with the probe's verdict (one host read)

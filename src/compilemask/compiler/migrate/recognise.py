@@ -50,10 +50,13 @@ import numpy as np
 import torch
 
 from ... import masks
-from ...language.ast import Mask
+from ...language.ast import Mask, TiledGrid
 from ...language.parser import parse
 from . import packed, trace
+from . import recognise_bh as bh
 from . import recognise_gym as gym
+from . import recognise_prefix as prefix
+from . import recognise_tiled as tiled
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -202,7 +205,8 @@ _DOC_LIN = (_DocLin,)  # ``b.device`` (``noop_mask``'s new_ones reads it)
 
 
 _ATOMS = (_Band, _KvBound, _QBound, _Disc, _Chunk, _BlockCausal, _Doc, _ModBand, _InDoc, _RowStart,
-          *packed.ROW_ATOMS, *gym.ATOMS)  # fmt: skip
+          *packed.ROW_ATOMS, *gym.ATOMS, *tiled.ATOMS,
+          *prefix.ATOMS)  # fmt: skip
 _BOOL = (*_ATOMS, _And, _Or)
 _GRID = (_Div, _Mod, _Diff, _Sq, _SumSq)
 
@@ -460,7 +464,7 @@ def _formula(gm):
         t = node.target
         if node.op == "call_method" and t.endswith("_") and not t.endswith("__"):
             raise _No(f"an in-place operation {t}")  # its input is changed for later uses
-        args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        args = [_resolve(a, env) for a in node.args]
         for a in args:
             if isinstance(a, tuple) and a[0] == "placeholder":
                 if a[1] < 2:
@@ -472,6 +476,16 @@ def _formula(gm):
     if not isinstance(out, (*_BOOL, _Const)):
         raise _No("the output is not a recognised boolean")
     return out
+
+
+def _resolve(a, env):
+    """A node's argument: a node's value, a tuple of them (an index ``t[b, h, q]``), or
+    itself."""
+    if isinstance(a, torch.fx.Node):
+        return env[a]
+    if isinstance(a, tuple) and any(isinstance(x, torch.fx.Node) for x in a):
+        return tuple(env[x] if isinstance(x, torch.fx.Node) else x for x in a)
+    return a
 
 
 def _is_index(v) -> bool:
@@ -534,7 +548,13 @@ def _grid_op(name: str, args):
 
 
 def _op(name: str, target, args):
-    v = gym.op(name, target, args)
+    v = bh.op(name, target, args)
+    if v is None:
+        v = tiled.op(name, target, args)
+    if v is None:
+        v = prefix.op(name, target, args)
+    if v is None:
+        v = gym.op(name, target, args)
     if v is not None:
         return v
     if name in ("floordiv", "floor_divide", "mod", "remainder") or (
@@ -607,10 +627,16 @@ def _rule(relation: str) -> Mask:
 
 def _doc_lengths(t: torch.Tensor, n: int, tables=()) -> list[int]:
     """The run lengths of the ids ``t[:n]`` (one host read); ``tables``: 1-D tensors
-    gathered by these ids (``offsets[doc[q]]``), each long enough for every id."""
-    if not packed.readable(t, n):
+    gathered by these ids (``offsets[doc[q]]``), each long enough for every id. ``t`` may be
+    an int64 numpy row already read (``recognise_bh.py``)."""
+    if isinstance(t, np.ndarray):
+        if t.ndim != 1 or t.dtype != np.int64 or len(t) < n:
+            raise _No("doc is not a 1-D integer row covering the length")
+        d = t[:n]
+    elif not packed.readable(t, n):
         raise _No("doc is not a 1-D integer tensor covering the length")
-    d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
+    else:
+        d = t[:n].to("cpu", torch.int64).numpy()  # the one host read
     if (
         tables
         and len(d)
@@ -650,6 +676,10 @@ def _is_causal(b: _Band) -> bool:
 
 
 def _conj(parts: list, nq: int, nk: int) -> Mask:
+    if any(isinstance(p, tiled.TiledAxis) for p in parts):
+        if not all(isinstance(p, tiled.TiledAxis) for p in parts):
+            raise _No("tiled NATTEN windows with other terms (tile_grid is outermost)")
+        return tiled.natten(parts, nq, nk)
     band = _Band(None, None)
     chunks, blocks, docs, ors, discs, mods, nattens = set(), set(), [], [], [], [], []
     for p in parts:
@@ -762,6 +792,8 @@ def _disj(parts: list, nq: int, nk: int) -> Mask:
         rest.remove(causal[0])
         out.append(masks.prefix_lm(min(max(0, bounds[0].hi + 1), _LIMIT)))
     out += [_mask(p, nq, nk) for p in rest]
+    if any(isinstance(x, TiledGrid) for x in out):
+        raise _No("tiled NATTEN windows in a union (tile_grid is outermost)")
     m = out[0]
     for x in out[1:]:
         m = m | x
@@ -801,6 +833,8 @@ def recognise(gm, q_len: int, kv_len: int) -> Mask | None:
             if not f.value:
                 raise _No("a mask that is always false")
             return _rule(f"band({-q_len}, {kv_len})")
+        if prefix.is_form(f):
+            return prefix.shared_prefix(f, q_len, kv_len)
         if packed.has_rows(f):
             return packed.packed_mask(f, q_len, kv_len, (_And, _Or, _Band, _Doc))
         return _mask(f, q_len, kv_len)

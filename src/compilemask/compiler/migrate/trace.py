@@ -337,11 +337,13 @@ def as_traced_function(fn):
     return mask_mod
 
 
-def symbolic_trace(fn):
+def symbolic_trace(fn, state=False):
     """``torch.fx.symbolic_trace(fn)``, or the cached trace of a mask_mod of the same
     structure (:func:`structure`) bound to ``fn``'s tensors (:class:`Bound`). A
     ``functools.partial`` or a function with extra parameters that have defaults is traced
     as a function of ``(b, h, q_idx, kv_idx)`` calling it (:func:`as_traced_function`).
+
+    ``state``: ``structure(fn)`` when the caller has it already.
 
     Raises:
         whatever ``torch.fx.symbolic_trace`` raises; RuntimeError: the mask_mod draws random
@@ -349,7 +351,7 @@ def symbolic_trace(fn):
     """
     import torch.fx
 
-    state = structure(fn)
+    state = structure(fn) if state is False else state
     if state is not None:
         with _LOCK:
             entry = _CACHE.get(state[0])
@@ -370,6 +372,12 @@ def symbolic_trace(fn):
                 while len(_CACHE) > MAX_ENTRIES:
                     _CACHE.popitem(last=False)
     return gm
+
+
+def is_cached(key) -> bool:
+    """Whether a trace is cached under structural ``key`` (``structure(fn)[0]``)."""
+    with _LOCK:
+        return key in _CACHE
 
 
 def clear() -> None:

@@ -1,0 +1,54 @@
+"""Comparisons lowered inside intervals that cross many monotone runs of their key term
+(``lift.MAX_RUNS_PER_ROW``): Sparse VideoGen's temporal mask (9 runs of ``(kv - P) % F``, a
+row's slots crossing up to 81 run pieces) is lifted; beyond the bound the mask_mod is
+evaluated; both exact against ``create_mask``."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_mask
+
+import compilemask as cm
+import flex_masks as fm
+from compilemask.compiler.migrate import lift
+
+
+def dense(mm, n):
+    return create_mask(mm, None, None, n, n, device="cpu")[0, 0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    prompt=st.integers(0, 12),
+    frames=st.integers(1, 8),
+    per=st.integers(1, 12),
+    width=st.integers(1, 4),
+)
+def test_svg_temporal_exact(prompt, frames, per, width):
+    mm = fm.svg_temporal(prompt, frames, per, width)
+    n = prompt + frames * per
+    plan = cm.from_mask_mod(mm, n, block_m=8, block_n=8, cache=False)
+    plan.verify()
+    assert torch.equal(plan.to_dense(), dense(mm, n))
+
+
+def test_svg_temporal_lifted_at_scale():
+    mm = fm.svg_temporal(128, 8, 240, 2)
+    n = 128 + 8 * 240
+    plan = cm.from_mask_mod(mm, n, cache=False)
+    assert plan.source == "from_mask_mod:lifted"
+    assert torch.equal(plan.to_dense(), dense(mm, n))
+
+
+def test_beyond_the_bound_evaluated():
+    period = 4
+    n = period * (lift.MAX_RUNS_PER_ROW + 8)  # more runs of kv % 4 than the bound
+
+    def mm(b, h, q, k):
+        return (q % period) >= (k % period)
+
+    plan = cm.from_mask_mod(mm, n, cache=False)
+    assert plan.source != "from_mask_mod:lifted"
+    assert torch.equal(plan.to_dense(), dense(mm, n))
