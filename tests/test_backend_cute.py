@@ -298,6 +298,11 @@ def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
             lower(dense, 1, 1, 1)
 
 
+_ALIBI = __import__("compilemask").score_mods.as_score_mod(
+    __import__("compilemask").score_mods.alibi(torch.ones(2))
+)
+
+
 def _call(**over):
     base = dict(
         batch=1, heads_q=2, heads_kv=1, q_len=256, kv_len=256, head_dim=128,
@@ -312,6 +317,8 @@ def _call(**over):
     [
         ({"requires_grad": True}, "forward only"),
         ({"device": torch.device("cpu")}, "CUDA"),
+        ({"has_sinks": True}, "no sinks"),
+        ({"score_mod": _ALIBI}, "softcap(cap) alone"),
     ],
 )
 def test_supports_names_the_reason(over, reason):
@@ -379,7 +386,8 @@ def test_disk_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     a = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda")
     b = disk_cache.entry_name(64, "bfloat16", 128, 128, "cuda")
     c = disk_cache.entry_name(128, "bfloat16", 128, 128, "cpu")
-    assert len({a, b, c}) == 3 and a.isidentifier()
+    d = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda", softcap=True)
+    assert len({a, b, c, d}) == 4 and a.isidentifier() and d.isidentifier()
 
 
 def test_precompile_rejects_bad_arguments():
@@ -417,9 +425,13 @@ GPU_CASES = {
 }
 
 
-def check_gpu_case(name: str, head_dim: int = 128, dtype: torch.dtype = DT) -> str:
-    """Run one case of :data:`GPU_CASES` on the GPU in ``dtype`` and assert it matches the
-    reference; returns a one-line summary."""
+def check_gpu_case(
+    name: str, head_dim: int = 128, dtype: torch.dtype = DT, softcap: float | None = None
+) -> str:
+    """Run one case of :data:`GPU_CASES` on the GPU in ``dtype`` (``softcap``: with a lone
+    softcap modifier of that cap) and assert it matches the reference; returns a one-line
+    summary."""
+    from compilemask import score_mods as sm
     from compilemask.kernels.reference import reference_attention
     from compilemask.testing import check_close
 
@@ -432,21 +444,24 @@ def check_gpu_case(name: str, head_dim: int = 128, dtype: torch.dtype = DT) -> s
         for _ in range(2)
     )
     scale = head_dim**-0.5
+    mod = None if softcap is None else sm.as_score_mod(sm.softcap(softcap))
     call = _call(
         batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len,
-        head_dim=head_dim, dtype=dtype, device=q.device,
+        head_dim=head_dim, dtype=dtype, device=q.device, score_mod=mod,
     )  # fmt: skip
     be = CuteBackend()
     assert be.supports(plan, call) == (True, "")
     prepared = be.prepare(plan, call)
     if name.startswith("clear"):  # the kernel's bitmask path runs
         assert bool((prepared.bits_index >= 0).any())
-    out, lse = be.forward(q, k, v, plan, prepared, scale)
+    out, lse = be.attend(q, k, v, plan, prepared, scale, call, score_mod=mod)
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)
-    ref64, lse64 = reference_attention(q, k, v, plan, scale, compute_dtype=torch.float64)
+    ref64, lse64 = reference_attention(
+        q, k, v, plan, scale, compute_dtype=torch.float64, score_mod=mod
+    )
     refdt, _ = reference_attention(
-        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=dtype
+        q, k, v, plan, scale, compute_dtype=torch.float32, matmul_dtype=dtype, score_mod=mod
     )
     ok, err, bound = check_close(out, ref64, refdt, dtype)
     assert ok, f"out: {err:.3g} > {bound:.3g}"
@@ -456,7 +471,7 @@ def check_gpu_case(name: str, head_dim: int = 128, dtype: torch.dtype = DT) -> s
     assert bool((out[~seen] == 0).all())
     if name == "empty_rows":
         assert bool((~seen).any())
-    return f"{name} d={head_dim} {dtype}: err {err:.3g} <= {bound:.3g}"
+    return f"{name} d={head_dim} {dtype} softcap={softcap}: err {err:.3g} <= {bound:.3g}"
 
 
 @pytest.mark.gpu
@@ -479,13 +494,26 @@ def test_cute_forward_float16(name, head_dim):
     check_gpu_case(name, head_dim, torch.float16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+@pytest.mark.parametrize(
+    "name,cap", [("causal", 20.0), ("hstu", 5.0), ("clear", 20.0), ("empty_rows", 2.0)]
+)
+def test_cute_forward_softcap(name, cap):
+    """The softcap kernel (capped before the mask: rows that see nothing stay 0 / -inf) and its
+    lse, of the capped scores, against the float64 reference with the same modifier."""
+    check_gpu_case(name, 128, softcap=cap)
+    if name == "causal":
+        check_gpu_case(name, 64, torch.float16, softcap=cap)
+
+
 _CHECK_IN_A_NEW_PROCESS = (
     "import sys\n"
     "sys.path.insert(0, {tests!r})\n"
     "from test_backend_cute import check_gpu_case\n"
     "from compilemask.kernels.cute import backend as cb\n"
     "print(check_gpu_case('hstu', 128))\n"
-    "print(cb.kernel_origins()[(128, 'bfloat16', 128, 128, 'cuda')])\n"
+    "print(cb.kernel_origins()[(128, 'bfloat16', 128, 128, 'cuda', False)])\n"
 )
 
 

@@ -36,7 +36,8 @@ def test_system_names_are_the_design_names():
         "compilemask-auto-tiled", "compilemask-auto-tiled-kept", "flex-triton",
         "flex-fa4", "cudnn-fe", "fa4", "sdpa-cudnn", "sdpa-flash",
         "compilemask-triton-softcap", "flex-triton-softcap", "compilemask-triton-alibi",
-        "flex-triton-alibi", "compilemask-fa4-softcap", "compilemask-reference",
+        "flex-triton-alibi", "compilemask-fa4-softcap", "compilemask-cute-softcap",
+        "compilemask-reference",
     )  # fmt: skip
     tiled = next(s for s in bench.SYSTEMS if s.name == "compilemask-triton-tiled")
     assert tiled.applies("clear", 33280)[0] and not tiled.applies("hstu", 32768)[0]

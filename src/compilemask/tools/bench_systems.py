@@ -550,6 +550,13 @@ SYSTEMS: tuple[System, ...] = (
         score_mod="softcap",
     ),
     System(
+        "compilemask-cute-softcap",
+        _all(_cuda, _backend_ok("cute")),
+        _compilemask("cute", "softcap"),
+        supports_bwd=False,
+        score_mod="softcap",
+    ),
+    System(
         "compilemask-reference", lambda: (True, ""), _compilemask("reference"), applies=_small_only
     ),
 )

@@ -3,13 +3,15 @@
 Forward only (a call that will run a backward is refused with that reason); sm90 GPUs; bf16
 and fp16; head_dim 64 and 128; GQA (``Hq % Hkv == 0``); ``q_len != kv_len``; batch- and
 head-dependent plans; interval plans (a ``from_dense`` / ``from_mask_mod`` plan that stores
-bitmasks is refused). ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
+bitmasks is refused); a lone :func:`~compilemask.score_mods.softcap` (``cap * tanh(s /
+cap)`` of the scaled score, a kernel of its own with the cap a runtime argument); no sinks,
+no other modifier. ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
 ``compilemask[cute]``) is imported on first use only.
 
 Costs paid once: per (plan, call shape) the lowering (:func:`.lower.lower`, cached on the
 plan; one host read per plan when it holds bitmask tiles, none otherwise); per
-``(head_dim, dtype)`` the ``cute.compile`` of the kernel (seconds), once per machine: the
-compiled kernel is written to a disk cache
+``(head_dim, dtype, softcap or not)`` the ``cute.compile`` of the kernel (seconds), once per
+machine: the compiled kernel is written to a disk cache
 (:mod:`.disk_cache`, ``$COMPILEMASK_CACHE_DIR/cute`` or ``~/.cache/compilemask/cute``) and a
 later process loads it from there (milliseconds). :func:`compile_seconds` and
 :func:`kernel_origins` report the time and where each kernel came from; :func:`precompile`
@@ -27,7 +29,13 @@ import torch
 
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
-from ..interface import plain_attention_reason, plan_fit_reason, same_device, under_compile_reason
+from ..interface import (
+    plain_attention_reason,
+    plan_fit_reason,
+    same_device,
+    softcap_of,
+    under_compile_reason,
+)
 from .lower import CuteLowered, l2_kv_group, lower
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
@@ -35,7 +43,7 @@ HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 UNDER_COMPILE = under_compile_reason("cute")
 
-#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type)
+#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type, softcap)
 _KERNELS: dict[tuple, object] = {}
 #: seconds the first call of each key spent getting its kernel (compiling or loading it)
 _COMPILE_SECONDS: dict[tuple, float] = {}
@@ -44,7 +52,8 @@ _ORIGINS: dict[tuple, str] = {}
 
 
 def compile_seconds() -> dict[tuple, float]:
-    """``{(head_dim, dtype, block_m, block_n, device_type): seconds}`` this process spent
+    """``{(head_dim, dtype, block_m, block_n, device_type, softcap): seconds}`` this process
+    spent
     getting each kernel: ``cute.compile`` (and writing the disk cache), or loading it from the
     disk cache (see :func:`kernel_origins`). Later calls reuse the kernel."""
     return dict(_COMPILE_SECONDS)
@@ -55,13 +64,15 @@ def kernel_origins() -> dict[tuple, str]:
     return dict(_ORIGINS)
 
 
-def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, stream):
-    """The kernel of ``(head_dim, dtype)`` for arguments on ``device_type``: from this
-    process, else from the disk cache, else compiled on ``args`` (and stored)."""
+def _kernel(
+    head_dim: int, dtype_name: str, device_type: str, args: tuple, stream, softcap: bool = False
+):
+    """The kernel of ``(head_dim, dtype, softcap)`` for arguments on ``device_type``: from
+    this process, else from the disk cache, else compiled on ``args`` (and stored)."""
     from . import disk_cache
     from . import forward_sm90 as fwd
 
-    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type)
+    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type, softcap)
     kernel = _KERNELS.get(key)
     if kernel is None:
         start = time.perf_counter()
@@ -69,7 +80,7 @@ def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, strea
         kernel = disk_cache.load(name)
         origin = "disk"
         if kernel is None:
-            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream)
+            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream, softcap)
             disk_cache.store(kernel, name)
             origin = "compiled"
         _COMPILE_SECONDS[key] = time.perf_counter() - start
@@ -78,12 +89,15 @@ def _kernel(head_dim: int, dtype_name: str, device_type: str, args: tuple, strea
     return kernel
 
 
-def precompile(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None) -> float:
-    """Get the kernel of ``(head_dim, dtype)`` into this process and the disk cache without a
-    call: compiled (or loaded) for arguments on ``device`` (default: CUDA when there is a GPU,
-    else the CPU, which compiles a kernel for generic pointers, stored under its own name).
-    Needs ``cutlass`` and ``CUTE_DSL_ARCH=sm_90a`` on a machine without a GPU. Returns the
-    seconds it took (0 when the process had it already).
+def precompile(
+    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None, softcap: bool = False
+) -> float:
+    """Get the kernel of ``(head_dim, dtype)`` (``softcap``: the softcap kernel) into this
+    process and the disk cache without a call: compiled (or loaded) for arguments on
+    ``device`` (default: CUDA when there is a GPU, else the CPU, which compiles a kernel for
+    generic pointers, stored under its own name). Needs ``cutlass`` and
+    ``CUTE_DSL_ARCH=sm_90a`` on a machine without a GPU. Returns the seconds it took (0 when
+    the process had it already).
 
     Raises:
         CompileMaskError: ``head_dim`` not 64 / 128 or ``dtype`` not bfloat16 / float16.
@@ -99,11 +113,11 @@ def precompile(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type)
+    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type, bool(softcap))
     if key in _KERNELS:
         return 0.0
     args = fwd.example_args(head_dim, _DTYPES[dtype], device)
-    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0))
+    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0), bool(softcap))
     return _COMPILE_SECONDS[key]
 
 
@@ -146,9 +160,12 @@ class CuteBackend:
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether the kernel runs this call; (False, reason) otherwise. Reads no tensor data."""
-        why = plain_attention_reason(call, "cute")
+        why = plain_attention_reason(call, "cute", softcap_and_sinks=True)
         if why:
-            return False, why
+            return False, why.replace("softcap(cap) alone (and sinks)", "softcap(cap) alone")
+        if getattr(call, "has_sinks", False):
+            return False, 'cute has no sinks; use backend="triton" or "reference"'
+
         if call.requires_grad:
             return False, 'cute is forward only (no backward yet): use backend="triton"'
         if call.device.type != "cuda":
@@ -184,6 +201,15 @@ class CuteBackend:
         ``[B, Hkv, Nk, D]`` in the plan's token order."""
         return run_forward(q, k, v, prepared, scale)
 
+    def attend(
+        self, q, k, v, plan: MaskPlan, prepared: CuteLowered, scale: float, call, *,
+        score_mod=None, sinks=None,
+    ):  # fmt: skip
+        """``(out, lse)`` of a forward call with ``score_mod`` None or a lone softcap
+        (``supports`` refuses the rest, sinks and calls with gradients)."""
+        cap = softcap_of(score_mod) if score_mod is not None else None
+        return run_forward(q, k, v, prepared, scale, cap)
+
     def backward(self, *args, **kwargs):
         raise CompileMaskError('the cute backend is forward only: use backend="triton"')
 
@@ -212,10 +238,11 @@ def _kv_group(plan: MaskPlan, call) -> int | None:
     return l2_kv_group(call.batch, call.heads_kv, call.kv_len, kv_key, props.L2_cache_size)
 
 
-def run_forward(q, k, v, low: CuteLowered, scale: float):
+def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None = None):
     """Launch the kernel (compiled or loaded from disk on the first call of its
-    ``(head_dim, dtype)``) on ``low.num_ctas`` CTAs, with a zeroed int32 entry counter per
-    call (no host synchronisation)."""
+    ``(head_dim, dtype, softcap or not)``) on ``low.num_ctas`` CTAs, with a zeroed int32
+    entry counter per call (no host synchronisation). ``softcap``: the cap of a softcap
+    modifier (scores ``cap * tanh(s * scale / cap)``; lse of the capped scores)."""
     import cuda.bindings.driver as cuda
 
     from . import forward_sm90 as fwd
@@ -225,8 +252,8 @@ def run_forward(q, k, v, low: CuteLowered, scale: float):
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter)
+    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter, softcap)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream)
+    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream, softcap is not None)
     kernel(*args, stream)
     return out, lse

@@ -134,11 +134,14 @@ def bits_seen(bits: cute.Tensor, page: Int32, row: Int32, lane: Int32):
 class FlashFwdSm90:
     """The kernel for one ``(head_dim, dtype)``; ``__call__`` is the ``cute.jit`` host side."""
 
-    def __init__(self, head_dim: int, dtype):
+    def __init__(self, head_dim: int, dtype, softcap: bool = False):
+        """``softcap``: the kernel that caps scores, ``s -> tanh(s * tanh_scale)`` before the
+        mask and the softmax (whose exponent scale is then ``cap * log2 e``)."""
         assert head_dim in (64, 128)
         assert BLOCK_M == 2 * ROWS_PER_WG
         self.head_dim = head_dim
         self.dtype = dtype
+        self.softcap = softcap
         self.block_n = BLOCK_N
         self.threads = 3 * WG_THREADS
 
@@ -156,6 +159,7 @@ class FlashFwdSm90:
         row_hi: cute.Tensor,
         bits: cute.Tensor,
         scale_log2: Float32,
+        tanh_scale: Float32,
         num_ctas: Int32,
         counter: cute.Tensor,
         stream: cuda.CUstream,
@@ -217,7 +221,8 @@ class FlashFwdSm90:
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
-            work, tiles, row_lo, row_hi, bits, scale_log2, sQ_layout, sK_layout, sV_layout,
+            work, tiles, row_lo, row_hi, bits, scale_log2, tanh_scale, sQ_layout, sK_layout,
+            sV_layout,
             sO_layout, counter,
         ).launch(
             grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), stream=stream
@@ -244,6 +249,7 @@ class FlashFwdSm90:
         row_hi: cute.Tensor,
         bits: cute.Tensor,
         scale_log2: Float32,
+        tanh_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -344,6 +350,7 @@ class FlashFwdSm90:
                     qh=qh, qk_mma=qk_mma, qk_mma_acc=qk_mma_acc, pv_mma=pv_mma, tSrQ=tSrQ,
                     tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
                     row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, tiles=tiles,
+                    tanh_scale=tanh_scale,
                     row_lo=row_lo, row_hi=row_hi, bits=bits, m=m, list0=list0, row0=row0,
                     tile_row0=tile_row0, row_cap=row_cap, lane=lane, cw=cw,
                 )  # fmt: skip
@@ -487,6 +494,10 @@ class FlashFwdSm90:
         N = self.block_n
         # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
         s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
+        if cutlass.const_expr(self.softcap):  # capped before the mask: tanh(-inf) is -1
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(N // 4):
+                    s_mn[r, c] = cute.math.tanh(s_mn[r, c] * ts.tanh_scale, fastmath=True)
         if cutlass.const_expr(masked):
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(N // 4):
@@ -682,11 +693,15 @@ class FlashFwdSm90:
 _TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int, counter):
+def kernel_args(
+    q, k, v, out, lse, low, scale: float, num_ctas: int, counter, softcap: float | None = None
+):
     """The kernel's arguments from torch tensors: q, out ``[B, Hq, Nq, D]``, k, v
     ``[B, Hkv, Nk, D]`` (D contiguous, 16-byte aligned), lse fp32 ``[B, Hq, Nq]`` and the
     lowered plan ``low`` (:class:`~.lower.CuteLowered`); ``counter``: a zeroed int32 ``[1]``
-    tensor (the CTAs' entry counter)."""
+    tensor (the CTAs' entry counter). ``softcap``: the cap of the softcap kernel (scores
+    ``cap * tanh(s * scale / cap)``: the kernel takes ``tanh(s * scale / cap)`` and the
+    exponent scale ``cap * log2 e``), None for the plain one."""
     from cutlass.cute.runtime import from_dlpack
 
     def dyn(t, leading):
@@ -708,7 +723,9 @@ def kernel_args(q, k, v, out, lse, low, scale: float, num_ctas: int, counter):
         dyn(out.permute(2, 3, 1, 0), 1),
         from_dlpack(lse.permute(2, 1, 0), assumed_align=4).mark_layout_dynamic(leading_dim=0),
         *plan_views,
-        Float32(scale * LOG2E), Int32(num_ctas), from_dlpack(counter, assumed_align=4),
+        Float32((scale if softcap is None else softcap) * LOG2E),
+        Float32(1.0 if softcap is None else scale / softcap),
+        Int32(num_ctas), from_dlpack(counter, assumed_align=4),
     )  # fmt: skip
 
 
@@ -737,8 +754,10 @@ def example_args(head_dim: int, dtype_name: str, device) -> tuple:
     return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1, ints(1))
 
 
-def compile_forward(head_dim: int, dtype_name: str, example_args: tuple, stream):
-    """``cute.compile`` of :class:`FlashFwdSm90` for ``(head_dim, dtype)`` on ``example_args``
-    (from :func:`kernel_args`; only their types and ranks matter)."""
-    kernel = FlashFwdSm90(head_dim, _TORCH_TO_CUTLASS[dtype_name])
+def compile_forward(
+    head_dim: int, dtype_name: str, example_args: tuple, stream, softcap: bool = False
+):
+    """``cute.compile`` of :class:`FlashFwdSm90` for ``(head_dim, dtype, softcap)`` on
+    ``example_args`` (from :func:`kernel_args`; only their types and ranks matter)."""
+    kernel = FlashFwdSm90(head_dim, _TORCH_TO_CUTLASS[dtype_name], softcap)
     return cute.compile(kernel, *example_args, stream)
