@@ -3,6 +3,8 @@ table, explain, and a backend registered from outside the package."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -180,6 +182,13 @@ def test_auto_rules_match_on_length_and_backward():
     assert short.matches(call(2048, False)) and short.matches(call(1, False))
     assert not short.matches(call(2049, False)) and not short.matches(call(1024, True))
     assert not AutoRule("x", device="cuda").matches(call(8192, False))
+    from compilemask import score_mods as sm
+
+    capped = dataclasses.replace(call(8192, False), score_mod=sm.as_score_mod(sm.softcap(30.0)))
+    assert AutoRule("x", modifiers=True).matches(capped)
+    assert not AutoRule("x", modifiers=True).matches(call(8192, False))
+    assert AutoRule("x", modifiers=False).matches(call(8192, False))
+    assert not AutoRule("x", modifiers=False).matches(capped)
     seen = []
 
     def causal_only(plan):
@@ -239,8 +248,9 @@ def test_auto_forward_rows_take_no_backward_steps():
     for rule in registry.AUTO_TABLE:
         if rule.backend == "cudnn" and rule.min_q_len is None and rule.plans is None:
             assert rule.requires_grad is False
-        if rule.backend == "cute":  # forward only
-            assert rule.requires_grad is False and rule.max_q_len is not None
+        if rule.backend == "cute":  # forward only; plain forwards only up to 2K (measured)
+            assert rule.requires_grad is False
+            assert rule.max_q_len is not None or rule.modifiers is True
 
 
 def test_auto_many_interval_row_reads_only_the_plan_shape():

@@ -41,6 +41,8 @@ class AutoRule:
         min_q_len: least query length (tokens per batch row), or None.
         max_q_len: largest query length (tokens per batch row), or None.
         requires_grad: True matches only calls that will run a backward, None any call.
+        modifiers: True matches only calls with a ``score_mod``, False only calls without,
+            None any call.
         plans: a test of the plan (``plan -> bool``) the row also needs, or None.
         why: the measurement or reason behind the row (shown by :func:`explain`).
     """
@@ -53,6 +55,7 @@ class AutoRule:
     min_q_len: int | None = None
     max_q_len: int | None = None
     requires_grad: bool | None = None
+    modifiers: bool | None = None
     plans: Callable[[object], bool] | None = None
     why: str = ""
 
@@ -71,6 +74,9 @@ class AutoRule:
             return False
         if self.requires_grad is not None and call.requires_grad != self.requires_grad:
             return False
+        if self.modifiers is not None:
+            if (getattr(call, "score_mod", None) is not None) != self.modifiers:
+                return False
         if self.min_capability is not None:
             if call.device.type != "cuda" or _capability(call.device) < self.min_capability:
                 return False
@@ -167,6 +173,20 @@ AUTO_TABLE: list[AutoRule] = [
         why=(
             "cuDNN-frontend's forward with the Triton backward: forward+backward faster than "
             "either alone below 4K tokens per row (H200)"
+        ),
+    ),
+    # forwards with a lone softcap (cap 50), H200, bf16, 16 heads, head_dim 128, 32K, each
+    # workload in one process (h200-score-mods-2026-12-02.jsonl, 465df2c, ms): cute / Triton /
+    # Flex (Triton) causal 8.352 / 9.955 / 21.597, hstu 1.087 / 1.346 / 2.985, shared_prompt
+    # 1.417 / 2.214 / 4.045, clear 5.005 / 5.583 / 14.057 (cuDNN-frontend has no score_mod;
+    # other modifiers and sinks: cute refuses them and the row passes them on)
+    _gpu_row(
+        "cute",
+        requires_grad=False,
+        modifiers=True,
+        why=(
+            "our CuTe-DSL forward with a lone softcap: faster than the Triton kernels with "
+            "the same softcap on every seed workload at 32K tokens per row (H200)"
         ),
     ),
     # forwards at 1K, H200, bf16, 16 heads, head_dim 128, B = 32, each workload in one
