@@ -129,12 +129,21 @@ def natten(cw, ch, kw, kh):
     return fn
 
 
-def tiled_natten(w, hgt, kw, kh, tw, th):
+def tiled_xy(w, tw, th):
+    """attention-gym's tiled_natten cell of a token: tiles of ``th x tw`` cells row-major over
+    a grid ``w`` wide, cells row-major inside a tile."""
+
     def xy(idx):
         t_id = idx // (th * tw)
         t_y, t_x = t_id // (w // tw), t_id % (w // tw)
         off = idx % (th * tw)
         return t_x * tw + off % tw, t_y * th + off // tw
+
+    return xy
+
+
+def tiled_natten(w, hgt, kw, kh, tw, th):
+    xy = tiled_xy(w, tw, th)
 
     def fn(b, h, q_idx, kv_idx):
         qx, qy = xy(q_idx)

@@ -43,11 +43,7 @@ def test_tiled_natten_exact(tiles, tile, kernel):
 def _tiled(w, hgt, tw, th, cx, cy, rx, ry, op="le"):
     """``tiled_natten`` with its clamp bounds and radii given (``op`` the comparison)."""
 
-    def xy(idx):
-        t_id = idx // (th * tw)
-        t_y, t_x = t_id // (w // tw), t_id % (w // tw)
-        off = idx % (th * tw)
-        return t_x * tw + off % tw, t_y * th + off // tw
+    xy = fm.tiled_xy(w, tw, th)
 
     def fn(b, h, q, k):
         qx, qy = xy(q)

@@ -222,12 +222,20 @@ def compile(  # noqa: A001 - the public name is fixed by the design
         host_sync=device.type == "cpu", source=key[0],
     )  # fmt: skip
     if cache:
-        with _CACHE_LOCK:
-            plan = _CACHE.setdefault(key, plan)
-            _CACHE.move_to_end(key)
-            while len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
+        plan = lru_put(_CACHE, _CACHE_LOCK, _CACHE_SIZE, key, plan)
     return plan
+
+
+def lru_put(table: OrderedDict, lock, size: int, key, value):
+    """Keep ``value`` under ``key`` in the LRU ``table`` of at most ``size`` entries (under
+    ``lock``); returns the value kept, an earlier one for the same key if another thread
+    put it first."""
+    with lock:
+        value = table.setdefault(key, value)
+        table.move_to_end(key)
+        while len(table) > size:
+            table.popitem(last=False)
+    return value
 
 
 def _compile_call(mask, q_len, kv_len, batch, heads, block_m, block_n, device, cache, q_offset):

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..pipeline import lru_put
 from . import trace
 
 #: the most plans kept per key kind (least recently used dropped first)
@@ -48,12 +49,7 @@ def _get(table: OrderedDict, key):
 
 
 def _put(table: OrderedDict, key, plan):
-    with _LOCK:
-        plan = table.setdefault(key, plan)
-        table.move_to_end(key)
-        while len(table) > MAX_ENTRIES:
-            table.popitem(last=False)
-    return plan
+    return lru_put(table, _LOCK, MAX_ENTRIES, key, plan)
 
 
 def get_pure(key):
