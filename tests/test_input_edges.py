@@ -117,3 +117,21 @@ def test_complement_and_text_masks_point_to_what_works():
         ~cm.masks.causal()  # noqa: B018
     with pytest.raises(CompileMaskError, match=r"compilemask.parse\(text\)"):
         cm.compile("causal()", 8)
+
+
+def test_from_mask_mod_refuses_lengths_no_plan_can_hold_before_any_work():
+    def window(b, h, q, kv):
+        return (q - kv < 8) & (kv <= q)
+
+    with pytest.raises(CompileMaskError, match="must be below 2"):
+        cm.from_mask_mod(window, 64, 2**31)
+    for n in (10**8, 2**31 - 1):  # the tile schedule alone: refused, not evaluated
+        with pytest.raises(CompileMaskError, match="needs about"):
+            cm.from_mask_mod(window, n, cache=False)
+
+
+def test_dense_with_one_offset_per_row_takes_compiles_key_length():
+    m = cm.masks.sliding_window(5)
+    d = cm.dense(m, 32, q_offset=[1, 2])
+    plan = cm.compile(m, 32, q_offset=[1, 2])
+    assert d.shape == (2, 1, 32, 34) and torch.equal(plan.to_dense(), d)

@@ -449,9 +449,13 @@ def pack_kinds(packed):
 
 
 def test_softcap_refuses_every_cap_that_is_not_positive_and_finite():
-    for bad in (0, 0.0, -1.0, float("nan"), float("inf"), -float("inf")):
+    for bad in (0, 0.0, -1.0, float("nan"), float("inf"), -float("inf"), 3.5e38, 1e300):
+        # above float32's largest value the kernels' cap would be inf: NaN scores
         with pytest.raises(InputError, match="softcap: cap must be a positive finite float"):
             sm.softcap(bad)
+    import numpy as np
+
+    assert sm.softcap(np.float32(5)).cap == 5.0 and sm.softcap(3.4e38).cap == 3.4e38
     for bad in ("5", True, torch.tensor(5.0), None):
         with pytest.raises(InputError, match="softcap: cap must be a float"):
             sm.softcap(bad)

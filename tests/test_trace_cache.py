@@ -211,6 +211,57 @@ def test_reads_through_modules_builtins_and_attributes_are_never_cached():
     os.environ.pop("CM_TEST_WINDOW")
 
 
+def test_attributes_set_on_functions_partials_and_tensors_are_never_cached():
+    """Settings kept as attributes of a function, a partial or a captured tensor and read
+    through a local name, a list element or a helper's argument (not right after a global or
+    closure name) have no key: each call, cached or not, gets the mask of the values now."""
+    import functools
+
+    def cfg():
+        pass
+
+    def helper():
+        pass
+
+    def spec():
+        pass
+
+    cfg.window, helper.w, spec.size = 4, 3, 4
+    t = torch.zeros(64, dtype=torch.long)
+    t.window = 4
+    holders = [helper]
+
+    def through_local(b, h, q, k):
+        c = cfg
+        return (q - k < c.window) & (k <= q)
+
+    def tensor_attribute(b, h, q, k):
+        return (q - k < t.window) & (k <= q) & (t[q] == t[k])
+
+    def list_element(b, h, q, k):
+        return (q - k < holders[0].w) & (k <= q)
+
+    def window_of(s, q, k):
+        return (q - k < s.size) & (k <= q)
+
+    by_argument = functools.partial(lambda b, h, q, k, s: window_of(s, q, k), s=spec)
+    cases = (
+        (through_local, lambda: setattr(cfg, "window", 16)),
+        (tensor_attribute, lambda: setattr(t, "window", 20)),
+        (list_element, lambda: setattr(helper, "w", 20)),
+        (by_argument, lambda: setattr(spec, "size", 32)),
+    )
+    for fn, change in cases:
+        assert trace.structure(fn) is None
+        first = cm.from_mask_mod(fn, 64)
+        assert torch.equal(first.to_dense(), flex_dense(fn, 64))
+        change()
+        for cache in (True, False):
+            again = cm.from_mask_mod(fn, 64, cache=cache)
+            assert torch.equal(again.to_dense(), flex_dense(fn, 64))
+            assert not torch.equal(again.to_dense(), first.to_dense())
+
+
 def test_torch_pure_functions_and_math_keep_the_cache():
     import math
 

@@ -36,11 +36,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .errors import CompileMaskError, InputError
+
+#: float32's largest value: the kernels cap scores in float32
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 MAX_STAGES = 4
 SOFTCAP, ALIBI, RELATIVE_BIAS, BIAS, CUSTOM = 1, 2, 3, 4, 5
@@ -97,12 +101,17 @@ class Softcap(ScoreMod):
     kind = SOFTCAP
 
     def __init__(self, cap: float):
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+        if isinstance(cap, bool) or not isinstance(cap, (int, float, numbers.Real)):
             raise InputError(f"softcap: cap must be a float, got {type(cap).__name__}")
         # a comparison, not math.isfinite: under torch.compile a float argument may be a
-        # SymFloat, which math.isfinite refuses (the comparison guards on it instead)
-        if not 0 < cap < math.inf:
-            raise InputError(f"softcap: cap must be a positive finite float, got {cap}")
+        # SymFloat, which math.isfinite refuses (the comparison guards on it instead). The
+        # kernels cap in float32: a cap above its largest value would be inf there, and
+        # inf * tanh(s / inf) is NaN
+        if not 0 < cap <= _F32_MAX:
+            raise InputError(
+                f"softcap: cap must be a positive finite float of float32 (at most "
+                f"{_F32_MAX:.4g}), got {cap}"
+            )
         self.cap = float(cap)
 
     def __call__(self, score, b, h, q_idx, kv_idx):

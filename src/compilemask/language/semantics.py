@@ -288,7 +288,8 @@ def dense(
     Args:
         mask: any mask.
         q_len, kv_len: lengths (``kv_len`` None: the mask's own key length, else
-            ``q_offset + q_len``).
+            ``q_offset + q_len``; with one offset per batch row, ``max(q_offset) + q_len``
+            for every row, as :func:`compilemask.compile` builds it).
         batch, heads: sizes; they must equal ``mask.batch_count`` / ``mask.head_count`` when the
             mask depends on the batch row / head, and are ignored otherwise (it broadcasts).
         q_offset: where the query rows sit on the key axis: row ``i`` is position
@@ -325,6 +326,8 @@ def dense(
                 f"q_offset has {len(offsets)} rows but the mask is per_batch with {B} entries"
             )
         _check_size(batch, len(offsets), "batch", "per-row q_offset")
+        if kv_len is None:  # one key axis for every row, as compile builds it
+            kv_len = max(offsets) + _length(q_len, "q_len")
         rows = []
         for b, off in enumerate(offsets):
             one = dense(mask, q_len, kv_len, heads=heads, q_offset=off)

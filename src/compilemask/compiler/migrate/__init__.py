@@ -23,7 +23,7 @@ import logging
 import torch
 
 from ...errors import CompileMaskError
-from ..pipeline import positive_int, resolve_device, strict_bool
+from ..pipeline import check_plan_size, positive_int, resolve_device, strict_bool
 from ..plan import MaskPlan, outside_inference_mode
 from . import lift, modeval, plan_cache, trace
 from .blockmask import from_block_mask
@@ -140,6 +140,11 @@ def from_mask_mod(
     strict_bool(lifting, "lifting")
     strict_bool(cache, "cache")
     device = resolve_device(device)
+    if max(q_len, kv_len) > 2**31 - 1:
+        raise CompileMaskError(
+            f"q_len and kv_len must be below 2**31 (plans hold int32 token positions), got "
+            f"q_len={q_len}, kv_len={kv_len}"
+        )
     bh = [(b, h) for b in range(batch or 1) for h in range(heads or 1)]
     state, key = False, None
     if lifting:
@@ -149,11 +154,14 @@ def from_mask_mod(
             hit = plan_cache.get_pure(key)
             if hit is not None:
                 return hit
+        # before any work: a plan whose tile schedule cannot fit is refused, not evaluated
+        check_plan_size(1, q_len, kv_len, block_m, block_n, device)
         plan = lift.try_lift(
             mask_mod, q_len, kv_len, batch, heads, bh, block_m, block_n, device, state, cache
         )
         if plan is not None:
             return plan_cache.put_pure(key, plan)
+    check_plan_size(len(bh), q_len, kv_len, block_m, block_n, device)
     mode = modeval.choose_mode(mask_mod, q_len, kv_len, bh, device)
     call = modeval.evaluator(mask_mod, mode)
     rows = chunk_rows(kv_len, block_m, device)

@@ -19,7 +19,9 @@ the function's closure cells, defaults and the global names its code reads:
 Anything else has no key and is traced on every call: an object, a dict, a bound method,
 another module (``os.environ``, ``random``, a config module: what a trace reads from it would
 be frozen), another builtin (``getattr``, ``globals``), an attribute of a function or of a
-value other than a tensor, a function that writes a global or imports. A trace is kept only
+value other than a tensor, a Python attribute of a tensor (one that ``torch.Tensor`` does not
+define), a function, partial or tensor with attributes set on it (read through a local name
+they would be frozen), a function that writes a global or imports. A trace is kept only
 when it provably reads nothing but its leaves, and those only as inputs of the graph:
 
 * no tensor operation ran on real data while tracing (a dispatch mode counts them), and no
@@ -166,8 +168,12 @@ def _check_use(v, attrs) -> None:
     """Raise :class:`_NoKey` unless reading ``attrs`` of ``v`` (a global or closure value)
     gives the same thing whatever the call: a pure module's allowed names, or anything of a
     tensor (value reads of tensors are caught while tracing)."""
-    if not attrs or type(v) is torch.Tensor:
+    if not attrs:
         return
+    if type(v) is torch.Tensor:  # its methods and properties, not Python attributes of its own
+        if all(hasattr(torch.Tensor, a) for a in attrs):
+            return
+        raise _NoKey
     if isinstance(v, types.ModuleType):
         allowed = _PURE_MODULES.get(v.__name__, ())
         if allowed is None or (allowed and attrs <= allowed):
@@ -197,6 +203,8 @@ def _walk(v, leaves: list, depth: int):
     if t is float:
         return (t, repr(v))
     if t is torch.Tensor:
+        if v.__dict__:  # Python attributes set on it: a trace would freeze what it reads there
+            raise _NoKey
         same = next((i for i, x in enumerate(leaves) if x is v), -1)
         leaves.append(v)
         return ("tensor", v.dtype, v.dim(), v.device, same)
@@ -204,7 +212,9 @@ def _walk(v, leaves: list, depth: int):
         return (t, tuple(_walk(x, leaves, depth + 1) for x in v))
     if t is types.FunctionType:
         reads = _code_reads(v.__code__)
-        if reads is None:
+        # attributes set on the function (``cfg.window = 4`` on a function used as a settings
+        # holder): read through a local name they would be frozen into the trace
+        if reads is None or v.__dict__:
             raise _NoKey
         names, attrs = reads
         key = [v.__code__, _walk(v.__defaults__, leaves, depth + 1)]
@@ -228,6 +238,8 @@ def _walk(v, leaves: list, depth: int):
                 raise _NoKey
         return tuple(key)
     if t is functools.partial:
+        if getattr(v, "__dict__", None):  # attributes set on the partial, as on a function
+            raise _NoKey
         kw = v.keywords
         return ("partial", _walk(v.func, leaves, depth + 1), _walk(v.args, leaves, depth + 1),
                 tuple((k, _walk(kw[k], leaves, depth + 1)) for k in sorted(kw)))  # fmt: skip
