@@ -135,3 +135,14 @@ def test_dense_with_one_offset_per_row_takes_compiles_key_length():
     d = cm.dense(m, 32, q_offset=[1, 2])
     plan = cm.compile(m, 32, q_offset=[1, 2])
     assert d.shape == (2, 1, 32, 34) and torch.equal(plan.to_dense(), d)
+
+
+def test_from_mask_mod_takes_numpy_integers_and_0d_tensors_as_compile_does():
+    def window(b, h, q, kv):
+        return (q - kv < 4) & (kv <= q)
+
+    plan = cm.from_mask_mod(window, np.int64(64), block_m=np.int32(16), batch=torch.tensor(2))
+    assert (plan.q_len, plan.block_m) == (64, 16) and type(plan.q_len) is int
+    for bad in (True, 0, 2.0, torch.tensor(2.0)):
+        with pytest.raises(CompileMaskError, match="q_len must be a positive int"):
+            cm.from_mask_mod(window, bad)

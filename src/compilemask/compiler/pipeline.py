@@ -78,10 +78,13 @@ def forget_masks() -> None:
 
 
 def positive_int(value: object, name: str) -> int:
-    """``value`` if it is an int >= 1, else a :class:`CompileMaskError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as a Python int if it is an integer >= 1 (an int, a numpy integer or a 0-d
+    integer tensor; not a bool: :func:`~compilemask.language.values.integer_value`), else a
+    :class:`CompileMaskError` naming ``name``."""
+    number = integer_value(value)
+    if number is None or number < 1:
         raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return number
 
 
 def strict_bool(value: object, name: str) -> bool:

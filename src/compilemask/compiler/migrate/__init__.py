@@ -131,9 +131,8 @@ def from_mask_mod(
     """
     q_len = positive_int(q_len, "q_len")
     kv_len = q_len if kv_len is None else positive_int(kv_len, "kv_len")
-    for v, name in ((batch, "batch"), (heads, "heads")):
-        if v is not None:
-            positive_int(v, name)
+    batch = None if batch is None else positive_int(batch, "batch")
+    heads = None if heads is None else positive_int(heads, "heads")
     block_m, block_n = positive_int(block_m, "block_m"), positive_int(block_n, "block_n")
     if not callable(mask_mod):
         raise CompileMaskError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
