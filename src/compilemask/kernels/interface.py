@@ -180,21 +180,27 @@ def call_of(
     )  # fmt: skip
 
 
-def plain_attention_reason(call, backend: str, softcap_and_sinks: bool = False) -> str:
+def plain_attention_reason(
+    call, backend: str, softcap_and_sinks: bool = False, softcap: bool = False
+) -> str:
     """Why ``backend`` (one that runs plain masked attention only, in eager calls: no score
     modifiers, no sinks, ``Dv == Dqk``, not under ``torch.compile``) refuses ``call``, or ""
     when it does not; ``softcap_and_sinks=True``: the backend also runs a lone
-    :func:`~compilemask.score_mods.softcap` and sinks. Reads the fields with ``getattr`` so
-    calls built before they existed (``SimpleNamespace`` ones in tests) pass."""
+    :func:`~compilemask.score_mods.softcap` and sinks; ``softcap=True``: a lone softcap, no
+    sinks. Reads the fields with ``getattr`` so calls built before they existed
+    (``SimpleNamespace`` ones in tests) pass."""
     if torch.compiler.is_compiling():
         return under_compile_reason(backend)
     mod = getattr(call, "score_mod", None)
-    if softcap_and_sinks:
+    if softcap_and_sinks or softcap:
         if mod is not None and softcap_of(mod) is None:
+            runs = "softcap(cap) alone" + (" (and sinks)" if softcap_and_sinks else "")
             return (
-                f"the {backend} backend runs score_mod=softcap(cap) alone (and sinks), not "
-                f'{mod!r}; use backend="triton" or "reference"'
+                f"the {backend} backend runs score_mod={runs}, not {mod!r}; use "
+                'backend="triton" or "reference"'
             )
+        if softcap and getattr(call, "has_sinks", False):
+            return f'the {backend} backend has no sinks; use backend="triton" or "reference"'
     elif mod is not None or getattr(call, "has_sinks", False):
         return (
             f'the {backend} backend has no score modifiers or sinks; use backend="triton" or '

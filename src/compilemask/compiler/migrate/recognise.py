@@ -548,15 +548,10 @@ def _grid_op(name: str, args):
 
 
 def _op(name: str, target, args):
-    v = bh.op(name, target, args)
-    if v is None:
-        v = tiled.op(name, target, args)
-    if v is None:
-        v = prefix.op(name, target, args)
-    if v is None:
-        v = gym.op(name, target, args)
-    if v is not None:
-        return v
+    for forms in (bh, tiled, prefix, gym):  # the form modules' own operations first
+        v = forms.op(name, target, args)
+        if v is not None:
+            return v
     if name in ("floordiv", "floor_divide", "mod", "remainder") or (
         name not in _CMPS and any(isinstance(a, _GRID) for a in args)
     ):

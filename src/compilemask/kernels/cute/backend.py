@@ -160,11 +160,9 @@ class CuteBackend:
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether the kernel runs this call; (False, reason) otherwise. Reads no tensor data."""
-        why = plain_attention_reason(call, "cute", softcap_and_sinks=True)
+        why = plain_attention_reason(call, "cute", softcap=True)
         if why:
-            return False, why.replace("softcap(cap) alone (and sinks)", "softcap(cap) alone")
-        if getattr(call, "has_sinks", False):
-            return False, 'cute has no sinks; use backend="triton" or "reference"'
+            return False, why
 
         if call.requires_grad:
             return False, 'cute is forward only (no backward yet): use backend="triton"'
