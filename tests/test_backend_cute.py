@@ -298,9 +298,9 @@ def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
             lower(dense, 1, 1, 1)
 
 
-_ALIBI = __import__("compilemask").score_mods.as_score_mod(
-    __import__("compilemask").score_mods.alibi(torch.ones(2))
-)
+_SM = __import__("compilemask").score_mods
+_ALIBI = _SM.as_score_mod(_SM.alibi(torch.ones(2)))
+_TWO = _SM.as_score_mod([_SM.softcap(20.0), _SM.alibi(torch.ones(2))])
 
 
 def _call(**over):
@@ -318,7 +318,8 @@ def _call(**over):
         ({"requires_grad": True}, "forward only"),
         ({"device": torch.device("cpu")}, "CUDA"),
         ({"has_sinks": True}, "no sinks"),
-        ({"score_mod": _ALIBI}, "softcap(cap) alone"),
+        ({"score_mod": _TWO}, "alibi(slopes) alone"),
+        ({"score_mod": _ALIBI, "heads_q": 512, "heads_kv": 1}, "at most 256 query heads"),
     ],
 )
 def test_supports_names_the_reason(over, reason):
@@ -386,7 +387,7 @@ def test_disk_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     a = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda")
     b = disk_cache.entry_name(64, "bfloat16", 128, 128, "cuda")
     c = disk_cache.entry_name(128, "bfloat16", 128, 128, "cpu")
-    d = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda", softcap=True)
+    d = disk_cache.entry_name(128, "bfloat16", 128, 128, "cuda", "softcap")
     assert len({a, b, c, d}) == 4 and a.isidentifier() and d.isidentifier()
 
 
@@ -426,11 +427,12 @@ GPU_CASES = {
 
 
 def check_gpu_case(
-    name: str, head_dim: int = 128, dtype: torch.dtype = DT, softcap: float | None = None
-) -> str:
+    name: str, head_dim: int = 128, dtype: torch.dtype = DT, softcap: float | None = None,
+    alibi: bool = False,
+) -> str:  # fmt: skip
     """Run one case of :data:`GPU_CASES` on the GPU in ``dtype`` (``softcap``: with a lone
-    softcap modifier of that cap) and assert it matches the reference; returns a one-line
-    summary."""
+    softcap modifier of that cap; ``alibi``: with a lone ALiBi of the paper's slopes) and
+    assert it matches the reference; returns a one-line summary."""
     from compilemask import score_mods as sm
     from compilemask.kernels.reference import reference_attention
     from compilemask.testing import check_close
@@ -445,6 +447,8 @@ def check_gpu_case(
     )
     scale = head_dim**-0.5
     mod = None if softcap is None else sm.as_score_mod(sm.softcap(softcap))
+    if alibi:
+        mod = sm.as_score_mod(sm.alibi(sm.alibi_slopes(hq, device="cuda")))
     call = _call(
         batch=b, heads_q=hq, heads_kv=hkv, q_len=plan.q_len, kv_len=plan.kv_len,
         head_dim=head_dim, dtype=dtype, device=q.device, score_mod=mod,
@@ -471,7 +475,9 @@ def check_gpu_case(
     assert bool((out[~seen] == 0).all())
     if name == "empty_rows":
         assert bool((~seen).any())
-    return f"{name} d={head_dim} {dtype} softcap={softcap}: err {err:.3g} <= {bound:.3g}"
+    return (
+        f"{name} d={head_dim} {dtype} softcap={softcap} alibi={alibi}: err {err:.3g} <= {bound:.3g}"
+    )
 
 
 @pytest.mark.gpu
@@ -507,13 +513,25 @@ def test_cute_forward_softcap(name, cap):
         check_gpu_case(name, 64, torch.float16, softcap=cap)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _READY, reason=_WHY)
+@pytest.mark.parametrize("name", ["causal", "hstu", "clear", "empty_rows", "gqa"])
+def test_cute_forward_alibi(name):
+    """The ALiBi kernel (``s * scale + slope[h] (kv - q)`` before the mask; per query head
+    under GQA; rows that see nothing stay 0 / -inf) and its lse against the float64
+    reference with the same modifier."""
+    check_gpu_case(name, 128, alibi=True)
+    if name == "causal":
+        check_gpu_case(name, 64, torch.float16, alibi=True)
+
+
 _CHECK_IN_A_NEW_PROCESS = (
     "import sys\n"
     "sys.path.insert(0, {tests!r})\n"
     "from test_backend_cute import check_gpu_case\n"
     "from compilemask.kernels.cute import backend as cb\n"
     "print(check_gpu_case('hstu', 128))\n"
-    "print(cb.kernel_origins()[(128, 'bfloat16', 128, 128, 'cuda', False)])\n"
+    "print(cb.kernel_origins()[(128, 'bfloat16', 128, 128, 'cuda', '')])\n"
 )
 
 

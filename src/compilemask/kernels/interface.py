@@ -181,20 +181,23 @@ def call_of(
 
 
 def plain_attention_reason(
-    call, backend: str, softcap_and_sinks: bool = False, softcap: bool = False
+    call, backend: str, softcap_and_sinks: bool = False, softcap: bool = False, alibi=False
 ) -> str:
     """Why ``backend`` (one that runs plain masked attention only, in eager calls: no score
     modifiers, no sinks, ``Dv == Dqk``, not under ``torch.compile``) refuses ``call``, or ""
     when it does not; ``softcap_and_sinks=True``: the backend also runs a lone
     :func:`~compilemask.score_mods.softcap` and sinks; ``softcap=True``: a lone softcap, no
-    sinks. Reads the fields with ``getattr`` so calls built before they existed
+    sinks; ``alibi=True`` (with ``softcap=True``): a lone :func:`~compilemask.score_mods.alibi`
+    too. Reads the fields with ``getattr`` so calls built before they existed
     (``SimpleNamespace`` ones in tests) pass."""
     if torch.compiler.is_compiling():
         return under_compile_reason(backend)
     mod = getattr(call, "score_mod", None)
     if softcap_and_sinks or softcap:
-        if mod is not None and softcap_of(mod) is None:
+        lone = mod is None or softcap_of(mod) is not None or (alibi and alibi_of(mod) is not None)
+        if not lone:
             runs = "softcap(cap) alone" + (" (and sinks)" if softcap_and_sinks else "")
+            runs += " or alibi(slopes) alone" if alibi else ""
             return (
                 f"the {backend} backend runs score_mod={runs}, not {mod!r}; use "
                 'backend="triton" or "reference"'
@@ -223,6 +226,17 @@ def softcap_of(score_mod) -> float | None:
     stages = score_mod.stages() if hasattr(score_mod, "stages") else []
     if len(stages) == 1 and stages[0].kind == SOFTCAP:
         return stages[0].cap
+    return None
+
+
+def alibi_of(score_mod):
+    """The slopes of a modifier that is one :func:`~compilemask.score_mods.alibi` stage, else
+    None (any other modifier, or a composition)."""
+    from ..score_mods import ALIBI
+
+    stages = score_mod.stages() if hasattr(score_mod, "stages") else []
+    if len(stages) == 1 and stages[0].kind == ALIBI:
+        return stages[0].slopes
     return None
 
 

@@ -549,12 +549,15 @@ SYSTEMS: tuple[System, ...] = (
         _compilemask("fa4", "softcap"),
         score_mod="softcap",
     ),
-    System(
-        "compilemask-cute-softcap",
-        _all(_cuda, _backend_ok("cute")),
-        _compilemask("cute", "softcap"),
-        supports_bwd=False,
-        score_mod="softcap",
+    *(
+        System(
+            f"compilemask-cute-{mod}",
+            _all(_cuda, _backend_ok("cute")),
+            _compilemask("cute", mod),
+            supports_bwd=False,
+            score_mod=mod,
+        )
+        for mod in ("softcap", "alibi")
     ),
     System(
         "compilemask-reference", lambda: (True, ""), _compilemask("reference"), applies=_small_only

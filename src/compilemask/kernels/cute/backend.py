@@ -4,13 +4,14 @@ Forward only (a call that will run a backward is refused with that reason); sm90
 and fp16; head_dim 64 and 128; GQA (``Hq % Hkv == 0``); ``q_len != kv_len``; batch- and
 head-dependent plans; interval plans (a ``from_dense`` / ``from_mask_mod`` plan that stores
 bitmasks is refused); a lone :func:`~compilemask.score_mods.softcap` (``cap * tanh(s /
-cap)`` of the scaled score, a kernel of its own with the cap a runtime argument); no sinks,
-no other modifier. ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
+cap)`` of the scaled score, a kernel of its own with the cap a runtime argument) or a lone
+:func:`~compilemask.score_mods.alibi` (a kernel of its own, the slopes a runtime argument); no
+sinks, no other modifier. ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
 ``compilemask[cute]``) is imported on first use only.
 
 Costs paid once: per (plan, call shape) the lowering (:func:`.lower.lower`, cached on the
 plan; one host read per plan when it holds bitmask tiles, none otherwise); per
-``(head_dim, dtype, softcap or not)`` the ``cute.compile`` of the kernel (seconds), once per
+``(head_dim, dtype, modifier)`` the ``cute.compile`` of the kernel (seconds), once per
 machine: the compiled kernel is written to a disk cache
 (:mod:`.disk_cache`, ``$COMPILEMASK_CACHE_DIR/cute`` or ``~/.cache/compilemask/cute``) and a
 later process loads it from there (milliseconds). :func:`compile_seconds` and
@@ -30,20 +31,21 @@ import torch
 from ...compiler.plan import MaskPlan
 from ...errors import CompileMaskError
 from ..interface import (
+    alibi_of,
     plain_attention_reason,
     plan_fit_reason,
     same_device,
     softcap_of,
     under_compile_reason,
 )
-from .lower import CuteLowered, l2_kv_group, lower
+from .lower import ALIBI_MAX_HEADS, MODIFIERS, CuteLowered, l2_kv_group, lower
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
 HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 UNDER_COMPILE = under_compile_reason("cute")
 
-#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type, softcap)
+#: compiled kernels by (head_dim, dtype name, block_m, block_n, device type, modifier)
 _KERNELS: dict[tuple, object] = {}
 #: seconds the first call of each key spent getting its kernel (compiling or loading it)
 _COMPILE_SECONDS: dict[tuple, float] = {}
@@ -52,7 +54,7 @@ _ORIGINS: dict[tuple, str] = {}
 
 
 def compile_seconds() -> dict[tuple, float]:
-    """``{(head_dim, dtype, block_m, block_n, device_type, softcap): seconds}`` this process
+    """``{(head_dim, dtype, block_m, block_n, device_type, modifier): seconds}`` this process
     spent
     getting each kernel: ``cute.compile`` (and writing the disk cache), or loading it from the
     disk cache (see :func:`kernel_origins`). Later calls reuse the kernel."""
@@ -65,14 +67,14 @@ def kernel_origins() -> dict[tuple, str]:
 
 
 def _kernel(
-    head_dim: int, dtype_name: str, device_type: str, args: tuple, stream, softcap: bool = False
+    head_dim: int, dtype_name: str, device_type: str, args: tuple, stream, modifier: str = ""
 ):
-    """The kernel of ``(head_dim, dtype, softcap)`` for arguments on ``device_type``: from
+    """The kernel of ``(head_dim, dtype, modifier)`` for arguments on ``device_type``: from
     this process, else from the disk cache, else compiled on ``args`` (and stored)."""
     from . import disk_cache
     from . import forward_sm90 as fwd
 
-    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type, softcap)
+    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type, modifier)
     kernel = _KERNELS.get(key)
     if kernel is None:
         start = time.perf_counter()
@@ -80,7 +82,7 @@ def _kernel(
         kernel = disk_cache.load(name)
         origin = "disk"
         if kernel is None:
-            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream, softcap)
+            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream, modifier)
             disk_cache.store(kernel, name)
             origin = "compiled"
         _COMPILE_SECONDS[key] = time.perf_counter() - start
@@ -90,9 +92,10 @@ def _kernel(
 
 
 def precompile(
-    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None, softcap: bool = False
+    head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, device=None, modifier: str = ""
 ) -> float:
-    """Get the kernel of ``(head_dim, dtype)`` (``softcap``: the softcap kernel) into this
+    """Get the kernel of ``(head_dim, dtype)`` (``modifier``: ``"softcap"`` or ``"alibi"``
+    for the kernel of that score modifier, ``""`` the plain one) into this
     process and the disk cache without a call: compiled (or loaded) for arguments on
     ``device`` (default: CUDA when there is a GPU, else the CPU, which compiles a kernel for
     generic pointers, stored under its own name). Needs ``cutlass`` and
@@ -100,12 +103,15 @@ def precompile(
     the process had it already).
 
     Raises:
-        CompileMaskError: ``head_dim`` not 64 / 128 or ``dtype`` not bfloat16 / float16.
+        CompileMaskError: ``head_dim`` not 64 / 128, ``dtype`` not bfloat16 / float16 or
+            ``modifier`` not one of ``""``, ``"softcap"``, ``"alibi"``.
     """
     if head_dim not in HEAD_DIMS:
         raise CompileMaskError(f"head_dim must be one of {HEAD_DIMS}, not {head_dim!r}")
     if dtype not in _DTYPES:
         raise CompileMaskError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
+    if modifier not in MODIFIERS:
+        raise CompileMaskError(f"modifier must be one of {MODIFIERS}, not {modifier!r}")
     import cuda.bindings.driver as cuda
 
     from . import forward_sm90 as fwd
@@ -113,11 +119,11 @@ def precompile(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type, bool(softcap))
+    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type, modifier)
     if key in _KERNELS:
         return 0.0
     args = fwd.example_args(head_dim, _DTYPES[dtype], device)
-    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0), bool(softcap))
+    _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0), modifier)
     return _COMPILE_SECONDS[key]
 
 
@@ -160,12 +166,14 @@ class CuteBackend:
 
     def supports(self, plan: MaskPlan, call) -> tuple[bool, str]:
         """Whether the kernel runs this call; (False, reason) otherwise. Reads no tensor data."""
-        why = plain_attention_reason(call, "cute", softcap=True)
+        why = plain_attention_reason(call, "cute", softcap=True, alibi=True)
         if why:
             return False, why
 
         if call.requires_grad:
             return False, 'cute is forward only (no backward yet): use backend="triton"'
+        if alibi_of_call(call) is not None and call.heads_q > ALIBI_MAX_HEADS:
+            return False, f"cute's ALiBi kernel runs at most {ALIBI_MAX_HEADS} query heads"
         if call.device.type != "cuda":
             return False, f"cute runs on CUDA tensors, not {call.device.type}"
         if torch.cuda.get_device_capability(call.device) != (9, 0):
@@ -203,13 +211,23 @@ class CuteBackend:
         self, q, k, v, plan: MaskPlan, prepared: CuteLowered, scale: float, call, *,
         score_mod=None, sinks=None,
     ):  # fmt: skip
-        """``(out, lse)`` of a forward call with ``score_mod`` None or a lone softcap
-        (``supports`` refuses the rest, sinks and calls with gradients)."""
-        cap = softcap_of(score_mod) if score_mod is not None else None
-        return run_forward(q, k, v, prepared, scale, cap)
+        """``(out, lse)`` of a forward call with ``score_mod`` None, a lone softcap or a lone
+        ALiBi (``supports`` refuses the rest, sinks and calls with gradients)."""
+        if score_mod is None:
+            return run_forward(q, k, v, prepared, scale)
+        slopes = alibi_of(score_mod)
+        if slopes is not None:
+            return run_forward(q, k, v, prepared, scale, slopes=slopes)
+        return run_forward(q, k, v, prepared, scale, softcap_of(score_mod))
 
     def backward(self, *args, **kwargs):
         raise CompileMaskError('the cute backend is forward only: use backend="triton"')
+
+
+def alibi_of_call(call):
+    """The slopes of ``call``'s lone ALiBi modifier, else None."""
+    mod = getattr(call, "score_mod", None)
+    return None if mod is None else alibi_of(mod)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -236,11 +254,12 @@ def _kv_group(plan: MaskPlan, call) -> int | None:
     return l2_kv_group(call.batch, call.heads_kv, call.kv_len, kv_key, props.L2_cache_size)
 
 
-def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None = None):
+def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None = None, slopes=None):
     """Launch the kernel (compiled or loaded from disk on the first call of its
-    ``(head_dim, dtype, softcap or not)``) on ``low.num_ctas`` CTAs, with a zeroed int32
+    ``(head_dim, dtype, modifier)``) on ``low.num_ctas`` CTAs, with a zeroed int32
     entry counter per call (no host synchronisation). ``softcap``: the cap of a softcap
-    modifier (scores ``cap * tanh(s * scale / cap)``; lse of the capped scores)."""
+    modifier (scores ``cap * tanh(s * scale / cap)``; lse of the capped scores); ``slopes``:
+    ALiBi's ``[Hq]`` slopes (scores ``s * scale + slopes[h] (kv_idx - q_idx)``; lse of those)."""
     import cuda.bindings.driver as cuda
 
     from . import forward_sm90 as fwd
@@ -250,8 +269,12 @@ def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None =
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter, softcap)
+    modifier = "softcap" if softcap is not None else ""
+    if slopes is not None:
+        modifier = "alibi"
+        slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter, softcap, slopes)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream, softcap is not None)
+    kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream, modifier)
     kernel(*args, stream)
     return out, lse

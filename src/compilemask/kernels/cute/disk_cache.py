@@ -83,13 +83,13 @@ def entry_name(
     block_m: int,
     block_n: int,
     device_type: str,
-    softcap: bool = False,
+    modifier: str = "",
 ) -> str:
     """The file stem and exported symbol prefix of one kernel (a C identifier), e.g.
-    ``fwd_sm90_d128_bfloat16_128x128_cuda_<16 hex digits>`` (``..._softcap_cuda_...`` for the
-    softcap kernel)."""
-    cap = "_softcap" if softcap else ""
-    tag = f"fwd_sm90_d{head_dim}_{dtype_name}_{block_m}x{block_n}{cap}_{device_type}"
+    ``fwd_sm90_d128_bfloat16_128x128_cuda_<16 hex digits>`` (``..._softcap_cuda_...`` /
+    ``..._alibi_cuda_...`` for the kernels of those score modifiers)."""
+    mod = f"_{modifier}" if modifier else ""
+    tag = f"fwd_sm90_d{head_dim}_{dtype_name}_{block_m}x{block_n}{mod}_{device_type}"
     return f"{tag}_{fingerprint()[:16]}"
 
 

@@ -36,7 +36,17 @@ barriers ``SCHED_BARRIER + cw``), so the softmax of one runs while the GEMMs of 
 Registers per consumer thread: S 64, O 32 / 64 (head_dim 64 / 128), P 32 (16-bit), live
 together; the 240 of ``setmaxnreg`` hold it without spills (ptxas, sm_90a).
 
-Tensors (all with dynamic shapes and strides; one compiled kernel per (head_dim, dtype)):
+Score modifiers (one compiled kernel each, :data:`~.lower.MODIFIERS`): a lone softcap takes
+``tanh(s * scale / cap)`` before the mask and the softmax's exponent scale ``cap * log2 e``
+(with one tanh and one exp2 per score on the special-function unit, :data:`EXP2_FMA_OF_4` of
+the exp2 run on the FMA pipe instead, :func:`exp2_fma`); ALiBi holds S in log2 units from its
+first step (``s * scale * log2 e + slope * log2 e * (kv - q)``, two FMAs that both read S).
+The ALiBi kernel reads its slopes and each K stage's kv-tile from shared memory (the producer
+writes the kv-tile before the stage's full barrier): a global load among the consumers' GEMMs
+makes ptxas serialise the wgmma of bf16 at head_dim 128 (C7512 / C7519).
+
+Tensors (all with dynamic shapes and strides; one compiled kernel per (head_dim, dtype,
+modifier)):
 q ``(Nq, D, Hq, B)``, k ``(Nk, D, Hkv, B)``, v ``(D, Nk, Hkv, B)`` (views of our
 ``[B, H, N, D]`` tensors, D contiguous), out like q, lse ``(Nq, Hq, B)`` fp32.
 """
@@ -55,7 +65,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32, Uint64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .lower import BLOCK_M, BLOCK_N, columns_below, seen_from_word
+from .lower import ALIBI_MAX_HEADS, BLOCK_M, BLOCK_N, MODIFIERS, columns_below, seen_from_word
 
 WG_THREADS = 128
 ROWS_PER_WG = 64
@@ -74,6 +84,12 @@ SMEM_BYTES = 227 * 1024  # sm90's most shared memory per CTA
 LOG2E = math.log2(math.e)
 ACC = 4  # independent partial maxima / sums per row in the softmax
 LN2 = math.log(2.0)
+#: the softcap kernel: of every 4 consecutive columns of a thread, how many take their softmax
+#: exp2 on the FMA pipe (:func:`exp2_fma`) instead of the special-function unit, which then
+#: runs one tanh and one exp2 per score
+EXP2_FMA_OF_4 = 1
+#: 2^f on [-1/2, 1/2] as ``1 + f (c1 + f (c2 + f c3))`` (relative error below 2^-13)
+EXP2_POLY = (0.6932829022407532, 0.2422109991312027, 0.05500893294811249)
 
 
 def pairwise(values: list, op):
@@ -81,6 +97,69 @@ def pairwise(values: list, op):
     while len(values) > 1:
         values = [op(values[i], values[i + 1]) for i in range(0, len(values), 2)]
     return values[0]
+
+
+def _f32_hex(v: float) -> str:
+    """A float32 constant in PTX's hexadecimal form (``0f3F800000``)."""
+    import struct
+
+    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
+
+
+def _exp2_fma_ptx() -> str:
+    """PTX of ``$0 = 2^$1`` on the FMA pipe (:func:`exp2_fma`)."""
+    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
+    big = _f32_hex(12582912.0)  # 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
+    return (
+        "{ .reg .f32 xc, xr, j, f, p; .reg .b32 e, pb; "
+        f"max.NaN.f32 xc, $1, {_f32_hex(-127.0)}; add.rn.f32 xr, xc, {big}; "
+        f"sub.rn.f32 j, xr, {big}; sub.rn.f32 f, xc, j; fma.rn.f32 p, f, {c3}, {c2}; "
+        f"fma.rn.f32 p, p, f, {c1}; fma.rn.f32 p, p, f, {_f32_hex(1.0)}; mov.b32 e, xr; "
+        "shl.b32 e, e, 23; mov.b32 pb, p; add.s32 pb, pb, e; mov.b32 $0, pb; }"
+    )
+
+
+EXP2_FMA_PTX = _exp2_fma_ptx()
+
+
+@cutlass.dsl_user_op
+def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``2^x`` on the FMA pipe (Cody-Waite): ``x`` clamped below at -127 (NaN stays NaN),
+    ``j = rint(x)`` by adding ``1.5 * 2^23`` (the integer lands in the low mantissa bits),
+    ``f = x - j`` in [-1/2, 1/2], ``p = 1 + f (c1 + f (c2 + f c3))`` (:data:`EXP2_POLY`), and
+    ``2^x = bits(p) + (j << 23)``: ``x <= -127`` and ``-inf`` give +0.0 (``j = -127``,
+    ``p = 1``), ``x = 0`` gives 1 exactly. Valid for ``x <= 127`` (the softmax feeds it
+    ``x <= 0``). Its float32 twin is in ``tests/test_cute_exp2_fma.py``."""
+    from cutlass._mlir.dialects import llvm
+
+    return Float32(
+        llvm.inline_asm(
+            Float32.mlir_type,
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            EXP2_FMA_PTX,
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cutlass.dsl_user_op
+def fma_f32(a, b, c, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` rounded once (``fma.rn.f32``), so that no product of ``a`` and ``b``
+    exists on its own for the compiler to keep in a register across loop iterations."""
+    from cutlass._mlir.dialects import math as mlir_math
+
+    return Float32(
+        mlir_math.fma(
+            Float32(a).ir_value(loc=loc, ip=ip),
+            Float32(b).ir_value(loc=loc, ip=ip),
+            Float32(c).ir_value(loc=loc, ip=ip),
+            loc=loc,
+            ip=ip,
+        )
+    )
 
 
 @cute.jit
@@ -134,14 +213,19 @@ def bits_seen(bits: cute.Tensor, page: Int32, row: Int32, lane: Int32):
 class FlashFwdSm90:
     """The kernel for one ``(head_dim, dtype)``; ``__call__`` is the ``cute.jit`` host side."""
 
-    def __init__(self, head_dim: int, dtype, softcap: bool = False):
-        """``softcap``: the kernel that caps scores, ``s -> tanh(s * tanh_scale)`` before the
-        mask and the softmax (whose exponent scale is then ``cap * log2 e``)."""
+    def __init__(self, head_dim: int, dtype, modifier: str = ""):
+        """``modifier`` (:data:`MODIFIERS`): ``"softcap"``, the kernel that caps scores,
+        ``s -> tanh(s * tanh_scale)`` before the mask and the softmax (whose exponent scale is
+        then ``cap * log2 e``; :data:`EXP2_FMA_OF_4` of its exp2 on the FMA pipe); ``"alibi"``,
+        the kernel that adds ``slopes[hq] * (kv_idx - q_idx)`` to the scaled score before the
+        mask (indices in the plan's token order, as the other backends)."""
         assert head_dim in (64, 128)
         assert BLOCK_M == 2 * ROWS_PER_WG
+        assert modifier in MODIFIERS, modifier
         self.head_dim = head_dim
         self.dtype = dtype
-        self.softcap = softcap
+        self.softcap = modifier == "softcap"
+        self.alibi = modifier == "alibi"
         self.block_n = BLOCK_N
         self.threads = 3 * WG_THREADS
 
@@ -158,13 +242,15 @@ class FlashFwdSm90:
         row_lo: cute.Tensor,
         row_hi: cute.Tensor,
         bits: cute.Tensor,
+        slopes: cute.Tensor,
         scale_log2: Float32,
         tanh_scale: Float32,
         num_ctas: Int32,
         counter: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        """``counter``: the int32 ``[1]`` entry counter, zero at launch."""
+        """``counter``: the int32 ``[1]`` entry counter, zero at launch; ``slopes``: float32
+        ``[Hq]`` (ALiBi's; read by the ``"alibi"`` kernel only)."""
         D, N = self.head_dim, self.block_n
         dt = self.dtype
         k_major = warpgroup.OperandMajorMode.K
@@ -212,6 +298,10 @@ class FlashFwdSm90:
             kv_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
             # per Q stage: the work entry whose Q half it holds, -1 for "no more work"
             q_item: cute.struct.MemRange[Int32, Q_STAGES]
+            # the ALiBi kernel: per ring stage the kv-tile of the K tile it holds; the slopes
+            # times log2 e
+            kv_tile: cute.struct.MemRange[Int32, KV_STAGES]
+            slopes: cute.struct.MemRange[Float32, ALIBI_MAX_HEADS]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
@@ -221,7 +311,8 @@ class FlashFwdSm90:
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
-            work, tiles, row_lo, row_hi, bits, scale_log2, tanh_scale, sQ_layout, sK_layout,
+            work, tiles, row_lo, row_hi, bits, slopes, scale_log2, tanh_scale, sQ_layout,
+            sK_layout,
             sV_layout,
             sO_layout, counter,
         ).launch(
@@ -248,6 +339,7 @@ class FlashFwdSm90:
         row_lo: cute.Tensor,
         row_hi: cute.Tensor,
         bits: cute.Tensor,
+        slopes: cute.Tensor,
         scale_log2: Float32,
         tanh_scale: Float32,
         sQ_layout: cute.ComposedLayout,
@@ -272,14 +364,21 @@ class FlashFwdSm90:
             defer_sync=True,
         )
         _, q_cons = q_pipe.make_participants()  # the producer drives q_pipe itself
-        kv_prod, kv_cons = pipeline.PipelineTmaAsync.create(
+        kv_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.kv_bar.data_ptr(),
             num_stages=KV_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32),
             tx_count=self.kv_bytes,
             defer_sync=True,
-        ).make_participants()
+        )
+        kv_prod, kv_cons = kv_pipe.make_participants()
+        kv_tile = st.kv_tile.get_tensor(cute.make_layout(KV_STAGES))
+        slopes_s = st.slopes.get_tensor(cute.make_layout(ALIBI_MAX_HEADS))
+        if cutlass.const_expr(self.alibi):
+            heads = cutlass.min(slopes.shape[0], ALIBI_MAX_HEADS)
+            for h in cutlass.range(tidx, heads, self.threads):
+                slopes_s[h] = slopes[h] * Float32(LOG2E)
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sO = st.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -296,8 +395,9 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
                 self.produce(
-                    q_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work, tiles,
-                    row_lo, counter, st.q_item.get_tensor(cute.make_layout(Q_STAGES)),
+                    q_pipe, kv_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work,
+                    tiles, row_lo, counter, st.q_item.get_tensor(cute.make_layout(Q_STAGES)),
+                    kv_tile,
                 )  # fmt: skip
         else:
             # ------------------------------------------------------------ consumers
@@ -350,7 +450,7 @@ class FlashFwdSm90:
                     qh=qh, qk_mma=qk_mma, qk_mma_acc=qk_mma_acc, pv_mma=pv_mma, tSrQ=tSrQ,
                     tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
                     row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, tiles=tiles,
-                    tanh_scale=tanh_scale,
+                    tanh_scale=tanh_scale, slopes=slopes_s, hq=hq, kv_tile=kv_tile,
                     row_lo=row_lo, row_hi=row_hi, bits=bits, m=m, list0=list0, row0=row0,
                     tile_row0=tile_row0, row_cap=row_cap, lane=lane, cw=cw,
                 )  # fmt: skip
@@ -366,8 +466,10 @@ class FlashFwdSm90:
                 if cw == 0:
                     q_cons.advance()
                 q_cons.advance()
+                # the ALiBi kernel's row max is in log2 units already
+                lse_scale = Float32(1.0) if self.alibi else scale_log2
                 self.epilogue(
-                    acc_o, row_max, row_sum, scale_log2, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
+                    acc_o, row_max, row_sum, lse_scale, pv_mma, tma_o, tO, sO, mLSE, b, hq, qt,
                     cw, row0, q_len, wtid, lane,
                 )  # fmt: skip
                 if cw == 1:
@@ -378,8 +480,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def produce(
-        self, q_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work, tiles, row_lo,
-        counter, q_item,
+        self, q_pipe, kv_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work,
+        tiles, row_lo, counter, q_item, kv_tile,
     ):  # fmt: skip
         """The producer warp: work entries in list order from the global
         ``counter`` (CTA ``c`` starts with entry ``c``, then takes ``grid + atomicAdd(counter,
@@ -399,6 +501,7 @@ class FlashFwdSm90:
         num_work = work.shape[0]
         group = tQ.shape[2] // tK.shape[2]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         item = bidx
         live = Int32(1)
         while live > 0:
@@ -433,9 +536,10 @@ class FlashFwdSm90:
                         tma_q, tQg[None, qt * 2 + half], tQs[None, stage],
                         tma_bar_ptr=q_pipe.sync_object_full.get_barrier(stage),
                     )  # fmt: skip
-                kv_prod = self.load_kv(
-                    kv_prod, tma_k, tK, tma_v, tV, sK, sV, tiles, b, hk, list0, n
-                )
+                kv_prod, kv_state = self.load_kv(
+                    kv_pipe, kv_prod, kv_state, tma_k, tK, tma_v, tV, sK, sV, tiles, b, hk,
+                    list0, n, kv_tile,
+                )  # fmt: skip
                 nxt = Int32(0)
                 if lane == 0:
                     nxt = cute.arch.atomic_add(counter.iterator, Int32(1))
@@ -444,9 +548,15 @@ class FlashFwdSm90:
                 live = Int32(0)
 
     @cute.jit
-    def load_kv(self, kv_prod, tma_k, tK, tma_v, tV, sK, sV, tiles, b, hk, list0, n):
+    def load_kv(
+        self, kv_pipe, kv_prod, kv_state, tma_k, tK, tma_v, tV, sK, sV, tiles, b, hk, list0, n,
+        kv_tile,
+    ):  # fmt: skip
         """TMA loads of K and V of the ``n`` kv-tiles ``tiles[list0 + i, 0]`` of kv head ``hk``
-        of batch row ``b`` into the ring (K then V per kv-tile)."""
+        of batch row ``b`` into the ring (K then V per kv-tile). The ALiBi kernel also writes
+        each K stage's kv-tile into ``kv_tile[stage]``: after the stage's empty wait, before
+        the arrive on its full barrier (as for ``q_item``), so a consumer that saw the stage
+        full reads it (``kv_state``: the ring's producer state, in step with ``kv_prod``'s)."""
         D, N = self.head_dim, self.block_n
         gK = cute.local_tile(tK[None, None, hk, b], (N, D), (None, 0))
         tKs, tKg = cpasync.tma_partition(
@@ -460,11 +570,22 @@ class FlashFwdSm90:
         )  # fmt: skip
         for i in cutlass.range(n, unroll=1):
             kt = tiles[list0 + i, 0]
-            h = kv_prod.acquire_and_advance()
-            cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
+            if cutlass.const_expr(self.alibi):  # the K stage acquired by hand, as q_item's
+                kv_pipe.sync_object_empty.wait(kv_state.index, kv_state.phase)
+                bar = kv_pipe.sync_object_full.get_barrier(kv_state.index)
+                with cute.arch.elect_one():
+                    kv_tile[kv_state.index] = kt
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, self.kv_bytes)
+                cute.copy(tma_k, tKg[None, kt], tKs[None, kv_state.index], tma_bar_ptr=bar)
+                kv_prod.advance()
+            else:
+                h = kv_prod.acquire_and_advance()
+                cute.copy(tma_k, tKg[None, kt], tKs[None, h.index], tma_bar_ptr=h.barrier)
             h = kv_prod.acquire_and_advance()
             cute.copy(tma_v, tVg[None, kt], tVs[None, h.index], tma_bar_ptr=h.barrier)
-        return kv_prod
+            kv_state.advance()
+            kv_state.advance()
+        return kv_prod, kv_state
 
     @cute.jit
     def qk_gemm(self, ts, acc_s, k_stage):
@@ -487,10 +608,13 @@ class FlashFwdSm90:
             )  # fmt: skip
 
     @cute.jit
-    def softmax(self, masked: cutlass.Constexpr, acc_s, seen, ts):
+    def softmax(self, masked: cutlass.Constexpr, acc_s, seen, ts, col0):
         """(Mask,) online softmax of S in place (S becomes P), row max / sum updated,
         ``ts.corr[r]`` the factor that rescales the O of the old max. ``seen``: the rows'
-        visibility words of the tile (:meth:`mask_seen`) when ``masked``, else None."""
+        visibility words of the tile (:meth:`mask_seen`) when ``masked``, else None;
+        ``col0``: the thread's first key column in the tile (:meth:`tile_col0`; the ALiBi
+        kernel's, None otherwise). The ALiBi kernel holds S in log2 units from its first
+        step on (scale and bias in one FMA), so its max, sum and exponents take no scale."""
         N = self.block_n
         # (row, col) view of the wgmma accumulator: per thread 2 rows x N/4 columns
         s_mn = cute.make_tensor(acc_s.iterator, self.mn_layout(N))
@@ -498,6 +622,17 @@ class FlashFwdSm90:
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(N // 4):
                     s_mn[r, c] = cute.math.tanh(s_mn[r, c] * ts.tanh_scale, fastmath=True)
+        if cutlass.const_expr(self.alibi):  # s * scale + slope (kv - q), in log2 units
+            # the slope and the column are loaded here, not kept in registers across the
+            # item: two more live registers serialise the wgmma of bf16 at head_dim 128
+            slope = ts.slopes[ts.hq]
+            for r in cutlass.range_constexpr(2):
+                bias = slope * Float32(col0 - (ts.row0 + 8 * r))
+                for c in cutlass.range_constexpr(N // 4):
+                    # both steps read S: no bias term is made before the S GEMM's wait
+                    x = fma_f32(s_mn[r, c], ts.scale_log2, bias)
+                    s_mn[r, c] = fma_f32(Float32(8 * (c // 2) + c % 2), slope, x)
+        unit = cutlass.const_expr(self.alibi)  # S in log2 units already
         if cutlass.const_expr(masked):
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(N // 4):
@@ -515,12 +650,25 @@ class FlashFwdSm90:
             base = mx
             if mx == -Float32.inf:
                 base = Float32(0.0)
-            corr = cute.math.exp2((ts.row_max[r] - base) * ts.scale_log2, fastmath=True)
+            if cutlass.const_expr(unit):
+                corr = cute.math.exp2(ts.row_max[r] - base, fastmath=True)
+            else:
+                corr = cute.math.exp2((ts.row_max[r] - base) * ts.scale_log2, fastmath=True)
             ts.row_max[r] = mx
-            shift = base * ts.scale_log2
+            if cutlass.const_expr(unit):
+                shift = base
+            else:
+                shift = base * ts.scale_log2
             part = [Float32(0.0)] * ACC
             for c in cutlass.range_constexpr(N // 4):
-                p = cute.math.exp2(s_mn[r, c] * ts.scale_log2 - shift, fastmath=True)
+                if cutlass.const_expr(unit):
+                    x = s_mn[r, c] - shift
+                else:
+                    x = s_mn[r, c] * ts.scale_log2 - shift
+                if cutlass.const_expr(self.softcap and c % 4 >= 4 - EXP2_FMA_OF_4):
+                    p = exp2_fma(x)
+                else:
+                    p = cute.math.exp2(x, fastmath=True)
                 s_mn[r, c] = p
                 part[c % ACC] = part[c % ACC] + p
             total = pairwise(part, lambda x, y: x + y)
@@ -540,11 +688,12 @@ class FlashFwdSm90:
         if nf == 0:  # PARTIAL: its mask is read while the S GEMM runs
             seen0, seen1 = self.mask_seen(Int32(0), ts)
         warpgroup.wait_group(0)
+        col0 = self.tile_col0(kh, ts)
         kh.release()
         if nf > 0:
-            self.softmax(False, acc_s, None, ts)
+            self.softmax(False, acc_s, None, ts, col0)
         else:
-            self.softmax(True, acc_s, (seen0, seen1), ts)
+            self.softmax(True, acc_s, (seen0, seen1), ts, col0)
         # P as the A operand of the PV wgmma (16-bit: same element order as the accumulator)
         ts.rP.store(acc_s.load().to(self.dtype))
         return kv_cons
@@ -583,8 +732,9 @@ class FlashFwdSm90:
             if cutlass.const_expr(masked):  # the mask's loads do not wait for S
                 seen = self.mask_seen(i, ts)
             warpgroup.wait_group(1)
+            col0 = self.tile_col0(kh, ts)
             kh.release()
-            self.softmax(masked, acc_s, seen, ts)
+            self.softmax(masked, acc_s, seen, ts, col0)
             warpgroup.wait_group(0)
             vh.release()
             for r in cutlass.range_constexpr(2):
@@ -614,6 +764,16 @@ class FlashFwdSm90:
     def a_layout(n: int):
         """The accumulator's registers as the wgmma A operand ``((2, 2, 2), 1, n/16)``."""
         return cute.make_layout(((2, 2, 2), 1, n // 16), stride=((1, 2, 4), 0, 8))
+
+    @cute.jit
+    def tile_col0(self, kh, ts):
+        """The ALiBi kernel: the thread's first key column in the tile whose K stage ``kh``
+        holds (``kt * N + 2 (lane % 4)``, ``kt`` from ``kv_tile``, read before the stage is
+        released); None in the other kernels."""
+        col0 = None
+        if cutlass.const_expr(self.alibi):
+            col0 = ts.kv_tile[kh.index] * self.block_n + 2 * (ts.lane % 4)
+        return col0
 
     @cute.jit
     def mask_seen(self, i: Int32, ts):
@@ -694,14 +854,16 @@ _TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 def kernel_args(
-    q, k, v, out, lse, low, scale: float, num_ctas: int, counter, softcap: float | None = None
-):
+    q, k, v, out, lse, low, scale: float, num_ctas: int, counter, softcap: float | None = None,
+    slopes=None,
+):  # fmt: skip
     """The kernel's arguments from torch tensors: q, out ``[B, Hq, Nq, D]``, k, v
     ``[B, Hkv, Nk, D]`` (D contiguous, 16-byte aligned), lse fp32 ``[B, Hq, Nq]`` and the
     lowered plan ``low`` (:class:`~.lower.CuteLowered`); ``counter``: a zeroed int32 ``[1]``
     tensor (the CTAs' entry counter). ``softcap``: the cap of the softcap kernel (scores
     ``cap * tanh(s * scale / cap)``: the kernel takes ``tanh(s * scale / cap)`` and the
-    exponent scale ``cap * log2 e``), None for the plain one."""
+    exponent scale ``cap * log2 e``), None for the others. ``slopes``: the ALiBi kernel's
+    float32 ``[Hq]`` slopes (contiguous, on q's device), None for the others."""
     from cutlass.cute.runtime import from_dlpack
 
     def dyn(t, leading):
@@ -716,6 +878,15 @@ def kernel_args(
             ints(t)
             for t in (low.work, low.tiles.view(-1, 4), low.row_lo, low.row_hi, low.bits)
         )  # fmt: skip
+    if slopes is None:  # the other kernels take a placeholder they do not read
+        slope_view = low.kernel_views.get("no_slopes")
+        if slope_view is None:
+            import torch
+
+            none = torch.zeros(1, dtype=torch.float32, device=low.work.device)
+            slope_view = low.kernel_views["no_slopes"] = from_dlpack(none, assumed_align=4)
+    else:
+        slope_view = from_dlpack(slopes, assumed_align=4)
     return (
         dyn(q.permute(2, 3, 1, 0), 1),
         dyn(k.permute(2, 3, 1, 0), 1),
@@ -723,6 +894,7 @@ def kernel_args(
         dyn(out.permute(2, 3, 1, 0), 1),
         from_dlpack(lse.permute(2, 1, 0), assumed_align=4).mark_layout_dynamic(leading_dim=0),
         *plan_views,
+        slope_view,
         Float32((scale if softcap is None else softcap) * LOG2E),
         Float32(1.0 if softcap is None else scale / softcap),
         Int32(num_ctas), from_dlpack(counter, assumed_align=4),
@@ -754,10 +926,8 @@ def example_args(head_dim: int, dtype_name: str, device) -> tuple:
     return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1, ints(1))
 
 
-def compile_forward(
-    head_dim: int, dtype_name: str, example_args: tuple, stream, softcap: bool = False
-):
-    """``cute.compile`` of :class:`FlashFwdSm90` for ``(head_dim, dtype, softcap)`` on
+def compile_forward(head_dim: int, dtype_name: str, example_args: tuple, stream, modifier=""):
+    """``cute.compile`` of :class:`FlashFwdSm90` for ``(head_dim, dtype, modifier)`` on
     ``example_args`` (from :func:`kernel_args`; only their types and ranks matter)."""
-    kernel = FlashFwdSm90(head_dim, _TORCH_TO_CUTLASS[dtype_name], softcap)
+    kernel = FlashFwdSm90(head_dim, _TORCH_TO_CUTLASS[dtype_name], modifier)
     return cute.compile(kernel, *example_args, stream)

@@ -63,6 +63,10 @@ from ..triton.schedule import split_full_first
 #: the kernel's tile: query rows per CTA (2 consumer warpgroups x 64) and keys per kv-tile
 BLOCK_M = 128
 BLOCK_N = 128
+#: the kernels by score modifier: none, a lone softcap, a lone ALiBi
+MODIFIERS = ("", "softcap", "alibi")
+#: the ALiBi kernel keeps the slopes in shared memory: at most this many query heads
+ALIBI_MAX_HEADS = 256
 
 
 @dataclass(frozen=True)
