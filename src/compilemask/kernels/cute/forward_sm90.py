@@ -65,6 +65,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32, Uint64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .exp2 import exp2_fma_ptx
 from .lower import ALIBI_MAX_HEADS, BLOCK_M, BLOCK_N, MODIFIERS, columns_below, seen_from_word
 
 WG_THREADS = 128
@@ -88,8 +89,6 @@ LN2 = math.log(2.0)
 #: exp2 on the FMA pipe (:func:`exp2_fma`) instead of the special-function unit, which then
 #: runs one tanh and one exp2 per score
 EXP2_FMA_OF_4 = 1
-#: 2^f on [-1/2, 1/2] as ``1 + f (c1 + f (c2 + f c3))`` (relative error below 2^-13)
-EXP2_POLY = (0.6932829022407532, 0.2422109991312027, 0.05500893294811249)
 
 
 def pairwise(values: list, op):
@@ -99,37 +98,13 @@ def pairwise(values: list, op):
     return values[0]
 
 
-def _f32_hex(v: float) -> str:
-    """A float32 constant in PTX's hexadecimal form (``0f3F800000``)."""
-    import struct
-
-    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
-
-
-def _exp2_fma_ptx() -> str:
-    """PTX of ``$0 = 2^$1`` on the FMA pipe (:func:`exp2_fma`)."""
-    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
-    big = _f32_hex(12582912.0)  # 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
-    return (
-        "{ .reg .f32 xc, xr, j, f, p; .reg .b32 e, pb; "
-        f"max.NaN.f32 xc, $1, {_f32_hex(-127.0)}; add.rn.f32 xr, xc, {big}; "
-        f"sub.rn.f32 j, xr, {big}; sub.rn.f32 f, xc, j; fma.rn.f32 p, f, {c3}, {c2}; "
-        f"fma.rn.f32 p, p, f, {c1}; fma.rn.f32 p, p, f, {_f32_hex(1.0)}; mov.b32 e, xr; "
-        "shl.b32 e, e, 23; mov.b32 pb, p; add.s32 pb, pb, e; mov.b32 $0, pb; }"
-    )
-
-
-EXP2_FMA_PTX = _exp2_fma_ptx()
+EXP2_FMA_PTX = exp2_fma_ptx()
 
 
 @cutlass.dsl_user_op
 def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``2^x`` on the FMA pipe (Cody-Waite): ``x`` clamped below at -127 (NaN stays NaN),
-    ``j = rint(x)`` by adding ``1.5 * 2^23`` (the integer lands in the low mantissa bits),
-    ``f = x - j`` in [-1/2, 1/2], ``p = 1 + f (c1 + f (c2 + f c3))`` (:data:`EXP2_POLY`), and
-    ``2^x = bits(p) + (j << 23)``: ``x <= -127`` and ``-inf`` give +0.0 (``j = -127``,
-    ``p = 1``), ``x = 0`` gives 1 exactly. Valid for ``x <= 127`` (the softmax feeds it
-    ``x <= 0``). Its float32 twin is in ``tests/test_cute_exp2_fma.py``."""
+    """``2^x`` on the FMA pipe (:mod:`.exp2`: Cody-Waite and a cubic; -inf gives +0.0,
+    0 gives 1 exactly)."""
     from cutlass._mlir.dialects import llvm
 
     return Float32(
