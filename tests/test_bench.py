@@ -37,7 +37,8 @@ def test_system_names_are_the_design_names():
         "flex-fa4", "cudnn-fe", "fa4", "sdpa-cudnn", "sdpa-flash",
         "compilemask-triton-softcap", "flex-triton-softcap", "compilemask-triton-alibi",
         "flex-triton-alibi", "compilemask-fa4-softcap", "compilemask-cute-softcap",
-        "compilemask-cute-alibi",
+        "compilemask-cute-alibi", "compilemask-cute+triton-softcap",
+        "compilemask-cute+triton-alibi",
         "compilemask-reference",
     )  # fmt: skip
     tiled = next(s for s in bench.SYSTEMS if s.name == "compilemask-triton-tiled")

@@ -71,6 +71,19 @@ def test_softcap_alone_causal():
     _check(plan, lambda t: sm.softcap(5.0), [], sinks=torch.randn(H))
 
 
+@pytest.mark.parametrize("mod", ["softcap", "alibi"])
+def test_cute_forward_with_the_triton_backward(mod):
+    """``cute+triton``: the cute kernel's forward (lse of the modified scores) with the Triton
+    backward's gradients, on hstu's short rows and causal's long ones."""
+    ok, why = cm.kernels.registry.get("cute+triton").available()
+    if not ok:
+        pytest.skip(why)
+    slopes = sm.alibi_slopes(H, "cuda")
+    make = (lambda t: sm.softcap(20.0)) if mod == "softcap" else (lambda t: sm.alibi(slopes))
+    for mask, n in ((cm.masks.causal(), N), (cm.masks.hstu([1000, 600, 448], [40, 30, 20]), None)):
+        _check(cm.compile(mask, n, device="cuda"), make, [], backend="cute+triton")
+
+
 def test_learnable_relative_bias_and_bias_sliding_window():
     plan = cm.compile(cm.masks.sliding_window(256), N, device="cuda")
     table = torch.randn(H, 32) * 0.5

@@ -116,3 +116,69 @@ def test_cudnn_triton_pair_is_refused_with_cudnn_s_reason_without_it():
     q = torch.randn(1, 2, 16, 32)
     with pytest.raises(InputError, match=r"cudnn\+triton"):
         cm.attention(q, q, q, plan, backend="cudnn+triton")
+
+
+class _ReferenceModdedForward(_ReferenceForward):
+    """The reference's forward with score modifiers and sinks (``attend``, no backward)."""
+
+    name = "refmod"
+
+    def attend(self, q, k, v, plan, prepared, scale, call, *, score_mod=None, sinks=None):
+        assert not call.requires_grad  # the split backend asks for a forward alone
+        out, lse = reference_attention(
+            q.detach(), k.detach(), v.detach(), plan, scale, compute_dtype=torch.float32,
+            score_mod=score_mod, sinks=None if sinks is None else sinks.detach(),
+        )  # fmt: skip
+        return out.to(q.dtype), lse.float()
+
+
+@pytest.fixture
+def modded_split():
+    backend = SplitBackend(_ReferenceModdedForward(), registry.get("triton"))
+    registry.register(backend)
+    yield backend
+    registry._BACKENDS.pop(backend.name, None)
+
+
+@pytest.mark.parametrize("kind", ["softcap", "alibi", "relative_bias+sinks"])
+def test_split_with_a_score_modifier_gives_the_reference_gradients(modded_split, kind):
+    """The forward half's out and lse of the modified scores, the Triton backward's gradients
+    of q, k, v, a learnable table and the sinks: the float64 reference's."""
+    sm = cm.score_mods
+    plan = cm.compile(M.hstu([40, 30, 26], [6, 4, 2]))
+    g = torch.Generator().manual_seed(1)
+    dt = torch.float16
+    q = torch.randn(1, 4, plan.q_len, 32, generator=g).to(dt)
+    k, v = (torch.randn(1, 2, plan.kv_len, 32, generator=g).to(dt) for _ in range(2))
+    do = torch.randn(q.shape, generator=g).to(dt)
+    table = (0.3 * torch.randn(4, 8, generator=g)).requires_grad_()
+    sinks = torch.randn(4, generator=g).requires_grad_() if "sinks" in kind else None
+    mod = {
+        "softcap": lambda: sm.softcap(2.0),
+        "alibi": lambda: sm.alibi(sm.alibi_slopes(4)),
+        "relative_bias+sinks": lambda: sm.relative_bias(table, 8, 16, True),
+    }[kind]()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cm.attention(*leaves, plan, backend="refmod+triton", score_mod=mod, sinks=sinks)
+    out.backward(do)
+    got = [t.grad for t in leaves] + ([table.grad] if "relative" in kind else [])
+    got += [sinks.grad] if sinks is not None else []
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    table64 = table.detach().double().requires_grad_()
+    sinks64 = None if sinks is None else sinks.detach().double().requires_grad_()
+    mod64 = sm.relative_bias(table64, 8, 16, True) if "relative" in kind else mod
+    out64 = cm.attention(*ref, plan, backend="reference", score_mod=mod64, sinks=sinks64)
+    out64.backward(do.double())
+    want = [t.grad for t in ref] + ([table64.grad] if "relative" in kind else [])
+    want += [sinks64.grad] if sinks is not None else []
+    torch.testing.assert_close(out.detach().double(), out64.detach(), rtol=0, atol=5e-3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=3e-2 * max(1.0, b.abs().max()))
+
+
+def test_cute_triton_pair_is_registered_and_names_cute_without_it():
+    pair = registry.get("cute+triton")
+    assert isinstance(pair, SplitBackend)
+    ok, why = pair.available()
+    if not ok:
+        assert why.startswith("cute: ")

@@ -379,6 +379,8 @@ def _register_builtin() -> None:
     register(CuteBackend())  # imports cutlass (nvidia-cutlass-dsl) on first use only
     # cuDNN-frontend's forward with the Triton backward (kernels/split.py)
     register(SplitBackend(_BACKENDS["cudnn"], triton))
+    # our CuTe-DSL forward (softcap and ALiBi too) with the Triton backward
+    register(SplitBackend(_BACKENDS["cute"], triton))
 
 
 _register_builtin()

@@ -10,10 +10,16 @@ gradients of the forward that produced them, whichever kernel that was; each reg
 is checked against the float64 reference, forward and gradients, with rows that see no key
 (``tests/test_backends_gpu.py``; ``tests/test_split_backend.py`` on the CPU).
 
+Score modifiers and sinks: where the forward backend runs them in its ``attend`` and the
+backward backend has ``attend_after`` (the Triton one), the call runs the forward half's
+``attend`` (lse of the modified scores) inside the backward half's autograd function, which
+gives the gradients of q, k, v, the sinks and the modifier's learnable tensors.
+
 Registered pairs are named ``"<forward>+<backward>"`` (``"cudnn+triton"``: cuDNN-frontend's
 forward, whose per-call cost is the lowest of ours at 1K, with the Triton backward, the
-faster backward there). ``backend="auto"`` uses a pair where a measured row of its table says
-so (``registry.AUTO_TABLE``); an explicit name runs it like any backend.
+faster backward there; ``"cute+triton"``: our CuTe-DSL forward, with softcap or ALiBi
+too, with the Triton backward). ``backend="auto"`` uses a pair where a measured row of its
+table says so (``registry.AUTO_TABLE``); an explicit name runs it like any backend.
 """
 
 from __future__ import annotations
@@ -81,6 +87,12 @@ class SplitBackend:
         ok, why = self.forward_backend.supports(plan, self._forward_call(call))
         if not ok:
             return False, f"{self.forward_backend.name} (forward): {why}"
+        modded = call.score_mod is not None or call.has_sinks
+        if modded and call.requires_grad:
+            if not hasattr(self.backward_backend, "attend_after"):
+                return False, f"{self.backward_backend.name} (backward) takes no other forward"
+            if not hasattr(self.forward_backend, "attend"):
+                return False, f"{self.forward_backend.name} (forward) runs no score_mod"
         if call.requires_grad:
             ok, why = self.backward_backend.supports(plan, call)
             if not ok:
@@ -101,6 +113,37 @@ class SplitBackend:
 
         opts = forward_options(self.forward_backend, need_lse)
         return self.forward_backend.forward(q, k, v, plan, prepared.forward, scale, **opts)
+
+    def attend(
+        self, q, k, v, plan, prepared: SplitPrepared, scale: float, call: AttentionCall, *,
+        score_mod=None, sinks=None,
+    ):  # fmt: skip
+        """``(out, lse)`` with gradients. Without a modifier or sinks, as any backend with a
+        ``forward`` and a ``backward`` (``autograd.BackendAttention``); with them, the forward
+        half's ``attend`` (a forward-only call) inside the backward half's ``attend_after``
+        when a backward will run, alone otherwise."""
+        from .registry import forward_options
+
+        if score_mod is None and sinks is None:
+            if call.requires_grad:
+                from ..api.autograd import BackendAttention
+
+                return BackendAttention.apply(q, k, v, self, plan, prepared, scale)
+            opts = forward_options(self, call.return_lse)
+            return self.forward(q, k, v, plan, prepared, scale, **opts)
+        fwd_call = self._forward_call(call)
+
+        def forward(q, k, v):
+            return self.forward_backend.attend(
+                q, k, v, plan, prepared.forward, scale, fwd_call, score_mod=score_mod,
+                sinks=sinks,
+            )  # fmt: skip
+
+        if not call.requires_grad:
+            return forward(q, k, v)
+        return self.backward_backend.attend_after(
+            forward, q, k, v, plan, prepared.backward, scale, score_mod=score_mod, sinks=sinks
+        )
 
     def backward(self, q, k, v, out, lse, dout, plan, prepared: SplitPrepared, scale: float):
         """The backward half's ``(dq, dk, dv)`` from the forward half's ``out`` and ``lse``."""

@@ -559,6 +559,15 @@ SYSTEMS: tuple[System, ...] = (
         )
         for mod in ("softcap", "alibi")
     ),
+    *(
+        System(
+            f"compilemask-cute+triton-{mod}",
+            _all(_cuda, _backend_ok("cute+triton")),
+            _compilemask("cute+triton", mod),
+            score_mod=mod,
+        )
+        for mod in ("softcap", "alibi")
+    ),
     System(
         "compilemask-reference", lambda: (True, ""), _compilemask("reference"), applies=_small_only
     ),

@@ -552,6 +552,18 @@ class TritonBackend:
             p.mask_stride_b, p.mask_stride_h, p.config, p.bwd_config,
         )  # fmt: skip
 
+    def attend_after(
+        self, forward, q, k, v, plan, p: TritonPrepared, scale: float, *, score_mod=None,
+        sinks=None,
+    ):  # fmt: skip
+        """``(out, lse)`` of ``forward(q, k, v)`` (another backend's forward with the same
+        ``score_mod`` and ``sinks``: lse of the modified scores) with this backend's backward
+        (``modded.ModdedAttention``, eager calls): what ``SplitBackend`` runs for modifiers."""
+        from .modded import modded_attention
+
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        return modded_attention(q, k, v, plan, p, scale, score_mod, sinks, forward)
+
     def forward(self, q, k, v, plan, p: TritonPrepared, scale: float, need_lse: bool = True):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return _attention_fwd_impl(

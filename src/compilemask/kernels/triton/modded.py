@@ -28,10 +28,13 @@ _N_BWD = _N_DKDV + len(FWD_SCHEDULE_FIELDS)
 
 
 class _Args:
-    """The non-tensor arguments of one call (plan tensors, configurations, the modifier)."""
+    """The non-tensor arguments of one call (plan tensors, configurations, the modifier, and
+    ``forward``: another backend's forward ``(q, k, v) -> (out, lse)`` with the same modifier,
+    or None for the Triton forward)."""
 
-    def __init__(self, plan, prepared, scale, score_mod):
+    def __init__(self, plan, prepared, scale, score_mod, forward=None):
         self.plan, self.p, self.scale, self.score_mod = plan, prepared, scale, score_mod
+        self.forward = forward
 
 
 @contextlib.contextmanager
@@ -72,12 +75,16 @@ class ModdedAttention(torch.autograd.Function):
         fast = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
         mods = pack(args.score_mod, Nq, Nk, q.device, fast) if args.score_mod is not None else None
         sinks_f = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-        with _custom_errors(args.score_mod):
-            out, lse = attention_forward(
-                q, k, v, plan.row_lo, plan.row_hi, dict(zip(FWD_SCHEDULE_FIELDS, p.schedule)),
-                scale=args.scale, mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
-                cfg=FwdConfig(*p.config), mods=mods, sinks=sinks_f,
-            )  # fmt: skip
+        if args.forward is not None:  # another backend's forward: its lse, of the same scores
+            out, lse = args.forward(q, k, v)
+        else:
+            with _custom_errors(args.score_mod):
+                out, lse = attention_forward(
+                    q, k, v, plan.row_lo, plan.row_hi,
+                    dict(zip(FWD_SCHEDULE_FIELDS, p.schedule)), scale=args.scale,
+                    mask_stride_b=p.mask_stride_b, mask_stride_h=p.mask_stride_h,
+                    cfg=FwdConfig(*p.config), mods=mods, sinks=sinks_f,
+                )  # fmt: skip
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args, ctx.mods, ctx.n_learn = args, mods, len(learn)
@@ -125,7 +132,8 @@ class ModdedAttention(torch.autograd.Function):
         return (dq, dk, dv, dsink, None, *learn)
 
 
-def modded_attention(q, k, v, plan, prepared, scale, score_mod, sinks):
-    """``(out, lse)`` through :class:`ModdedAttention`."""
+def modded_attention(q, k, v, plan, prepared, scale, score_mod, sinks, forward=None):
+    """``(out, lse)`` through :class:`ModdedAttention` (``forward``: see :class:`_Args`)."""
     learn = score_mod.tensors() if score_mod is not None else []
-    return ModdedAttention.apply(q, k, v, sinks, _Args(plan, prepared, scale, score_mod), *learn)
+    args = _Args(plan, prepared, scale, score_mod, forward)
+    return ModdedAttention.apply(q, k, v, sinks, args, *learn)
