@@ -264,7 +264,9 @@ def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None =
 
     from . import forward_sm90 as fwd
 
-    q, k, v = (_tma_ready(t) for t in (q, k, v))
+    # detached: the kernel is forward only, and DLPack refuses tensors that require grad (a
+    # call from ``cute+triton``'s autograd function passes its inputs as they are)
+    q, k, v = (_tma_ready(t.detach()) for t in (q, k, v))
     B, Hq, Nq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
@@ -272,7 +274,7 @@ def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None =
     modifier = "softcap" if softcap is not None else ""
     if slopes is not None:
         modifier = "alibi"
-        slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
+        slopes = slopes.detach().to(device=q.device, dtype=torch.float32).contiguous()
     args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter, softcap, slopes)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream, modifier)

@@ -39,8 +39,8 @@ together; the 240 of ``setmaxnreg`` hold it without spills (ptxas, sm_90a).
 Score modifiers (one compiled kernel each, :data:`~.lower.MODIFIERS`): a lone softcap takes
 ``tanh(s * scale / cap)`` before the mask and the softmax's exponent scale ``cap * log2 e``
 (with one tanh and one exp2 per score on the special-function unit, :data:`EXP2_FMA_OF_4` of
-the exp2 run on the FMA pipe instead, :func:`exp2_fma`); ALiBi holds S in log2 units from its
-first step (``s * scale * log2 e + slope * log2 e * (kv - q)``, two FMAs that both read S).
+the exp2 of FULL tiles run on the FMA pipe instead, :func:`exp2_fma`); ALiBi holds S in log2
+units from its first step (``s * scale * log2 e + slope * log2 e * (kv - q)``, two FMAs that both read S).
 The ALiBi kernel reads its slopes and each K stage's kv-tile from shared memory (the producer
 writes the kv-tile before the stage's full barrier): a global load among the consumers' GEMMs
 makes ptxas serialise the wgmma of bf16 at head_dim 128 (C7512 / C7519).
@@ -85,9 +85,9 @@ SMEM_BYTES = 227 * 1024  # sm90's most shared memory per CTA
 LOG2E = math.log2(math.e)
 ACC = 4  # independent partial maxima / sums per row in the softmax
 LN2 = math.log(2.0)
-#: the softcap kernel: of every 4 consecutive columns of a thread, how many take their softmax
-#: exp2 on the FMA pipe (:func:`exp2_fma`) instead of the special-function unit, which then
-#: runs one tanh and one exp2 per score
+#: the softcap kernel's FULL tiles: of every 4 consecutive columns of a thread, how many take
+#: their softmax exp2 on the FMA pipe (:func:`exp2_fma`) instead of the special-function unit,
+#: which then runs one tanh and one exp2 per score
 EXP2_FMA_OF_4 = 1
 
 
@@ -640,7 +640,8 @@ class FlashFwdSm90:
                     x = s_mn[r, c] - shift
                 else:
                     x = s_mn[r, c] * ts.scale_log2 - shift
-                if cutlass.const_expr(self.softcap and c % 4 >= 4 - EXP2_FMA_OF_4):
+                # FULL tiles only: PARTIAL ones are not bound by the special-function unit
+                if cutlass.const_expr(self.softcap and not masked and c % 4 >= 4 - EXP2_FMA_OF_4):
                     p = exp2_fma(x)
                 else:
                     p = cute.math.exp2(x, fastmath=True)
