@@ -8,7 +8,7 @@ q-tile from the table (the per-row path: per row a binary search of ``steps`` ha
 the pieces' ends, then ``4 K`` coefficient loads), what the launch did before the kv side
 classified from the pieces. ``pieces``: per q-tile two binary searches (its first and last
 rows) and, per piece it crosses, ``2 + 4 K`` loads (the piece's ends and coefficients), in
-chunks of ``tile_builder._TABLE_CHUNK`` q-tiles, each chunk running its widest q-tile's
+chunks of ``tile_builder._table_chunk(K_PAD)`` q-tiles, each running its widest q-tile's
 piece count of iterations (``table_tiles.column_kinds_from_table``). Columns per launch (all
 ``Tk`` kv-tile programs): ``evaluations`` (rows, or (q-tile, piece) pairs), ``loads`` (table
 words read, masked lanes not counted), ``lanes`` (load lanes issued, masked ones included) and
@@ -69,7 +69,7 @@ def count(mask, n: int, block_m: int = BLOCK, block_n: int = BLOCK) -> dict:
         "lanes": tk * -(-tq // chunk_rows) * chunk_rows * block_m * (steps + 4 * k_pad),
         "serial": -(-tq // chunk_rows) * steps,
     }
-    chunk = tile_builder._TABLE_CHUNK
+    chunk = tile_builder._table_chunk(k_pad)
     iterations = [int(crossed[c : c + chunk].max()) for c in range(0, tq, chunk)]
     pieces = {
         "evaluations": tk * int(crossed.sum()),

@@ -66,8 +66,16 @@ _ORDER_KERNEL_MAX_TILES = 8192  # heaviest_first: one launch of O(T^2) compares 
 # _build_schedule's last program orders both axes alone (O(T^2) compares in one program) up to
 # this many tiles per axis; beyond, heaviest_first's launch spreads them over programs
 _FUSED_ORDER_MAX_TILES = 512
-# q-tiles a kv-tile program classifies at a time from a piece table ([chunk, K] per piece)
+# q-tiles a kv-tile program classifies at a time from a piece table (``[chunk, K_PAD]``
+# tensors: at most 512 lanes, so fewer q-tiles for rows of more than two slots)
 _TABLE_CHUNK = 256
+
+
+def _table_chunk(k_pad: int) -> int:
+    """The q-tiles per step of a kv-tile program classifying from a piece table."""
+    return max(1, min(_TABLE_CHUNK, 512 // k_pad))
+
+
 # FULL-first lists made while building a schedule, for the kernels' schedules to reuse
 # (``full_first_lists``): id(kind) -> (weakref to kind, q lists, kv lists).
 _FULL_FIRST: dict[int, tuple] = {}
@@ -580,7 +588,7 @@ def _setup(m, k, q_len, kv_len, block_m, block_n, words) -> tuple:
     k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
     consts = (
         ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
-        ("CHUNK_Q", _TABLE_CHUNK if words else max(1, min(64, 4096 // (block_m * k_pad)))),
+        ("CHUNK_Q", _table_chunk(k_pad) if words else max(1, min(64, 4096 // (block_m * k_pad)))),
         ("ORDER", order),
         ("FROM_TABLE", words > 0),
     )  # fmt: skip
