@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton", reason="the tile builder needs triton installed")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 import compilemask as cm  # noqa: E402
 from compilemask.compiler import tiles as tiles_mod  # noqa: E402
@@ -35,6 +36,13 @@ def _intervals(mask, n, kv, batch=None, heads=None):
 def _assert_same(lo, hi, count, q_len, kv_len, bm, bn):
     want = build_tiles(lo, hi, count, q_len, kv_len, bm, bn, use_bits=False)
     got = tile_builder.build_tiles_triton(lo, hi, q_len, kv_len, bm, bn)
+    _assert_schedules_equal(got, want)
+
+
+def _assert_schedules_equal(got, want):
+    """``got`` (built by the Triton builder) equals the tensor builder's ``want`` field by
+    field, and so do the FULL-first lists and work entries the builder made with it (where
+    the kernels' schedules read which tiles are FULL)."""
     for name in FIELDS:
         a, b = getattr(got, name), getattr(want, name)
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -43,12 +51,14 @@ def _assert_same(lo, hi, count, q_len, kv_len, bm, bn):
     for transposed, lists, counts in ((False, want.q_list, want.q_count),
                                       (True, want.kv_list, want.kv_count)):  # fmt: skip
         ref_list, ref_full = split_full_first(want.kind, lists, counts, transposed=transposed)
+        made = tile_builder.full_first_lists(got.kind, transposed)
+        assert torch.equal(made[1], ref_full), transposed  # what the build launch wrote
+        assert torch.equal(made[0], ref_list), transposed
         _, _, full_first, full_count = tile_builder.tile_lists(got.kind, transposed=transposed)
         assert torch.equal(full_count, ref_full)
         assert torch.equal(full_first, ref_list)
         # the work entries made in the ordering launch (schedule.work_list)
         order = want.kv_order if transposed else want.q_order
-        made = tile_builder.full_first_lists(got.kind, transposed)
         if made[2] is not None or got.kind.numel():
             assert made[2] is not None
             assert torch.equal(made[2], work_list(order, counts, ref_full, ref_list)), transposed
@@ -141,11 +151,15 @@ def test_rows_from_a_piece_table_in_the_launch(mask, n, kv, tiles, monkeypatch):
     """A device build of a mask with a piece table: the one launch evaluates the table and
     writes the plan's rows into its allocation. Rows equal the lowering's, bit for bit (and
     the dense evaluator's), the schedule the tensor builder's of those rows."""
+    monkeypatch.setattr(tile_builder, "_FUSED_ORDER_MAX_TILES", 4)  # both ordering paths
+    _assert_built_from_table(mask, n, kv, tiles)
+
+
+def _assert_built_from_table(mask, n, kv, tiles):
     from compilemask.compiler import pipeline
     from compilemask.compiler.lower import clear_tables, lower
     from compilemask.tools.op_counts import counting_builder_launches
 
-    monkeypatch.setattr(tile_builder, "_FUSED_ORDER_MAX_TILES", 4)  # both ordering paths
     clear_tables()  # a new mask
     with counting_builder_launches() as launches, tile_builder.using(True):
         plan = pipeline.build_plan(mask, n, kv, None, None, *tiles, "cpu", host_sync=False,
@@ -160,8 +174,66 @@ def test_rows_from_a_piece_table_in_the_launch(mask, n, kv, tiles, monkeypatch):
     seen = ((plan.row_lo[0, :, :, None] <= rows) & (rows < plan.row_hi[0, :, :, None])).any(1)
     assert torch.equal(seen, dense(mask, n, kv).reshape(n, kv))
     ref = build_tiles(plan.row_lo, plan.row_hi, plan.row_count, n, kv, *tiles, use_bits=False)
-    for name in FIELDS:
-        assert torch.equal(getattr(plan.schedule, name), getattr(ref, name)), name
+    _assert_schedules_equal(plan.schedule, ref)
+
+
+EDGES = [
+    # rows 0-14 see [0, 38), row 15 [0, 16): the first 16 x 16 tile FULL through two pieces
+    cm.masks.hstu([40, 24], [2, 3], contextual=15),
+    # targets from row 21 see [0, 20) and [q, q + 1): tile (rows 48-63, keys 32-47) empty
+    cm.masks.hstu([60], [40]),
+    # row 0 sees [0, 1), rows 1-40 [1, 41): tile (rows 0-15, keys 16-31) one row short of
+    # FULL; rows 48-63 see [48, 64): tile (rows 48-63, keys 32-47) empty
+    cm.masks.document([1, 40, 7, 16], causal=False),
+    cm.masks.shared_prompt([15, 1], [[1, 20], [3, 24]]),
+]
+
+
+@pytest.mark.parametrize("mask", EDGES, ids=str)
+def test_column_kinds_where_pieces_meet_tile_edges(mask):
+    """Pieces ending one row before or after a tile's edge, diagonals reaching one key short
+    of a tile: the kv-tile programs' kinds from the pieces' ranges of rows (FULL, partial,
+    empty by one row) equal the tensor builder's."""
+    n = cm.compile(mask, None, cache=False).q_len
+    _assert_built_from_table(mask, n, n, (16, 16))
+
+
+@st.composite
+def tabled_masks(draw):
+    """(mask, Nq, Nk) of a catalogue mask with a piece table: runs as short as one row (a
+    q-tile then crosses many pieces, and pieces end one row into a tile), documents seen
+    both ways, and long runs that leave whole q-tile chunks out of a kv-tile's column."""
+    name = draw(st.sampled_from(["causal", "document", "shared_prompt", "hstu"]))
+    run = st.one_of(st.integers(1, 3), st.integers(1, 24))
+    if name == "causal":
+        return cm.masks.causal(), draw(st.integers(1, 120)), draw(st.integers(1, 120))
+    if name == "document":
+        lengths = draw(st.lists(run, min_size=1, max_size=8))
+        return cm.masks.document(lengths, causal=draw(st.booleans())), sum(lengths), sum(lengths)
+    if name == "shared_prompt":
+        prompts = draw(st.lists(st.integers(0, 20), min_size=1, max_size=3))
+        responses = [draw(st.lists(run, min_size=1, max_size=3)) for _ in prompts]
+        n = sum(prompts) + sum(map(sum, responses))
+        return cm.masks.shared_prompt(prompts, responses), n, n
+    lengths = draw(st.lists(st.integers(1, 30), min_size=1, max_size=6))
+    targets = [draw(st.integers(0, length - 1)) for length in lengths]
+    mask = cm.masks.hstu(lengths, targets, contextual=draw(st.integers(0, 40)))
+    return mask, sum(lengths), sum(lengths)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=tabled_masks(), bm=st.sampled_from([16, 32, 64]),
+       bn=st.sampled_from([16, 32, 48, 64]), chunk=st.sampled_from([2, 256]))  # fmt: skip
+def test_column_kinds_from_the_pieces(case, bm, bn, chunk):
+    """The kv-tile programs classify their column from the table's pieces (``table_tiles``:
+    per q-tile, per piece crossed, the ranges of rows touching and covering the kv-tile), not
+    from evaluated rows: their lists, FULL-first lists and work entries equal the tensor
+    builder's for random tables, ``chunk`` q-tiles at a time."""
+    mask, n, kv = case
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tile_builder, "_TABLE_CHUNK", chunk)
+        mp.setattr(tile_builder, "_SETUPS", {})  # the launch's constants, made again
+        _assert_built_from_table(mask, n, kv, (bm, bn))
 
 
 def test_masks_without_a_piece_table_lower_their_rows_first():

@@ -11,17 +11,21 @@ in one kernel, ``_build_schedule``, grid (Tq + Tk, M):
    ``jhi = max(#{j : L[j] < b}, jlo)``), then their row's lists: the touched kv-tiles in
    ascending order (-1 padded), their count, and the same list FULL tiles first (0 padded)
    with the number of FULL tiles (what ``schedule.split_full_first`` computes for the kernels);
-2. kv-tile programs classify their column of tiles themselves (the intervals are read again,
-   from L2: no program waits for another) and write the kv-tiles' lists the same way;
+2. kv-tile programs classify their column of tiles themselves (no program waits for
+   another: the intervals are read again, from L2) and write the kv-tiles' lists the same
+   way; they need only the tiles' kinds, not their pairs;
 3. the last program of each mask to finish (a ticket counter) orders the q- and kv-tiles
    heaviest first and writes the kernels' work entries (``schedule.work_list``).
 
 For a mask with a piece table (``compiler.lower.piece_table``: causal, document,
-shared_prompt, hstu) the same launch also makes the rows (:func:`build_from_table`): every
-program evaluates its rows from the table, and the q-tile programs write them into the plan's
-``row_lo`` / ``row_hi`` / ``row_count``, regions of the schedule's allocation. The host table
-is copied into the allocation's last region, its first word the ordering's ticket: the copy
-is the one operation before the launch. On a GPU the launch goes through the compiled
+shared_prompt, hstu) the same launch also makes the rows (:func:`build_from_table`): the
+q-tile programs evaluate their rows from the table and write them into the plan's ``row_lo``
+/ ``row_hi`` / ``row_count``, regions of the schedule's allocation; the kv-tile programs
+evaluate no row: their column's kinds follow from the ranges of each piece's rows that touch
+or cover the kv-tile (``table_tiles.py``), two binary searches and a few piece evaluations per
+q-tile instead of ``BLOCK_M`` of each. The host table is copied into the allocation's last
+region, its first word the ordering's ticket: the copy is the one operation before the
+launch. On a GPU the launch goes through the compiled
 kernel's launcher after the first (``build_host.launch``: Triton's ``JITFunction.run`` costs
 the host about 11 us more per launch).
 
@@ -53,6 +57,7 @@ import triton.language as tl
 from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import TileSchedule
 from .build_host import launch
+from .table_tiles import column_kinds_from_table, piece_of, table_bounds
 
 _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
@@ -61,6 +66,16 @@ _ORDER_KERNEL_MAX_TILES = 8192  # heaviest_first: one launch of O(T^2) compares 
 # _build_schedule's last program orders both axes alone (O(T^2) compares in one program) up to
 # this many tiles per axis; beyond, heaviest_first's launch spreads them over programs
 _FUSED_ORDER_MAX_TILES = 512
+# q-tiles a kv-tile program classifies at a time from a piece table (``[chunk, K_PAD]``
+# tensors: at most 512 lanes, so fewer q-tiles for rows of more than two slots)
+_TABLE_CHUNK = 256
+
+
+def _table_chunk(k_pad: int) -> int:
+    """The q-tiles per step of a kv-tile program classifying from a piece table."""
+    return max(1, min(_TABLE_CHUNK, 512 // k_pad))
+
+
 # FULL-first lists made while building a schedule, for the kernels' schedules to reuse
 # (``full_first_lists``): id(kind) -> (weakref to kind, q lists, kv lists).
 _FULL_FIRST: dict[int, tuple] = {}
@@ -151,36 +166,6 @@ def _order_side(count, full_count, full_first, order, work, n, length,
 
 
 @triton.jit
-def _piece_of(Table, rows, n_pieces, steps):
-    """The piece of each of ``rows`` (any shape): ``#{i : ends[i] <= row}`` over the ascending
-    ``ends`` at ``Table`` (``n_pieces`` of them, the last one ``Nq``), what ``searchsorted(ends,
-    rows, right=True)`` gives, by ``steps`` halvings (``2**steps > n_pieces``)."""
-    pos = tl.zeros_like(rows)
-    step = 1 << steps
-    for _ in range(steps):
-        step = step // 2
-        cand = pos + step
-        take = cand <= n_pieces
-        end = tl.load(Table + cand - 1, mask=take, other=0)
-        pos = tl.where(take & (end <= rows), cand, pos)
-    return pos
-
-
-@triton.jit
-def _table_bounds(Table, piece, q, slot, ok, n_pieces, n_slots, kv_len):
-    """``(lo, hi)`` of slot ``slot`` of row ``q`` in piece ``piece`` (broadcast shapes) from a
-    piece table (``lower.PieceTable``): ``[lo_a q + lo_b, hi_a q + hi_b)``, ``kv_len`` where
-    not ``ok`` (rows past ``q_len``, slots past ``n_slots``: the padding of the loads)."""
-    size = n_pieces * n_slots
-    at = Table + n_pieces + piece * n_slots + slot
-    lo_a = tl.load(at, mask=ok, other=0)
-    hi_a = tl.load(at + size, mask=ok, other=0)
-    lo_b = tl.load(at + 2 * size, mask=ok, other=kv_len)
-    hi_b = tl.load(at + 3 * size, mask=ok, other=kv_len)
-    return lo_b + lo_a * q, hi_b + hi_a * q
-
-
-@triton.jit
 def _build_schedule(
     Lo, Hi, Out,
     q_len, kv_len, n_slots, Tq, Tk, n_pieces, steps,
@@ -192,21 +177,23 @@ def _build_schedule(
     FROM_TABLE: tl.constexpr,
 ):  # fmt: skip
     """The whole schedule in one launch, grid (Tq + Tk, M). Programs ``[0, Tq)`` classify a
-    q-tile's row of tiles and write its lists; programs
-    ``[Tq, Tq + Tk)`` classify a kv-tile's column (``CHUNK_Q`` q-tiles at a time, into the
-    scratch ``KindT`` [M, Tk, Tq]) and write its lists. ORDER: every program then takes a
-    ticket of its mask (``Tickets`` [M], zero before the launch); the program that takes the
-    last one writes the mask's heaviest-first orders and work entries.
+    q-tile's row of tiles and write its lists; programs ``[Tq, Tq + Tk)`` classify a kv-tile's
+    column (``CHUNK_Q`` q-tiles at a time, into the scratch ``KindT`` [M, Tk, Tq]) and write
+    its lists: from the intervals, or FROM_TABLE from the table's pieces
+    (``table_tiles.column_kinds_from_table``: no row evaluated). ORDER: every program then
+    takes a ticket of its mask (``Tickets`` [M], zero before the launch); the program that
+    takes the last one writes the mask's heaviest-first orders and work entries.
 
     ``Out``: every output in one int32 allocation, in the order of :func:`_layout` (one
     pointer argument instead of nineteen: each costs the host a specialisation and a pointer
     read per launch).
 
     FROM_TABLE (one mask): ``Lo`` and ``Hi`` are unused; the piece table (``lower.PieceTable``,
-    ``n_pieces`` pieces, ``steps`` halvings to find a row's piece, :func:`_piece_of`), copied
-    into the last region of ``Out`` (its first word the ticket), takes the intervals' place:
-    every program evaluates its rows from it, and the q-tile programs write them, with their
-    counts, into the plan's ``row_lo``, ``row_hi``, ``row_count`` (the regions before it)."""
+    ``n_pieces`` pieces, ``steps`` halvings to find a row's piece, ``table_tiles.piece_of``),
+    copied into the last region of ``Out`` (its first word the ticket), takes the intervals'
+    place: the q-tile programs evaluate their rows from it and write them, with their counts,
+    into the plan's ``row_lo``, ``row_hi``, ``row_count`` (the regions before it); the kv-tile
+    programs classify their column from the pieces."""
     n_masks = tl.num_programs(1).to(tl.int64)
     tiles = n_masks * Tq * Tk  # ten [M, Tq, Tk] / [M, Tk, Tq] regions, then the per-tile ones
     Kind, Pairs, Jlo, Jhi, BitsIndex = (
@@ -244,9 +231,9 @@ def _build_schedule(
         ok = row_ok[:, None] & (slots < n_slots)[None, :]
         offs = lo_hi_base + rows.to(tl.int64)[:, None] * n_slots + slots[None, :]
         if FROM_TABLE:
-            piece = _piece_of(Lo, rows, n_pieces, steps)
-            lo, hi = _table_bounds(Lo, piece[:, None], rows[:, None], slots[None, :], ok,
-                                   n_pieces, n_slots, kv_len)  # fmt: skip
+            piece = piece_of(Lo, rows, n_pieces, steps)
+            lo, hi = table_bounds(Lo, piece[:, None], rows[:, None], slots[None, :], ok,
+                                  n_pieces, n_slots, kv_len)  # fmt: skip
             tl.store(RowLo + offs, lo, mask=ok)
             tl.store(RowHi + offs, hi, mask=ok)
             count = tl.load(Lo + n_pieces * (1 + 4 * n_slots) + piece, mask=row_ok, other=0)
@@ -286,28 +273,26 @@ def _build_schedule(
         t1 = tl.minimum(t0 + BLOCK_N, kv_len)
         row = m * Tk + t
         dst = KindT + row * Tq
-        r = tl.arange(0, BLOCK_M)
-        for c0 in range(0, Tq, CHUNK_Q):
-            qts = c0 + tl.arange(0, CHUNK_Q)
-            rows = qts[:, None] * BLOCK_M + r[None, :]  # [CHUNK_Q, BLOCK_M]
-            row_ok = rows < q_len
-            ok = row_ok[:, :, None] & (slots < n_slots)[None, None, :]
-            if FROM_TABLE:  # the rows again from the table (the q-tile programs write them)
-                piece = _piece_of(Lo, rows, n_pieces, steps)
-                lo, hi = _table_bounds(Lo, piece[:, :, None], rows[:, :, None],
-                                       slots[None, None, :], ok, n_pieces, n_slots,
-                                       kv_len)  # fmt: skip
-            else:
+        if FROM_TABLE:  # the kinds from the pieces, no row evaluated (table_tiles.py)
+            column_kinds_from_table(Lo, dst, t0, t1, q_len, Tq, n_pieces, n_slots, steps,
+                                    BLOCK_M, BLOCK_N, K_PAD, CHUNK_Q)  # fmt: skip
+        else:
+            r = tl.arange(0, BLOCK_M)
+            for c0 in range(0, Tq, CHUNK_Q):
+                qts = c0 + tl.arange(0, CHUNK_Q)
+                rows = qts[:, None] * BLOCK_M + r[None, :]  # [CHUNK_Q, BLOCK_M]
+                ok = (rows < q_len)[:, :, None] & (slots < n_slots)[None, None, :]
                 offs = lo_hi_base + rows.to(tl.int64)[:, :, None] * n_slots
                 offs += slots[None, None, :]
                 lo = tl.load(Lo + offs, mask=ok, other=kv_len)
                 hi = tl.load(Hi + offs, mask=ok, other=kv_len)
-            overlap = tl.maximum(tl.minimum(hi, t1) - tl.maximum(lo, t0), 0)
-            pairs = tl.sum(tl.sum(overlap, axis=2), axis=1)  # [CHUNK_Q]
-            rows_in = tl.minimum(q_len - qts * BLOCK_M, BLOCK_M)
-            full = (pairs == BLOCK_M * BLOCK_N) & (rows_in == BLOCK_M) & (t1 - t0 == BLOCK_N)
-            kind = tl.where(full, 1, tl.where(pairs > 0, 2, 0))
-            tl.store(dst + qts, kind, mask=qts < Tq)
+                overlap = tl.maximum(tl.minimum(hi, t1) - tl.maximum(lo, t0), 0)
+                pairs = tl.sum(tl.sum(overlap, axis=2), axis=1)  # [CHUNK_Q]
+                rows_in = tl.minimum(q_len - qts * BLOCK_M, BLOCK_M)
+                full = (pairs == BLOCK_M * BLOCK_N) & (rows_in == BLOCK_M)
+                full &= t1 - t0 == BLOCK_N
+                kind = tl.where(full, 1, tl.where(pairs > 0, 2, 0))
+                tl.store(dst + qts, kind, mask=qts < Tq)
         tl.debug_barrier()
         n_touched, n_full = _row_lists(
             dst, KvList + row * Tq, KvFullFirst + row * Tq, Tq, CHUNK=128
@@ -603,7 +588,8 @@ def _setup(m, k, q_len, kv_len, block_m, block_n, words) -> tuple:
     k_pad = max(1 << (max(k, 1) - 1).bit_length(), 2)
     consts = (
         ("BLOCK_M", block_m), ("BLOCK_N", block_n), ("K_PAD", k_pad),
-        ("CHUNK_Q", max(1, min(64, 4096 // (block_m * k_pad)))), ("ORDER", order),
+        ("CHUNK_Q", _table_chunk(k_pad) if words else max(1, min(64, 4096 // (block_m * k_pad)))),
+        ("ORDER", order),
         ("FROM_TABLE", words > 0),
     )  # fmt: skip
     return runs, where, runs[-1][3] + runs[-1][0], order, (tq + tk, m), consts, tq, tk
