@@ -40,7 +40,8 @@ Score modifiers (one compiled kernel each, :data:`~.lower.MODIFIERS`): a lone so
 ``tanh(s * scale / cap)`` before the mask and the softmax's exponent scale ``cap * log2 e``
 (with one tanh and one exp2 per score on the special-function unit, :data:`EXP2_FMA_OF_4` of
 the exp2 of FULL tiles run on the FMA pipe instead, :func:`exp2_fma`); ALiBi holds S in log2
-units from its first step (``s * scale * log2 e + slope * log2 e * (kv - q)``, two FMAs that both read S).
+units from its first step (``s * scale * log2 e + slope * log2 e * (kv - q)``, two FMAs that
+both read S).
 The ALiBi kernel reads its slopes and each K stage's kv-tile from shared memory (the producer
 writes the kv-tile before the stage's full barrier): a global load among the consumers' GEMMs
 makes ptxas serialise the wgmma of bf16 at head_dim 128 (C7512 / C7519).
