@@ -180,15 +180,18 @@ AUTO_TABLE: list[AutoRule] = [
     # Flex (Triton) causal 8.352 / 9.955 / 21.597, hstu 1.087 / 1.346 / 2.985, shared_prompt
     # 1.417 / 2.214 / 4.045, clear 5.005 / 5.583 / 14.057; at 1K (B = 32, 7a9266c), cute /
     # Triton causal 0.532 / 0.798, hstu 0.327 / 0.715, shared_prompt 0.339 / 0.725, clear
-    # 0.602 / 0.964 (cuDNN-frontend has no score_mod; other modifiers and sinks: cute refuses
-    # them and the row passes them on)
+    # 0.602 / 0.964; a lone ALiBi (e1caaa6, same file), cute / Triton, 32K causal 8.046 /
+    # 10.319, hstu 1.009 / 1.498, shared_prompt 1.448 / 2.212, clear 4.873 / 5.663; 1K 0.564 /
+    # 0.850, 0.541 / 0.743, 0.636 / 0.637, 0.557 / 1.050 (cuDNN-frontend has no score_mod;
+    # other modifiers and sinks: cute refuses them and the row passes them on)
     _gpu_row(
         "cute",
         requires_grad=False,
         modifiers=True,
         why=(
-            "our CuTe-DSL forward with a lone softcap: faster than the Triton kernels with "
-            "the same softcap on every seed workload at 1K and 32K tokens per row (H200)"
+            "our CuTe-DSL forward with a lone softcap or ALiBi: faster than the Triton kernels "
+            "with the same modifier on every seed workload at 32K tokens per row, and at 1K "
+            "but for shared_prompt's ALiBi (equal; H200)"
         ),
     ),
     # forwards at 1K, H200, bf16, 16 heads, head_dim 128, B = 32, each workload in one
