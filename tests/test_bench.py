@@ -30,6 +30,7 @@ def test_system_names_are_the_design_names():
     assert bench.SYSTEM_NAMES == (
         "compilemask-triton", "compilemask-triton-tiled", "compilemask-cudnn",
         "compilemask-cudnn-tiled", "compilemask-cudnn-tiled-kept", "compilemask-cudnn+triton",
+        "compilemask-cute+triton",
         "compilemask-fa4",
         "compilemask-fa4-tiled", "compilemask-cute", "compilemask-cute-tiled",
         "compilemask-cute-tiled-kept", "compilemask-auto",

@@ -480,6 +480,11 @@ SYSTEMS: tuple[System, ...] = (
         _all(_cuda, _backend_ok("cudnn+triton")),
         _compilemask("cudnn+triton"),
     ),
+    System(
+        "compilemask-cute+triton",
+        _all(_cuda, _backend_ok("cute+triton")),
+        _compilemask("cute+triton"),
+    ),
     System("compilemask-fa4", _all(_cuda, _backend_ok("fa4")), _compilemask("fa4")),
     System(
         "compilemask-fa4-tiled",
