@@ -499,3 +499,9 @@ def test_a_broken_triton_fn_is_reported_by_the_modifier_s_name():
     mod = sm.custom(_halve_plus_head_torch, _broken, aux=torch.ones(1, device=DEVICE), name="oops")
     with pytest.raises(InputError, match=r"custom score_mod 'oops': its Triton functions failed"):
         cm.attention(q, q, q, plan, score_mod=mod, backend="triton")
+
+
+@pytest.mark.parametrize("heads", [0, -1, 2.5, True, "4"])
+def test_alibi_slopes_refuses_a_head_count_that_is_not_a_positive_int(heads):
+    with pytest.raises(InputError, match="alibi_slopes: heads"):
+        sm.alibi_slopes(heads)

@@ -156,7 +156,17 @@ class Alibi(ScoreMod):
 
 
 def alibi_slopes(heads: int, device=None) -> torch.Tensor:
-    """The ALiBi paper's slopes ``2^(-8 (h + 1) / heads)``, float32 [heads]."""
+    """The ALiBi paper's slopes ``2^(-8 (h + 1) / heads)``, float32 [heads].
+
+    Raises:
+        InputError: ``heads`` not a positive integer.
+    """
+    from .language.values import integer_value
+
+    count = integer_value(heads)
+    if count is None or count < 1:
+        raise InputError(f"alibi_slopes: heads must be a positive int, got {heads!r}")
+    heads = count
     h = torch.arange(1, heads + 1, dtype=torch.float64, device=device)
     return torch.exp2(-8.0 * h / heads).to(torch.float32)
 
