@@ -309,3 +309,47 @@ def test_cached_trace_does_not_keep_captured_tensors_alive():
         del other, mm2
         gc.collect()
         assert freed2() is None
+
+
+class _Window:
+    """A mask_mod written as an object with ``__call__`` (its setting an attribute)."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= self.w) & (kv_idx <= q_idx)
+
+    def method(self, b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx - self.w
+
+
+class _DocModule(torch.nn.Module):
+    def __init__(self, doc):
+        super().__init__()
+        self.doc = doc
+
+    def forward(self, b, h, q_idx, kv_idx):
+        return (self.doc[q_idx] == self.doc[kv_idx]) & (kv_idx <= q_idx)
+
+
+def _dense(plan):
+    d = plan.to_dense()
+    return d.reshape(-1, *d.shape[-2:])[0]
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_callable_objects_bound_methods_and_modules_are_lifted_and_never_stale(cache):
+    n = 96
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([30, 20, 40, 6]))
+    window = _Window(9)
+    for mod in (window, window.method, _DocModule(doc)):
+        plan = cm.from_mask_mod(mod, n, cache=cache)
+        assert plan.stats()["source"] == "from_mask_mod:lifted"
+        # (create_mask counts a bound method's self as a score_mod's fifth argument)
+        want = create_mask(lambda b, h, q, kv, f=mod: f(b, h, q, kv), None, None, n, n, "cpu")
+        assert torch.equal(_dense(plan), want[0, 0])
+    window.w = 3  # the object's setting changed: the next plan has it
+    plan = cm.from_mask_mod(window, n, cache=cache)
+    assert torch.equal(_dense(plan), create_mask(window, None, None, n, n, device="cpu")[0, 0])
+    assert trace.structure(window) is None and trace.structure(window.method) is None

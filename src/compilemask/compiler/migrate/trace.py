@@ -333,18 +333,28 @@ def _four_positional(fn) -> bool:
     return code.co_argcount == 4 and not code.co_kwonlyargcount and not varargs
 
 
+def _has_hooks(module) -> bool:
+    return any(
+        getattr(module, name, None)
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
+    ) or bool(getattr(torch.nn.modules.module, "_global_forward_hooks", None))
+
+
 def as_traced_function(fn):
     """What ``torch.fx`` traces for ``fn``: ``fn`` itself when it is a plain function of
     ``(b, h, q_idx, kv_idx)``, else (a ``functools.partial``, a function with more parameters
-    that have defaults) a function of those four that calls it, so the trace has the four
-    placeholders of a mask_mod and the bound values enter it as captured ones."""
+    that have defaults, an object with ``__call__``, a bound method) a function of those four
+    that calls it, so the trace has the four placeholders of a mask_mod and the bound values
+    (an object's attributes too) enter it as captured ones. Only plain functions and
+    partials have a :func:`structure` key: the others are traced again on every call."""
     if type(fn) is types.FunctionType and _four_positional(fn):
         return fn
-    if type(fn) is not types.FunctionType and type(fn) is not functools.partial:
-        return fn  # torch.fx says what it cannot trace
+    call = fn
+    if isinstance(fn, torch.nn.Module) and not _has_hooks(fn):
+        call = fn.forward  # torch.fx records a call of a module outside its root as a failure
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return fn(b, h, q_idx, kv_idx)
+        return call(b, h, q_idx, kv_idx)
 
     return mask_mod
 
