@@ -13,9 +13,11 @@ needs a GPU). ``--backends host-stub``: a registered backend whose ``attend`` on
 out and lse (forward only), so the time is the api's own per call, as for a backend whose
 launch costs little host time (the cute forward). ``--mods``: each call with that score
 modifier (``softcap`` 50, ``alibi`` slopes, ``relative_bias`` a [16, 32] table) or with
-``sinks`` [16] (``none``: neither). Prints the minimum and median ms per call over repeats of
-``--calls`` calls; ``--out`` appends them as JSON lines with ``date, gpu, torch, triton,
-commit``. ``--profile N``: cProfile of the last mode's loop, top N.
+``sinks`` [16] (``none``: neither). Prints the minimum and median ms per call over repeats
+of ``--calls`` calls, and the Python functions and builtins entered per call
+(``sys.setprofile``: a count the other processes of a shared machine do not disturb);
+``--out`` appends them as JSON lines with ``date, gpu, torch, triton, commit``.
+``--profile N``: cProfile of the last mode's loop, top N.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import cProfile
 import json
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -84,6 +87,24 @@ def _repeats(fn, repeats: int, n: int) -> list[float]:
             fn()
         out.append((time.perf_counter() - t0) / n * 1e3)
     return out
+
+
+def _calls_per_call(fn, n: int = 20) -> dict:
+    """Python functions and builtins entered per call of ``fn`` (``sys.setprofile``): a count
+    of the host work that other processes on the machine do not disturb."""
+    counts = {"call": 0, "c_call": 0}
+
+    def count(frame, event, arg):
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(count)
+    try:
+        for _ in range(n):
+            fn()
+    finally:
+        sys.setprofile(None)
+    return {"py_calls": counts["call"] / n, "c_calls": counts["c_call"] / n}
 
 
 def _line(what: str, t: list[float]) -> str:
@@ -152,7 +173,12 @@ def main() -> None:
                 for what, fn in modes:
                     _repeats(fn, 1, 20)  # warm
                     t = _repeats(fn, a.repeats, a.calls)
-                    print(_line(f"{name} {backend} {mods} {what}", t))
+                    counted = _calls_per_call(fn)
+                    print(
+                        _line(f"{name} {backend} {mods} {what}", t)
+                        + f", {counted['py_calls']:.0f} Python calls, "
+                        + f"{counted['c_calls']:.0f} builtin calls"
+                    )
                     if a.out:
                         row = {
                             **env, "kind": "host_proxy", "workload": name, "N0": a.n0,
@@ -160,7 +186,7 @@ def main() -> None:
                             "dtype": "fp16", "backend": backend, "mods": mods, "mode": what,
                             "variant": a.variant, "min_ms": round(min(t), 4),
                             "median_ms": round(statistics.median(t), 4),
-                            "repeats": a.repeats, "calls": a.calls,
+                            **counted, "repeats": a.repeats, "calls": a.calls,
                             "threads": torch.get_num_threads(),
                         }  # fmt: skip
                         with open(a.out, "a") as f:

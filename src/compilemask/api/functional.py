@@ -197,7 +197,7 @@ def attention(
         scale = validate.check_scale(scale, q.shape[-1])
         if score_mod is not None:  # the modifier of this call (the entry keeps none)
             score_mod = score_mods.as_score_mod(score_mod)
-            call = dataclasses.replace(call, score_mod=score_mod)
+            call = type(call)(**{**call.__dict__, "score_mod": score_mod})  # replace, faster
         if sinks is not None:
             validate.check_sink_values(sinks)
     else:
