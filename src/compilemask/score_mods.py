@@ -403,6 +403,86 @@ class Compose(ScoreMod):
         return "compose(" + ", ".join(map(repr, self._stages)) + ")"
 
 
+# ------------------------------------------------------------------------ the dispatch key
+#: tensor types whose facts a dispatch key records (a Parameter is a plain tensor; other
+#: subclasses may dispatch differently, so their calls are not kept)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _facts(t: object) -> tuple | None:
+    """Shape, dtype, device, requires_grad and strides of a modifier's tensor, or None (not a
+    plain tensor). No values: a learnable table changes every step."""
+    if type(t) not in _PLAIN_TENSORS:
+        return None
+    return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())
+
+
+def _softcap_key(st: Softcap) -> tuple | None:
+    return (SOFTCAP, st.cap) if type(st.cap) is float else None
+
+
+def _alibi_key(st: Alibi) -> tuple | None:
+    facts = _facts(st.slopes)
+    return None if facts is None else (ALIBI, facts)
+
+
+def _relative_bias_key(st: RelativeBias) -> tuple | None:
+    facts = _facts(st.table)
+    ints = (st.num_buckets, st.max_distance)
+    if facts is None or any(type(n) is not int for n in ints) or type(st.bidirectional) is not bool:
+        return None
+    return (RELATIVE_BIAS, *ints, st.bidirectional, facts)
+
+
+def _bias_key(st: Bias) -> tuple | None:
+    facts = _facts(st.tensor)
+    return None if facts is None else (BIAS, facts)
+
+
+def _custom_key(st: Custom) -> tuple | None:
+    # the Triton functions by identity (ids: the key keeps no reference, and a reused id
+    # keys the same outcome, which reads no more of them than triton_grad_fn being None);
+    # torch_fn and aux's values are read by the kernels on every call, from the modifier the
+    # call passes, and by no check, so a closure changed between calls needs no new key
+    aux = None if st.aux is None else _facts(st.aux)
+    if st.aux is not None and aux is None:
+        return None
+    grad_fn = None if st.triton_grad_fn is None else id(st.triton_grad_fn)
+    return (CUSTOM, id(st.triton_fn), grad_fn, aux)
+
+
+_STAGE_KEYS = {
+    Softcap: _softcap_key,
+    Alibi: _alibi_key,
+    RelativeBias: _relative_bias_key,
+    Bias: _bias_key,
+    Custom: _custom_key,
+}
+
+
+def dispatch_key(obj: object) -> tuple | None:
+    """A hashable key of what ``compilemask.attention``'s checks and backend resolution read
+    of ``obj`` (a ``score_mod`` argument: a modifier or a list / tuple of them): per stage, in
+    order, its kind, its plain Python parameters (softcap's cap, relative_bias's num_buckets,
+    max_distance, bidirectional, a custom stage's Triton functions by identity) and its
+    tensors' shape, dtype, device, requires_grad and strides; never tensor values. A list and
+    the composition of its modifiers have one key. None: not keyed (a subclass of a built-in
+    or of :class:`ScoreMod`, a tensor subclass, a part that is not a modifier), and such calls
+    run every check. Every check of a modifier depends on its key alone (and on q, k, plan),
+    so a key that passed them once passes them again."""
+    parts = obj if type(obj) in (list, tuple) else (obj,)
+    key = []
+    for part in parts:
+        stages = part._stages if type(part) is Compose else (part,)
+        for st in stages:
+            of = _STAGE_KEYS.get(type(st))
+            stage = None if of is None else of(st)
+            if stage is None:
+                return None
+            key.append(stage)
+    return tuple(key)
+
+
 def softcap(cap: float) -> ScoreMod:
     """``cap * tanh(s / cap)`` (logit soft-capping; Gemma 2 uses 50.0)."""
     return Softcap(cap)

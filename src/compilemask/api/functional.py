@@ -10,11 +10,13 @@ Legend: B batch, Hq / Hkv query / key-value heads, Nq / Nk query / key length, D
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 from torch.autograd import forward_ad
 
+from .. import score_mods
 from ..compiler.decode import DecodePlan
 from ..compiler.plan import MaskPlan
 from ..errors import InputError
@@ -186,13 +188,18 @@ def attention(
         )
     if forward_ad._current_level >= 0 and backend != "reference":  # inside a dual level
         backend = _backend_for_tangents(q, k, v, sinks, backend)
-    hit = None
-    if score_mod is None and sinks is None and not check_plan:
-        hit = _dispatch_hit(q, k, v, plan, backend, return_lse)
+    key = (
+        None if check_plan else _dispatch_key(q, k, v, plan, backend, return_lse, score_mod, sinks)
+    )
+    hit = None if key is None else _dispatch_hit(plan, key)
     if hit is not None:
         impl, prepared, call = hit
         scale = validate.check_scale(scale, q.shape[-1])
-        extra = None
+        if score_mod is not None:  # the modifier of this call (the entry keeps none)
+            score_mod = score_mods.as_score_mod(score_mod)
+            call = type(call)(**{**call.__dict__, "score_mod": score_mod})  # replace, faster
+        if sinks is not None:
+            validate.check_sink_values(sinks)
     else:
         validate.check_tensors(q, k, v)
         validate.check_plan(q, k, plan, full=check_plan)
@@ -202,11 +209,11 @@ def attention(
         call = call_of(q, k, v, return_lse, score_mod=score_mod, sinks=sinks)
         impl = registry.resolve(backend, plan, call)
         prepared = impl.prepare(plan, call)
-        extra = None if score_mod is None and sinks is None else {
-            "score_mod": score_mod, "sinks": sinks
-        }  # fmt: skip
-        if score_mod is None and sinks is None and not check_plan:
-            _dispatch_store(q, k, v, plan, backend, return_lse, impl, prepared, call)
+        if key is not None:
+            _dispatch_store(plan, key, impl, prepared, call)
+    extra = None if score_mod is None and sinks is None else {
+        "score_mod": score_mod, "sinks": sinks
+    }  # fmt: skip
     if plan.permutation is not None:  # a tile_grid plan: run in tiled order, answer in ours
         perm, inv = plan.permutation, plan.inverse_permutation
         gather = registry.token_gather(impl)
@@ -246,16 +253,27 @@ def _backend_for_tangents(q, k, v, sinks, backend):
 # ------------------------------------------------------------------------------ dispatch cache
 # A call's validation, backend resolution and ``prepare`` depend on the plan (checked per call
 # by ``check_unchanged``), the types, shapes, dtypes and devices of q, k, v, whether a
-# backward will run, ``return_lse``, the backend name, the registry's table and backends, and
-# (on the CPU) TRITON_INTERPRET. Their outcome is kept in the plan's cache (dropped with it
-# when the plan is rebuilt) under a key of exactly those inputs; a call whose key is new runs
-# every check. Calls with score_mod, sinks or check_plan, calls under torch.compile or
-# torch.func transforms, tensor subclasses and backends that opt out (``dispatch_token``
-# returning None) always run the full path.
+# backward will run, ``return_lse``, the backend name, the registry's table and backends, (on
+# the CPU) TRITON_INTERPRET, and, with ``score_mod`` / ``sinks``, the modifier's structure
+# (``score_mods.dispatch_key``: stage kinds in order, plain parameters, custom stages' Triton
+# functions by identity, each tensor's shape, dtype, device, requires_grad and strides) and
+# the sinks' shape, dtype, device and requires_grad. Their outcome is kept in the plan's cache
+# (dropped with it when the plan is rebuilt) under a key of exactly those inputs; a call whose
+# key is new runs every check. Tensor values are in no key: what the kernels read of the
+# modifier and the sinks is passed on every call, the sinks' values are checked on every CPU
+# call, and ALiBi's slopes where the modifier is built. An entry holds no modifier (its call's
+# ``score_mod`` is None; a hit puts this call's in), so it keeps no table alive. Calls with
+# check_plan, calls under torch.compile or torch.func transforms, tensor subclasses (a
+# Parameter is none), modifiers ``dispatch_key`` does not key (subclasses of the built-ins,
+# ScoreMod subclasses of one's own) and backends that opt out (``dispatch_token`` returning
+# None) always run the full path.
 _DISPATCH = "api.dispatch"
 
+#: types of the sinks whose calls are kept (a Parameter is a plain tensor)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
-def _dispatch_key(q, k, v, plan, backend, return_lse):
+
+def _dispatch_key(q, k, v, plan, backend, return_lse, score_mod=None, sinks=None):
     """The key of a call in ``plan``'s dispatch cache, or None (no caching for this call)."""
     if (
         type(q) is not torch.Tensor
@@ -272,17 +290,30 @@ def _dispatch_key(q, k, v, plan, backend, return_lse):
     device = q.device
     interpret = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (
+    key = (
         _DISPATCH, backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, device,
         k.device, v.device, grad, return_lse, interpret,
     )  # fmt: skip
+    if score_mod is None and sinks is None:
+        return key
+    mod = None
+    if score_mod is not None:
+        mod = score_mods.dispatch_key(score_mod)
+        if mod is None:
+            return None
+    held = None
+    if sinks is not None:
+        if type(sinks) not in _PLAIN_TENSORS:
+            return None
+        held = (sinks.shape, sinks.dtype, sinks.device, sinks.requires_grad)
+    # grad mode too: a learnable table or the sinks may ask for a backward when q, k, v do not
+    return (*key, torch.is_grad_enabled(), mod, held)
 
 
-def _dispatch_hit(q, k, v, plan, backend, return_lse):
-    """``(impl, prepared, call)`` of a call seen before with the same key, or None. Runs the
+def _dispatch_hit(plan, key):
+    """``(impl, prepared, call)`` of a call seen before with ``key``, or None. Runs the
     per-call plan check (``check_unchanged``: the plan was not modified)."""
-    key = _dispatch_key(q, k, v, plan, backend, return_lse)
-    if key is None or plan._cache.get(key) is None:
+    if plan._cache.get(key) is None:
         return None
     plan.check_unchanged()  # may rebuild the plan's cache (then this is a miss)
     entry = plan._cache.get(key)
@@ -294,12 +325,11 @@ def _dispatch_hit(q, k, v, plan, backend, return_lse):
     return impl, prepared, call
 
 
-def _dispatch_store(q, k, v, plan, backend, return_lse, impl, prepared, call) -> None:
-    key = _dispatch_key(q, k, v, plan, backend, return_lse)
-    if key is None:  # e.g. under torch.compile: the registry's state is not traced either
-        return
+def _dispatch_store(plan, key, impl, prepared, call) -> None:
     state = registry.dispatch_state(impl)
     if state is not None:
+        if call.score_mod is not None:  # keep no modifier (nor its tensors) in the plan
+            call = dataclasses.replace(call, score_mod=None)
         plan._cache[key] = (impl, prepared, call, state)
 
 

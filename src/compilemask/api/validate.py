@@ -172,7 +172,12 @@ def check_sinks(sinks: object, q: torch.Tensor) -> None:
         raise InputError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
     if sinks.device != q.device:
         raise InputError(f"sinks are on {sinks.device} but q is on {q.device}")
-    # values: checked where it costs no host synchronisation (a GPU tensor is not read back)
+    check_sink_values(sinks)
+
+
+def check_sink_values(sinks: torch.Tensor) -> None:
+    """``sinks``' values are finite, checked where it costs no host synchronisation (on the
+    CPU; a GPU tensor is not read back). Runs on every call, cached dispatch included."""
     if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(torch.isfinite(sinks.detach()).all()):
             raise InputError(f"sinks must be finite, got {sinks.detach().tolist()}")
