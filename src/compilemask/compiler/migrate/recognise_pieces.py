@@ -1,0 +1,226 @@
+"""attention-gym mask_mods whose rows are piecewise affine, recognised by their trace and built
+from a host piece table (``pieces.py``: on a GPU the rows and the schedule in one launch).
+
+A form is a template mask_mod whose integer constants are parameters. A traced mask_mod is
+that form when its graph is the template's node for node (the same operations on the same
+operands, in the same order, ``b`` and ``h`` unused, no tensor read) and its constants bind
+the parameters consistently (one value per parameter; every other constant equal): it then
+computes the template's function of those parameters, and the rows below are that function's.
+Forms (``S``, ``B``, ``P``, ``C``, ``W`` Python ints):
+
+* ``jetspec_training(P, B)`` (``P >= 0``, ``B >= 1``): ``(kv < P) | (kv >= P) & (q // B ==
+  (kv - P) // B) & ((kv - P) % B <= q % B)``: row ``q`` sees ``[0, P)`` and
+  ``[P + q // B * B, P + q + 1)``; one piece per block of ``B`` rows.
+* ``block_diffusion(S, B)`` (``S, B >= 1``, ``q_len, kv_len <= 2S``: the keys' ``% S`` then
+  folds once): a noised row ``q < S`` of block ``p = q // B`` sees its block of the noised
+  half ``[pB, min(pB + B, S))`` and the clean blocks before it ``[S, S + pB)``; a clean row of
+  block ``p = (q - S) // B`` sees ``[S, S + pB + B)``; one piece per block.
+* Sparse VideoGen's spatial union ``(kv < C) | (q < P) | (|q - kv| < W)`` (``svg_spatial``,
+  with or without the sink frame: ``C = P`` or ``P + frame``): rows ``q < P`` see every key,
+  the others ``[0, C)`` and ``[q - W + 1, q + W)``.
+
+Tables are kept per (form, parameters, lengths) (:data:`MAX_TABLES`, least recently made
+dropped first). Anything else: None (recognise's forms and the lifting apply).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from . import pieces
+from .packed import NoForm
+
+log = logging.getLogger("compilemask.migrate")
+
+MAX_TABLES = 32
+_SENTINEL = 7_919_000_000_000  # parameter i of a template is traced as _SENTINEL + i
+
+
+def _jetspec_training(P, B):
+    def fn(b, h, q_idx, kv_idx):
+        kv_rel = kv_idx - P
+        same = (kv_idx >= P) & (q_idx // B == kv_rel // B)
+        return (kv_idx < P) | (same & (kv_rel % B <= q_idx % B))
+
+    return fn
+
+
+def _block_diffusion(S, B):
+    def fn(b, h, q_idx, kv_idx):
+        q_noised, kv_noised = q_idx < S, kv_idx < S
+        q_block = (q_idx % S) // B
+        kv_block = (kv_idx % S) // B
+        diag = (q_block == kv_block) & (q_noised == kv_noised)
+        offset_causal = (q_block > kv_block) & q_noised & ~kv_noised
+        block_causal = (q_block >= kv_block) & ~q_noised & ~kv_noised
+        return diag | offset_causal | block_causal
+
+    return fn
+
+
+def _svg_spatial(C, P, W):
+    def fn(b, h, q_idx, kv_idx):
+        return (kv_idx < C) | (q_idx < P) | (torch.abs(q_idx - kv_idx) < W)
+
+    return fn
+
+
+def _rows_jetspec(nq: int, nk: int, P: int, B: int):
+    if P < 0 or B < 1:
+        raise NoForm("jetspec_training with a negative prefix or a block below 1")
+    s = np.arange(0, nq, B, dtype=np.int64)
+    e = np.minimum(s + B, nq)
+    z, one = np.zeros_like(s), np.ones_like(s)
+    la, lb = np.stack([z, z], 1), np.stack([z, P + s], 1)
+    ha, hb = np.stack([z, one], 1), np.stack([z + P, z + P + 1], 1)
+    return s, e, la, lb, ha, hb
+
+
+def _rows_block_diffusion(nq: int, nk: int, S: int, B: int):
+    if S < 1 or B < 1 or max(nq, nk) > 2 * S:
+        raise NoForm("block_diffusion with lengths past twice the noised half")
+    p = np.arange(0, S, B, dtype=np.int64)  # block starts inside a half
+    z = np.zeros_like(p)
+    noised = (p, np.minimum(p + B, S), [z, z], [p, z + S], [z, z], [np.minimum(p + B, S), S + p])
+    clean = (S + p, np.minimum(S + p + B, 2 * S), [z, z], [z + S, z], [z, z], [S + p + B, z])
+    s, e, la, lb, ha, hb = (np.concatenate([np.asarray(x), np.asarray(y)], -1)
+                            for x, y in zip(noised, clean))  # fmt: skip
+    la, lb, ha, hb = (x.T for x in (la, lb, ha, hb))
+    keep = s < nq  # the pieces of the rows there are
+    s, e, la, lb, ha, hb = (x[keep] for x in (s, e, la, lb, ha, hb))
+    return s, np.minimum(e, nq), la, lb, ha, hb
+
+
+def _rows_svg_spatial(nq: int, nk: int, C: int, P: int, W: int):
+    p = min(max(P, 0), nq)
+    s = np.array([0, p], np.int64)
+    e = np.array([p, nq], np.int64)
+    la = np.array([[0, 0], [0, 1]], np.int64)
+    lb = np.array([[0, 0], [0, 1 - W]], np.int64)
+    ha = np.array([[0, 0], [0, 1]], np.int64)
+    hb = np.array([[nk, 0], [C, W]], np.int64)
+    return s, e, la, lb, ha, hb
+
+
+# name -> (template, parameter count, rows(nq, nk, *params))
+FORMS = {
+    "jetspec_training": (_jetspec_training, 2, _rows_jetspec),
+    "block_diffusion": (_block_diffusion, 2, _rows_block_diffusion),
+    "svg_spatial": (_svg_spatial, 3, _rows_svg_spatial),
+}
+
+_LOCK = threading.Lock()
+_TEMPLATES: dict[str, list] = {}
+_MATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> (name, params)
+_TABLES: dict[tuple, pieces.Table] = {}
+
+
+def _template(name: str) -> list:
+    nodes = _TEMPLATES.get(name)
+    if nodes is None:
+        import torch.fx
+
+        make, n, _ = FORMS[name]
+        gm = torch.fx.symbolic_trace(make(*(_SENTINEL + i for i in range(n))))
+        nodes = _TEMPLATES[name] = list(gm.graph.nodes)
+    return nodes
+
+
+def _same(t, u, where: dict, params: dict) -> bool:
+    """Whether the template argument ``t`` is the traced argument ``u`` (nodes at the same
+    positions, parameters bound consistently in ``params``, other constants equal)."""
+    if isinstance(t, torch.fx.Node):
+        return isinstance(u, torch.fx.Node) and where.get(t) == where.get(u, -1)
+    if isinstance(t, (tuple, list)):
+        return (
+            type(t) is type(u)
+            and len(t) == len(u)
+            and all(_same(x, y, where, params) for x, y in zip(t, u))
+        )
+    if isinstance(t, dict):
+        return (
+            isinstance(u, dict)
+            and t.keys() == u.keys()
+            and all(_same(t[k], u[k], where, params) for k in t)
+        )
+    if type(t) is int and t >= _SENTINEL:
+        if type(u) is not int:
+            return False
+        return params.setdefault(t - _SENTINEL, u) == u
+    return type(t) is type(u) and t == u
+
+
+def _match(graph) -> tuple | None:
+    import torch.fx  # noqa: F401 - torch.fx.Node in _same
+
+    user = list(graph.nodes)
+    for name in FORMS:
+        tpl = _template(name)
+        if len(tpl) != len(user):
+            continue
+        where = {}
+        for i, (t, u) in enumerate(zip(tpl, user)):
+            where[t], where[u] = i, i
+        params: dict = {}
+        if all(
+            t.op == u.op
+            and (t.op == "placeholder" or t.target == u.target)
+            and _same(t.args, u.args, where, params)
+            and _same(dict(t.kwargs), dict(u.kwargs), where, params)
+            for t, u in zip(tpl, user)
+        ):
+            return name, tuple(params[i] for i in range(FORMS[name][1]))
+    return None
+
+
+def match(gm) -> tuple | None:
+    """``(form name, parameters)`` of the traced mask_mod ``gm`` (kept per graph), or None."""
+    graph = gm.graph
+    with _LOCK:
+        if graph in _MATCHES:
+            return _MATCHES[graph]
+    found = _match(graph)
+    with _LOCK:
+        _MATCHES[graph] = found
+    return found
+
+
+def table(name: str, params: tuple, q_len: int, kv_len: int) -> pieces.Table:
+    """The canonical piece table of form ``name`` at these lengths (kept).
+
+    Raises:
+        NoForm: parameters or lengths outside the form's conditions.
+    """
+    key = (name, params, q_len, kv_len)
+    with _LOCK:
+        hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
+    rows = FORMS[name][2](q_len, kv_len, *params)
+    made = pieces.canonical(*rows, q_len, kv_len)
+    with _LOCK:
+        if len(_TABLES) >= MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = made
+    return made
+
+
+def recognised_plan(gm, q_len, kv_len, block_m, block_n, device):
+    """The plan of ``gm`` when it is one of the forms (``source ==
+    "from_mask_mod:lifted"``, broadcast over batch and heads), else None."""
+    found = match(gm)
+    if found is None:
+        return None
+    try:
+        t = table(*found, q_len, kv_len)
+    except NoForm as exc:
+        log.debug("mask_mod %s not built from a piece table: %s", found[0], exc)
+        return None
+    log.debug("mask_mod recognised as %s%s", *found)
+    return pieces.plan_of(t, q_len, kv_len, block_m, block_n, device, "from_mask_mod:lifted")
+
