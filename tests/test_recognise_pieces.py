@@ -1,0 +1,237 @@
+"""attention-gym mask_mods with piecewise-affine rows (``migrate/recognise_pieces.py``):
+recognised by their trace, built from a host piece table (``migrate/pieces.py``), exact
+against ``create_mask``; lookalikes left to the lifting or the evaluation (exact too)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_mask
+
+import compilemask as cm
+import flex_masks as fm
+from compilemask.compiler.migrate import lift, pieces, plan_cache
+from compilemask.compiler.migrate import recognise_pieces as rp
+from compilemask.compiler.migrate.packed import NoForm
+from compilemask.tools.op_counts import OpCounter, counting_host_copies
+
+READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
+
+
+def built_from_table(mm, nq, nk) -> bool:
+    found = rp.match(lift.traced(mm))
+    if found is None:
+        return False
+    try:
+        rp.table(*found, nq, nk)
+    except NoForm:
+        return False
+    return True
+
+
+def check(mm, nq, nk, expect: bool, bm=16, bn=16):
+    plan_cache.clear()
+    plan = cm.from_mask_mod(mm, nq, nk, block_m=bm, block_n=bn, cache=False)
+    plan.verify()
+    want = create_mask(mm, None, None, nq, nk, device="cpu")[0, 0]
+    assert torch.equal(plan.to_dense(), want)
+    assert built_from_table(mm, nq, nk) == expect
+
+
+# ---------------------------------------------------------------- the canonical table
+def _dense_raw(s, e, la, lb, ha, hb, nq, nk):
+    out = np.zeros((nq, nk), bool)
+    kv = np.arange(nk)
+    for i in range(len(s)):
+        for q in range(s[i], e[i]):
+            for j in range(la.shape[1]):
+                lo, hi = la[i, j] * q + lb[i, j], ha[i, j] * q + hb[i, j]
+                out[q] |= (kv >= lo) & (kv < hi)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nq=st.integers(1, 40),
+    nk=st.integers(1, 40),
+    j=st.integers(1, 4),
+    cuts=st.lists(st.integers(1, 39), max_size=5),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_canonical_table_of_raw_pieces(nq, nk, j, cuts, seed):
+    """Random raw pieces (slopes -1, 0, 1; bounds past both ends): the table's rows are the
+    raw intervals' union clipped to ``[0, nk)``, canonical (``plan.verify``)."""
+    g = np.random.default_rng(seed)
+    s = np.unique([0, *(c for c in cuts if c < nq)])
+    e = np.append(s[1:], nq)
+    p = len(s)
+    la, ha = g.integers(-1, 2, (p, j)), g.integers(-1, 2, (p, j))
+    lb, hb = g.integers(-nq - 5, nk + 6, (p, j)), g.integers(-nq - 5, nk + 6, (p, j))
+    table = pieces.canonical(s, e, la, lb, ha, hb, nq, nk)
+    plan = pieces.plan_of(table, nq, nk, 16, 16, torch.device("cpu"), "test")
+    plan.verify()
+    want = _dense_raw(s, e, la, lb, ha, hb, nq, nk)
+    assert np.array_equal(plan.to_dense().numpy(), want)
+    assert table.k == max(1, int(plan.row_count.max()))
+
+
+@pytest.mark.parametrize(
+    "s, e, la",
+    [
+        ([0, 3], [4, 10], [[0], [0]]),  # pieces that do not tile the rows
+        ([0], [9], [[0]]),  # the last piece short of q_len
+        ([0], [10], [[2]]),  # a slope outside {-1, 0, 1}
+    ],
+)
+def test_canonical_refuses_bad_raw_pieces(s, e, la):
+    z = np.zeros((len(s), 1), np.int64)
+    with pytest.raises(NoForm):
+        pieces.canonical(s, e, np.array(la), z, z, z + 5, 10, 10)
+
+
+# ---------------------------------------------------------------- the forms
+@settings(max_examples=30, deadline=None)
+@given(
+    prefix=st.integers(0, 40),
+    block=st.integers(1, 9),
+    nq=st.integers(1, 40),
+    extra=st.integers(-20, 20),
+)
+def test_jetspec_training_exact(prefix, block, nq, extra):
+    nk = max(1, prefix + nq + extra)
+    check(fm.jetspec_training(prefix, block), nq, nk, True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(half=st.integers(1, 30), block=st.integers(1, 9), dq=st.integers(0, 30), dk=st.integers(0, 30))
+def test_block_diffusion_exact(half, block, dq, dk):
+    nq, nk = max(1, 2 * half - dq), max(1, 2 * half - dk)
+    check(fm.block_diffusion(half, block), nq, nk, True)
+
+
+@pytest.mark.parametrize("nq, nk", [(61, 40), (40, 61)])
+def test_block_diffusion_past_two_halves_not_from_a_table(nq, nk):
+    check(fm.block_diffusion(20, 4), nq, nk, False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    prompt=st.integers(-3, 20),
+    frame=st.integers(0, 20),
+    width=st.integers(-2, 30),
+    nq=st.integers(1, 50),
+    nk=st.integers(1, 50),
+)
+def test_svg_spatial_exact(prompt, frame, width, nq, nk):
+    def fn(b, h, q_idx, kv_idx):
+        return (kv_idx < prompt + frame) | (q_idx < prompt) | (torch.abs(q_idx - kv_idx) < width)
+
+    check(fn, nq, nk, True)
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_svg_spatial_gym(sink):
+    check(fm.svg_spatial(16, 4, 40, 2, sink, 8), 176, 176, True)
+
+
+def _jet_lookalike(kind):
+    p, blk = 12, 4
+
+    def fn(b, h, q_idx, kv_idx):
+        kv_rel = kv_idx - p
+        same = (kv_idx >= (p + 1 if kind == "prefix" else p)) & (q_idx // blk == kv_rel // blk)
+        rel = (kv_rel % blk < q_idx % blk) if kind == "lt" else (kv_rel % blk <= q_idx % blk)
+        out = (kv_idx < p) | (same & rel)
+        return out & (h == 0) if kind == "head" else out
+
+    return fn
+
+
+def _svg_lookalike(kind):
+    def fn(b, h, q_idx, kv_idx):
+        if kind == "method":
+            band = (q_idx - kv_idx).abs() < 5
+        elif kind == "le":
+            band = torch.abs(q_idx - kv_idx) <= 5
+        else:
+            band = torch.abs(q_idx - kv_idx + 1) < 5
+        return (kv_idx < 7) | (q_idx < 3) | band
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "mm",
+    [
+        _jet_lookalike("prefix"),  # two different prefixes
+        _jet_lookalike("lt"),  # another comparison
+        _jet_lookalike("head"),  # a head dependence
+        _svg_lookalike("method"),  # .abs() (not this template's spelling)
+        _svg_lookalike("le"),
+        _svg_lookalike("shifted"),
+        fm.jetspec_training(-4, 4),  # a negative prefix
+        fm.jetspec_training(8, 0.5),  # a float block
+    ],
+)
+def test_lookalikes(mm):
+    check(mm, 30, 40, False)
+
+
+def test_float_constants_do_not_bind_int_parameters():
+    def fn(b, h, q_idx, kv_idx):
+        return (kv_idx < 4.0) | (q_idx < 3) | (torch.abs(q_idx - kv_idx) < 5)
+
+    assert rp.match(lift.traced(fn)) is None
+
+
+# ---------------------------------------------------------------- the cost of a build
+@pytest.mark.parametrize(
+    "mm, n",
+    [
+        (fm.jetspec_training(1024, 16), 1024),
+        (fm.block_diffusion(1024, 16), 2048),
+        (fm.svg_spatial(128, 8, 240, 2, True, 8), 2048),
+    ],
+)
+def test_a_build_reads_nothing_back_and_lowers_in_a_few_operations(mm, n):
+    """On the CPU: the piece table's rows in five operations beside ``build_tiles``'s own (the
+    same tiles as the lifted plan's), no host read (the counts are known on the host)."""
+    from compilemask.compiler import tiles
+
+    nk = n + 1024 if mm.__qualname__.startswith("jetspec") else n
+    cm.from_mask_mod(mm, n, nk, cache=False)
+    with OpCounter() as counted, counting_host_copies() as copies:
+        plan = cm.from_mask_mod(mm, n, nk, cache=False)
+    with OpCounter() as tiled:
+        tiles.build_tiles(plan.row_lo, plan.row_hi, plan.row_count, n, nk, 128, 128)
+    assert sum(v for op, v in counted.ops.items() if op.startswith(READS)) == 0
+    assert copies["n"] == 0
+    assert counted.real() <= tiled.real() + 5
+    lifted = cm.from_mask_mod(mm, n, nk, lifting=False)
+    assert torch.equal(plan.to_dense(), lifted.to_dense())
+
+
+def test_triton_builder_from_the_table():
+    """The device path (the registered builder's ``from_table``, through Triton's interpreter
+    here): the rows and schedule equal the host build's."""
+    pytest.importorskip("triton")
+    from compilemask.compiler.tiles import build_tiles
+    from compilemask.kernels.triton import tile_builder
+
+    mm, nq, nk = fm.jetspec_training(40, 8), 56, 96
+    table = rp.table(*rp.match(lift.traced(mm)), nq, nk)
+    host = pieces.plan_of(table, nq, nk, 16, 16, torch.device("cpu"), "t")
+    with tile_builder.using(True):
+        dev = pieces.plan_of(table, nq, nk, 16, 16, torch.device("cpu"), "t")
+    flat = dev.schedule.kind.untyped_storage().data_ptr()
+    assert dev.row_lo.untyped_storage().data_ptr() == flat  # written by the one launch
+    k = host.row_lo.shape[-1]
+    assert torch.equal(dev.row_lo[..., :k], host.row_lo)
+    assert torch.equal(dev.row_hi[..., :k], host.row_hi)
+    assert torch.equal(dev.row_count, host.row_count)
+    ref = build_tiles(dev.row_lo, dev.row_hi, dev.row_count, nq, nk, 16, 16, use_bits=False)
+    for name in ("kind", "pairs", "jlo", "jhi", "q_count", "kv_count"):
+        assert torch.equal(getattr(dev.schedule, name), getattr(ref, name)), name
