@@ -137,6 +137,27 @@ def test_svg_spatial_gym(sink):
     check(fm.svg_spatial(16, 4, 40, 2, sink, 8), 176, 176, True)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    tiles=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    tile=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    text=st.integers(0, 12),
+    dq=st.integers(-8, 8),
+    dk=st.integers(-8, 8),
+)
+def test_sta_2d_exact(tiles, tile, kernel, text, dq, dk):
+    (th, tw), (ty, tx) = tile, tiles
+    canvas, kern = (ty * th, tx * tw), (kernel[0] * th, kernel[1] * tw)
+    n = ty * th * tx * tw + text
+    form = kernel[0] <= ty and kernel[1] <= tx and kernel[0] <= pieces.MAX_RAW - 1
+    check(fm.sta_2d(canvas, kern, tile, text), max(1, n + dq), max(1, n + dk), form)
+
+
+def test_sta_2d_gym():
+    check(fm.sta_2d((32, 48), (16, 16), (8, 8), 64), 32 * 48 + 64, 32 * 48 + 64, True)
+
+
 def _jet_lookalike(kind):
     p, blk = 12, 4
 

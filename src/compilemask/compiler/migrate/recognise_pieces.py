@@ -15,6 +15,13 @@ Forms (``S``, ``B``, ``P``, ``C``, ``W`` Python ints):
   folds once): a noised row ``q < S`` of block ``p = q // B`` sees its block of the noised
   half ``[pB, min(pB + B, S))`` and the clean blocks before it ``[S, S + pB)``; a clean row of
   block ``p = (q - S) // B`` sees ``[S, S + pB + B)``; one piece per block.
+* ``sta_2d`` (sliding tile attention on a canvas of tiles of ``T`` tokens, ``CTW`` tiles a
+  row, a vision part of ``V`` tokens then text up to ``E``): a vision row of query tile ``t``
+  sees the vision keys of the tiles in rows ``[c_h - LH, c_h + RH]`` and columns ``[c_w -
+  LW, c_w + RW]`` (``c_h = clamp(t // CTW, LH, HH)``, ``c_w = clamp(t % CTW, LW, HW)``,
+  columns inside ``[0, CTW)``): one interval per tile row, and the text ``[V, E)``; a text
+  row sees ``[0, E)``; one piece per query tile (``T, CTW >= 1``, radii ``>= 0``, ``LH <=
+  HH``, ``LW <= HW``, ``V >= 0``, at most ``MAX_RAW - 1`` tile rows).
 * Sparse VideoGen's spatial union ``(kv < C) | (q < P) | (|q - kv| < W)`` (``svg_spatial``,
   with or without the sink frame: ``C = P`` or ``P + frame``): rows ``q < P`` see every key,
   the others ``[0, C)`` and ``[q - W + 1, q + W)``.
@@ -70,6 +77,21 @@ def _svg_spatial(C, P, W):
     return fn
 
 
+def _sta_2d(T, CTW, LH, HH, LW, HW, RH, RW, V, E):
+    def fn(b, h, q_idx, kv_idx):
+        qt, kt = q_idx // T, kv_idx // T
+        c_h = (qt // CTW).clamp(LH, HH)
+        c_w = (qt % CTW).clamp(LW, HW)
+        hm = (kt // CTW >= c_h - LH) & (kt // CTW <= c_h + RH)
+        wm = (kt % CTW >= c_w - LW) & (kt % CTW <= c_w + RW)
+        vis = (q_idx < V) & (kv_idx < V)
+        v2t = (q_idx < V) & (kv_idx >= V) & (kv_idx < E)
+        t2a = (q_idx >= V) & (kv_idx < E)
+        return (vis & hm & wm) | v2t | t2a
+
+    return fn
+
+
 def _rows_jetspec(nq: int, nk: int, P: int, B: int):
     if P < 0 or B < 1:
         raise NoForm("jetspec_training with a negative prefix or a block below 1")
@@ -107,11 +129,37 @@ def _rows_svg_spatial(nq: int, nk: int, C: int, P: int, W: int):
     return s, e, la, lb, ha, hb
 
 
+def _rows_sta_2d(nq: int, nk: int, T, CTW, LH, HH, LW, HW, RH, RW, V, E):
+    if T < 1 or CTW < 1 or min(LH, RH, LW, RW) < 0 or LH > HH or LW > HW or V < 0:
+        raise NoForm("sta_2d with a tile, width, radius or clamp out of range")
+    rows = LH + RH + 1
+    if rows + 1 > pieces.MAX_RAW:
+        raise NoForm("sta_2d with a window of more tile rows than a piece table holds")
+    vis = min(V, nq)
+    s = np.arange(0, vis, T, dtype=np.int64)  # the query tiles of the vision rows
+    qt = s // T
+    c_h = np.clip(qt // CTW, LH, HH)
+    c_w = np.clip(qt % CTW, LW, HW)
+    x0, x1 = np.maximum(c_w - LW, 0), np.minimum(c_w + RW, CTW - 1) + 1  # key tile columns
+    ky = c_h[:, None] - LH + np.arange(rows)  # the window's key tile rows
+    lo = np.minimum((ky * CTW + x0[:, None]) * T, V)  # keys of those tiles below V
+    hi = np.where((x1 > x0)[:, None], np.minimum((ky * CTW + x1[:, None]) * T, V), lo)
+    lb = np.concatenate([lo, np.full((len(s), 1), V)], 1)  # and the text [V, E)
+    hb = np.concatenate([hi, np.full((len(s), 1), E)], 1)
+    s = np.append(s, vis)
+    e = np.append(np.minimum(s[1:], vis), nq)
+    lb = np.concatenate([lb, [[0] * (rows + 1)]])  # text rows: [0, E)
+    hb = np.concatenate([hb, [[E] + [0] * rows]])
+    z = np.zeros_like(lb)
+    return s, e, z, lb, z, hb
+
+
 # name -> (template, parameter count, rows(nq, nk, *params))
 FORMS = {
     "jetspec_training": (_jetspec_training, 2, _rows_jetspec),
     "block_diffusion": (_block_diffusion, 2, _rows_block_diffusion),
     "svg_spatial": (_svg_spatial, 3, _rows_svg_spatial),
+    "sta_2d": (_sta_2d, 10, _rows_sta_2d),
 }
 
 _LOCK = threading.Lock()
