@@ -158,6 +158,29 @@ def test_sta_2d_gym():
     check(fm.sta_2d((32, 48), (16, 16), (8, 8), 64), 32 * 48 + 64, 32 * 48 + 64, True)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt=st.integers(-2, 12),
+    frame=st.integers(1, 12),
+    width=st.integers(0, 14),
+    nq=st.integers(1, 70),
+    nk=st.integers(1, 70),
+)
+def test_svg_temporal_exact(prompt, frame, width, nq, nk):
+    def fn(b, h, q_idx, kv_idx):
+        qt = (q_idx - prompt) % frame
+        kt = (kv_idx - prompt) % frame
+        return (kv_idx < prompt) | (q_idx < prompt) | (torch.abs(qt - kt) < width)
+
+    frames = max(0, -(-(nk - prompt) // frame))
+    form = prompt >= 0 and width >= 1 and frames + 1 <= pieces.MAX_RAW
+    check(fn, nq, nk, form)
+
+
+def test_svg_temporal_gym():
+    check(fm.svg_temporal(16, 8, 20, 2), 176, 176, True)
+
+
 def _jet_lookalike(kind):
     p, blk = 12, 4
 
@@ -215,6 +238,8 @@ def test_float_constants_do_not_bind_int_parameters():
         (fm.jetspec_training(1024, 16), 1024),
         (fm.block_diffusion(1024, 16), 2048),
         (fm.svg_spatial(128, 8, 240, 2, True, 8), 2048),
+        (fm.sta_2d((32, 48), (16, 16), (8, 8), 512), 2048),
+        (fm.svg_temporal(128, 8, 240, 2), 2048),
     ],
 )
 def test_a_build_reads_nothing_back_and_lowers_in_a_few_operations(mm, n):

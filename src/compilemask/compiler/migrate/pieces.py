@@ -34,7 +34,7 @@ I32_LIMIT = 2**31 - 1
 #: The most pieces a table may hold (a host table of at most ~2 MB at four slots).
 MAX_PIECES = 1 << 16
 #: The most intervals a row may hold before canonicalisation.
-MAX_RAW = 6
+MAX_RAW = 16
 
 
 class Table:

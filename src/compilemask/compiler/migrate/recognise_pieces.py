@@ -92,6 +92,15 @@ def _sta_2d(T, CTW, LH, HH, LW, HW, RH, RW, V, E):
     return fn
 
 
+def _svg_temporal(P, F, W):
+    def fn(b, h, q_idx, kv_idx):
+        qt = (q_idx - P) % F
+        kt = (kv_idx - P) % F
+        return (kv_idx < P) | (q_idx < P) | (torch.abs(qt - kt) < W)
+
+    return fn
+
+
 def _rows_jetspec(nq: int, nk: int, P: int, B: int):
     if P < 0 or B < 1:
         raise NoForm("jetspec_training with a negative prefix or a block below 1")
@@ -154,12 +163,46 @@ def _rows_sta_2d(nq: int, nk: int, T, CTW, LH, HH, LW, HW, RH, RW, V, E):
     return s, e, z, lb, z, hb
 
 
+def _rows_svg_temporal(nq: int, nk: int, P: int, F: int, W: int):
+    if P < 0 or F < 1 or W < 1:
+        raise NoForm("svg_temporal with a negative prompt, or a frame or width below 1")
+    g = np.arange(max(0, -(-(nk - P) // F)), dtype=np.int64)  # the key frames
+    if len(g) + 1 > pieces.MAX_RAW:
+        raise NoForm("svg_temporal with more key frames than a piece table holds")
+    p = min(P, nq)
+    h = np.arange(max(0, -(-(nq - p) // F)), dtype=np.int64)  # the query frames
+    if not len(h):  # prompt rows only
+        return [0], [nq], [[0]], [[0]], [[0]], [[nk]]
+    # each query frame in three parts at the clamps of [qt - W + 1, qt + W) to [0, F)
+    c = sorted((min(max(W - 1, 0), F), min(max(F - W + 1, 0), F)))
+    c0 = np.array([0, *c], np.int64)
+    s = (P + h[:, None] * F + c0).reshape(-1)
+    e = np.append(s[1:], P + len(h) * F)
+    s, e = np.minimum(s, nq), np.minimum(e, nq)
+    hh = np.repeat(h, 3)[:, None]
+    lo_free = np.tile(c0 >= W - 1, len(h))[:, None]  # lo = qt - W + 1 (else 0)
+    hi_free = np.tile(c0 < F - W + 1, len(h))[:, None]  # hi = qt + W (else F)
+    shift = (g[None, :] - hh) * F  # key frame g seen from query frame h
+    one = np.ones_like(shift)
+    la, lb = np.where(lo_free, one, 0), np.where(lo_free, shift - W + 1, P + g * F)
+    ha, hb = np.where(hi_free, one, 0), np.where(hi_free, shift + W, P + g * F + F)
+    first = np.zeros((len(s), 1), np.int64)  # [0, P)
+    la, ha = np.concatenate([first, la], 1), np.concatenate([first, ha], 1)
+    lb, hb = np.concatenate([first, lb], 1), np.concatenate([first + P, hb], 1)
+    full = np.zeros((1, la.shape[1]), np.int64)  # prompt rows: [0, nk)
+    hb0 = full.copy()
+    hb0[0, 0] = nk
+    return (np.append(0, s), np.append(p, e), np.concatenate([full, la]),
+            np.concatenate([full, lb]), np.concatenate([full, ha]), np.concatenate([hb0, hb]))  # fmt: skip
+
+
 # name -> (template, parameter count, rows(nq, nk, *params))
 FORMS = {
     "jetspec_training": (_jetspec_training, 2, _rows_jetspec),
     "block_diffusion": (_block_diffusion, 2, _rows_block_diffusion),
     "svg_spatial": (_svg_spatial, 3, _rows_svg_spatial),
     "sta_2d": (_sta_2d, 10, _rows_sta_2d),
+    "svg_temporal": (_svg_temporal, 3, _rows_svg_temporal),
 }
 
 _LOCK = threading.Lock()
@@ -268,6 +311,10 @@ def recognised_plan(gm, q_len, kv_len, block_m, block_n, device):
         t = table(*found, q_len, kv_len)
     except NoForm as exc:
         log.debug("mask_mod %s not built from a piece table: %s", found[0], exc)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the lifting decides then
+        log.info("mask_mod %s not built from a piece table: %s: %s", found[0],
+                 type(exc).__name__, exc)  # fmt: skip
         return None
     log.debug("mask_mod recognised as %s%s", *found)
     return pieces.plan_of(t, q_len, kv_len, block_m, block_n, device, "from_mask_mod:lifted")
