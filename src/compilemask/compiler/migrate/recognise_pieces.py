@@ -39,7 +39,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import pieces
+from . import packed, pieces, plan_cache
 from .packed import NoForm
 
 log = logging.getLogger("compilemask.migrate")
@@ -97,6 +97,14 @@ def _svg_temporal(P, F, W):
         qt = (q_idx - P) % F
         kt = (kv_idx - P) % F
         return (kv_idx < P) | (q_idx < P) | (torch.abs(qt - kt) < W)
+
+    return fn
+
+
+def _flamingo(bounds, intervals):
+    def fn(b, h, q_idx, kv_idx):
+        interval = intervals[bounds[kv_idx]]
+        return (q_idx >= interval[0]) & (q_idx < interval[1])
 
     return fn
 
@@ -196,6 +204,45 @@ def _rows_svg_temporal(nq: int, nk: int, P: int, F: int, W: int):
             np.concatenate([full, lb]), np.concatenate([full, ha]), np.concatenate([hb0, hb]))  # fmt: skip
 
 
+def _rows_flamingo(nq: int, nk: int, bounds: torch.Tensor, intervals: torch.Tensor):
+    """Key ``kv`` is seen by the rows ``[intervals[bounds[kv], 0], intervals[bounds[kv], 1])``
+    (FlexAttention's scalar indexing; negative ids from the end). One host read."""
+    if not packed.readable(bounds, nk) or bounds.dtype == torch.uint8:  # uint8: a bool mask
+        raise NoForm("flamingo's bounds not a 1-D integer table covering the keys")
+    n = intervals.shape[0] if intervals.dim() == 2 else 0
+    if intervals.dtype not in packed._INT_DTYPES or n < 1 or intervals.shape[1] < 2:
+        raise NoForm("flamingo's intervals not an integer [images, >= 2] table")
+    if bounds.device != intervals.device or bounds.device.type == "meta":
+        raise NoForm("flamingo's tables on two devices")
+    host = torch.cat([bounds[:nk].to(torch.int64),
+                      intervals[:, :2].reshape(-1).to(torch.int64)]).cpu().numpy()  # fmt: skip
+    ids, iv = host[:nk], host[nk:].reshape(n, 2)
+    if ids.min() < -n or ids.max() >= n:
+        raise NoForm("flamingo's bounds index past its intervals")
+    qlo, qhi = iv[ids % n, 0], iv[ids % n, 1]
+    # keys in runs of one row range; rows in pieces where no range starts or ends
+    new = np.flatnonzero(np.concatenate([[True], (qlo[1:] != qlo[:-1]) | (qhi[1:] != qhi[:-1])]))
+    kv0, kv1 = new, np.append(new[1:], nk)
+    rlo, rhi = qlo[new], qhi[new]
+    cuts = np.unique(np.concatenate([[0], np.clip(np.concatenate([rlo, rhi]), 0, nq)]))
+    s = cuts[cuts < nq]
+    if len(s) * len(new) > 1 << 24:
+        raise NoForm("flamingo with too many pieces and key runs")
+    on = (rlo[None, :] <= s[:, None]) & (s[:, None] < rhi[None, :])  # [pieces, key runs]
+    edge = np.diff(np.pad(on, ((0, 0), (1, 1))).astype(np.int8), axis=1)
+    ps, rs = np.nonzero(edge == 1)  # a run of seen key runs starts (row-major: by piece)
+    pe, re_ = np.nonzero(edge == -1)
+    count = np.bincount(ps, minlength=len(s))
+    j = max(1, int(count.max()) if len(ps) else 1)
+    if j > pieces.MAX_RAW:
+        raise NoForm("flamingo rows of more key intervals than a piece table holds")
+    slot = np.arange(len(ps)) - np.repeat(np.cumsum(count) - count, count)
+    lb, hb = np.zeros((len(s), j), np.int64), np.zeros((len(s), j), np.int64)
+    lb[ps, slot], hb[pe, slot] = kv0[rs], kv1[re_ - 1]
+    z = np.zeros_like(lb)
+    return s, np.append(s[1:], nq), z, lb, z, hb
+
+
 # name -> (template, parameter count, rows(nq, nk, *params))
 FORMS = {
     "jetspec_training": (_jetspec_training, 2, _rows_jetspec),
@@ -203,6 +250,11 @@ FORMS = {
     "svg_spatial": (_svg_spatial, 3, _rows_svg_spatial),
     "sta_2d": (_sta_2d, 10, _rows_sta_2d),
     "svg_temporal": (_svg_temporal, 3, _rows_svg_temporal),
+}
+# forms reading captured tensors: name -> (template of stand-in tensors, tensors, rows(nq, nk,
+# *tensors)); their tables are read on every call, their plans kept by the table's values
+TENSOR_FORMS = {
+    "flamingo": (_flamingo, 2, _rows_flamingo),
 }
 
 _LOCK = threading.Lock()
@@ -216,9 +268,13 @@ def _template(name: str) -> list:
     if nodes is None:
         import torch.fx
 
-        make, n, _ = FORMS[name]
-        gm = torch.fx.symbolic_trace(make(*(_SENTINEL + i for i in range(n))))
-        nodes = _TEMPLATES[name] = list(gm.graph.nodes)
+        if name in FORMS:
+            make, n, _ = FORMS[name]
+            fn = make(*(_SENTINEL + i for i in range(n)))
+        else:
+            make, n, _ = TENSOR_FORMS[name]
+            fn = make(*(torch.zeros(2, 2, dtype=torch.int64) for _ in range(n)))
+        nodes = _TEMPLATES[name] = list(torch.fx.symbolic_trace(fn).graph.nodes)
     return nodes
 
 
@@ -250,7 +306,7 @@ def _match(graph) -> tuple | None:
     import torch.fx  # noqa: F401 - torch.fx.Node in _same
 
     user = list(graph.nodes)
-    for name in FORMS:
+    for name in (*FORMS, *TENSOR_FORMS):
         tpl = _template(name)
         if len(tpl) != len(user):
             continue
@@ -260,17 +316,20 @@ def _match(graph) -> tuple | None:
         params: dict = {}
         if all(
             t.op == u.op
-            and (t.op == "placeholder" or t.target == u.target)
+            and (t.op in ("placeholder", "get_attr") or t.target == u.target)
             and _same(t.args, u.args, where, params)
             and _same(dict(t.kwargs), dict(u.kwargs), where, params)
             for t, u in zip(tpl, user)
         ):
+            if name in TENSOR_FORMS:  # the captured tensors, in the order they are read
+                return name, tuple(u.target for u in user if u.op == "get_attr")
             return name, tuple(params[i] for i in range(FORMS[name][1]))
     return None
 
 
 def match(gm) -> tuple | None:
-    """``(form name, parameters)`` of the traced mask_mod ``gm`` (kept per graph), or None."""
+    """``(form name, parameters)`` of the traced mask_mod ``gm`` (kept per graph; for a form
+    of :data:`TENSOR_FORMS` the ``get_attr`` targets of its tensors), or None."""
     graph = gm.graph
     with _LOCK:
         if graph in _MATCHES:
@@ -301,21 +360,34 @@ def table(name: str, params: tuple, q_len: int, kv_len: int) -> pieces.Table:
     return made
 
 
-def recognised_plan(gm, q_len, kv_len, block_m, block_n, device):
+def recognised_plan(gm, q_len, kv_len, block_m, block_n, device, cache: bool):
     """The plan of ``gm`` when it is one of the forms (``source ==
-    "from_mask_mod:lifted"``, broadcast over batch and heads), else None."""
+    "from_mask_mod:lifted"``, broadcast over batch and heads), else None. ``cache``: keep /
+    reuse the plan of a form reading tensors by its table's values (``plan_cache``); the
+    others are kept by ``from_mask_mod`` under the mask_mod's structure."""
     found = match(gm)
     if found is None:
         return None
+    name, params = found
     try:
-        t = table(*found, q_len, kv_len)
+        if name in TENSOR_FORMS:
+            t = pieces.canonical(*TENSOR_FORMS[name][2](
+                q_len, kv_len, *(getattr(gm, target) for target in params)), q_len, kv_len)  # fmt: skip
+        else:
+            t = table(name, params, q_len, kv_len)
     except NoForm as exc:
-        log.debug("mask_mod %s not built from a piece table: %s", found[0], exc)
+        log.debug("mask_mod %s not built from a piece table: %s", name, exc)
         return None
     except Exception as exc:  # noqa: BLE001 - the lifting decides then
-        log.info("mask_mod %s not built from a piece table: %s: %s", found[0],
+        log.info("mask_mod %s not built from a piece table: %s: %s", name,
                  type(exc).__name__, exc)  # fmt: skip
         return None
-    log.debug("mask_mod recognised as %s%s", *found)
-    return pieces.plan_of(t, q_len, kv_len, block_m, block_n, device, "from_mask_mod:lifted")
-
+    log.debug("mask_mod recognised as %s", name)
+    key = None
+    if cache and name in TENSOR_FORMS:
+        key = ("pieces", name, t.values.tobytes(), q_len, kv_len, block_m, block_n, str(device))
+        hit = plan_cache.get_recognised(key)
+        if hit is not None:
+            return hit
+    plan = pieces.plan_of(t, q_len, kv_len, block_m, block_n, device, "from_mask_mod:lifted")
+    return plan if key is None else plan_cache.put_recognised(key, plan)
