@@ -112,7 +112,9 @@ def test_jetspec_training_exact(prefix, block, nq, extra):
 
 
 @settings(max_examples=30, deadline=None)
-@given(half=st.integers(1, 30), block=st.integers(1, 9), dq=st.integers(0, 30), dk=st.integers(0, 30))
+@given(
+    half=st.integers(1, 30), block=st.integers(1, 9), dq=st.integers(0, 30), dk=st.integers(0, 30)
+)
 def test_block_diffusion_exact(half, block, dq, dk):
     nq, nk = max(1, 2 * half - dq), max(1, 2 * half - dk)
     check(fm.block_diffusion(half, block), nq, nk, True)

@@ -200,8 +200,8 @@ def _rows_svg_temporal(nq: int, nk: int, P: int, F: int, W: int):
     full = np.zeros((1, la.shape[1]), np.int64)  # prompt rows: [0, nk)
     hb0 = full.copy()
     hb0[0, 0] = nk
-    return (np.append(0, s), np.append(p, e), np.concatenate([full, la]),
-            np.concatenate([full, lb]), np.concatenate([full, ha]), np.concatenate([hb0, hb]))  # fmt: skip
+    la, lb, ha = (np.concatenate([full, x]) for x in (la, lb, ha))
+    return np.append(0, s), np.append(p, e), la, lb, ha, np.concatenate([hb0, hb])
 
 
 def _rows_flamingo(nq: int, nk: int, bounds: torch.Tensor, intervals: torch.Tensor):
@@ -371,8 +371,9 @@ def recognised_plan(gm, q_len, kv_len, block_m, block_n, device, cache: bool):
     name, params = found
     try:
         if name in TENSOR_FORMS:
-            t = pieces.canonical(*TENSOR_FORMS[name][2](
-                q_len, kv_len, *(getattr(gm, target) for target in params)), q_len, kv_len)  # fmt: skip
+            tensors = (getattr(gm, target) for target in params)
+            rows = TENSOR_FORMS[name][2](q_len, kv_len, *tensors)
+            t = pieces.canonical(*rows, q_len, kv_len)
         else:
             t = table(name, params, q_len, kv_len)
     except NoForm as exc:
