@@ -215,7 +215,7 @@ def _rows_flamingo(nq: int, nk: int, bounds: torch.Tensor, intervals: torch.Tens
     if bounds.device != intervals.device or bounds.device.type == "meta":
         raise NoForm("flamingo's tables on two devices")
     host = torch.cat([bounds[:nk].to(torch.int64),
-                      intervals[:, :2].reshape(-1).to(torch.int64)]).cpu().numpy()  # fmt: skip
+                      intervals[:, :2].reshape(-1).to(torch.int64)]).to("cpu").numpy()  # fmt: skip
     ids, iv = host[:nk], host[nk:].reshape(n, 2)
     if ids.min() < -n or ids.max() >= n:
         raise NoForm("flamingo's bounds index past its intervals")
