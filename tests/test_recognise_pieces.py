@@ -21,30 +21,43 @@ from compilemask.tools.op_counts import OpCounter, counting_host_copies
 READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
 
 
-def built_from_table(mm, nq, nk) -> bool:
+def table_of(mm, nq, nk, batch=None, heads=None):
+    """``(table, (M, batch, heads))`` of a recognised form, or None."""
     gm = lift.traced(mm)
     found = rp.match(gm)
     if found is None:
-        return False
+        return None
     name, params = found
     try:
         if name in rp.TENSOR_FORMS:
             tensors = (getattr(gm, target) for target in params)
-            pieces.canonical(*rp.TENSOR_FORMS[name][2](nq, nk, *tensors), nq, nk)
-        else:
-            rp.table(name, params, nq, nk)
+            rows, m, nb, nh = rp.TENSOR_FORMS[name][2](nq, nk, batch, heads, *tensors)
+            return pieces.canonical(*rows, m * nq, nk), (m, nb, nh)
+        return rp.table(name, params, nq, nk), (1, None, None)
     except NoForm:
-        return False
-    return True
+        return None
 
 
-def check(mm, nq, nk, expect: bool, bm=16, bn=16):
+def built_from_table(mm, nq, nk) -> bool:
+    return table_of(mm, nq, nk) is not None
+
+
+def check(mm, nq, nk, expect: bool, bm=16, bn=16, batch=None, heads=None):
+    """Exact against ``create_mask``; built from the form's table exactly when ``expect``."""
     plan_cache.clear()
-    plan = cm.from_mask_mod(mm, nq, nk, block_m=bm, block_n=bn, cache=False)
+    plan = cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads, block_m=bm, block_n=bn,
+                            cache=False)  # fmt: skip
     plan.verify()
-    want = create_mask(mm, None, None, nq, nk, device="cpu")[0, 0]
-    assert torch.equal(plan.to_dense(), want)
-    assert built_from_table(mm, nq, nk) == expect
+    want = create_mask(mm, batch, heads, nq, nk, device="cpu")
+    got = plan.to_dense()
+    assert torch.equal(got.expand_as(want) if got.dim() == 4 else got[None, None].expand_as(want),
+                       want)  # fmt: skip
+    found = table_of(mm, nq, nk, batch, heads)
+    assert (found is not None) == expect
+    if expect:  # the plan is the table's
+        ref = pieces.plan_of(*found[:1], nq, nk, bm, bn, torch.device("cpu"), "t", found[1])
+        assert plan.source == "from_mask_mod:lifted" and plan.encoding == "intervals"
+        assert torch.equal(plan.row_lo, ref.row_lo) and torch.equal(plan.row_hi, ref.row_hi)
 
 
 # ---------------------------------------------------------------- the canonical table
@@ -250,6 +263,41 @@ def test_flamingo_lookalikes(kind):
     check(fn, 70, 15, False)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 40)),
+    ids=st.integers(1, 6),
+    given_=st.tuples(st.booleans(), st.booleans()),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_fa4_document_exact(shape, ids, given_, seed, dtype):
+    """FlashAttention-4's documents per batch row and head: one plan of ``(batch or 1) x
+    (heads or 1)`` masks from one table; a longer table read up to the length."""
+    b, h, n = shape
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.sort(torch.randint(0, ids, (b, h, n + 3), generator=g), -1).values.to(dtype)
+    batch, heads = (b if given_[0] else None), (h if given_[1] else None)
+    check(fm.fa4_document(doc), n, n, True, batch=batch, heads=heads)
+
+
+@pytest.mark.parametrize("kind", ["unsorted", "float", "two", "lengths"])
+def test_fa4_document_lookalikes(kind):
+    g = torch.Generator().manual_seed(1)
+    doc = torch.sort(torch.randint(0, 4, (2, 2, 30), generator=g), -1).values
+    other = doc.clone()
+    if kind == "unsorted":
+        doc = doc.flip(-1)
+    if kind == "float":
+        doc = doc.double()
+
+    def fn(b, h, q_idx, kv_idx):
+        return doc[b, h, q_idx] == (other if kind == "two" else doc)[b, h, kv_idx]
+
+    nk = 20 if kind == "lengths" else 30
+    check(fn, 30, nk, False, batch=2, heads=2)
+
+
 def _jet_lookalike(kind):
     p, blk = 12, 4
 
@@ -327,6 +375,33 @@ def test_a_build_reads_nothing_back_and_lowers_in_a_few_operations(mm, n):
     assert counted.real() <= tiled.real() + 5
     lifted = cm.from_mask_mod(mm, n, nk, lifting=False)
     assert torch.equal(plan.to_dense(), lifted.to_dense())
+
+
+@pytest.mark.parametrize("form", ["flamingo", "fa4_document"])
+def test_a_build_of_a_form_with_tables_reads_them_once(form):
+    from compilemask.compiler import tiles
+
+    if form == "flamingo":
+        mm, nq, nk, batch, heads = (
+            fm.flamingo(torch.tensor([[0, 700], [500, 1500], [1200, 2048]]), 64), 2048, 192,
+            None, None,
+        )  # fmt: skip
+    else:
+        g = torch.Generator().manual_seed(0)
+        doc = torch.sort(torch.randint(0, 8, (2, 3, 2048), generator=g), -1).values
+        mm, nq, nk, batch, heads = fm.fa4_document(doc), 2048, 2048, 2, 3
+
+    def build():
+        return cm.from_mask_mod(mm, nq, nk, batch=batch, heads=heads, cache=False)
+
+    build()
+    with OpCounter() as counted, counting_host_copies() as copies:
+        plan = build()
+    with OpCounter() as tiled:
+        tiles.build_tiles(plan.row_lo, plan.row_hi, plan.row_count, nq, nk, 128, 128)
+    reads = sum(v for op, v in counted.ops.items() if op.startswith(READS)) + copies["n"]
+    assert reads == 1
+    assert counted.real() <= tiled.real() + 8
 
 
 def test_triton_builder_from_the_table():

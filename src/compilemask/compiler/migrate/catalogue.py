@@ -23,7 +23,9 @@ def recognised_plan(
     mask_mod's indices), else None. ``cache``: reuse / keep the plan by the mask's text. A
     mask_mod of a piecewise-affine form (``recognise_pieces.py``) is built from its piece
     table instead."""
-    plan = recognise_pieces.recognised_plan(gm, q_len, kv_len, block_m, block_n, device, cache)
+    plan = recognise_pieces.recognised_plan(
+        gm, q_len, kv_len, batch, heads, block_m, block_n, device, cache
+    )
     if plan is not None:
         return plan
     mask = recognise_parts(gm, q_len, kv_len, batch, heads)

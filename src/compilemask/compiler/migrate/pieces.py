@@ -169,21 +169,25 @@ def _values(starts, ends, la, lb, ha, hb, nk: int) -> Table:
     return Table(values.astype(np.int32), p, kk)
 
 
-def plan_of(table: Table, q_len, kv_len, block_m, block_n, device, source) -> MaskPlan:
-    """The plan (broadcast over batch and heads) of a canonical piece table (:func:`canonical`
-    at these lengths) on ``device`` (a ``torch.device``)."""
+def plan_of(
+    table: Table, q_len, kv_len, block_m, block_n, device, source, parts=(1, None, None)
+) -> MaskPlan:
+    """The plan of a canonical piece table (:func:`canonical`) on ``device`` (a
+    ``torch.device``). ``parts``: ``(M, batch, heads)`` of a plan of ``M`` masks (``M ==
+    (batch or 1) * (heads or 1)``), their rows the table's ``M * q_len`` rows in turn."""
+    m, batch, heads = parts
     p, k = table.pieces, table.k
     build = getattr(device_tile_builder(), "from_table", None)
-    if build is not None and not torch.compiler.is_compiling():
+    if m == 1 and build is not None and not torch.compiler.is_compiling():
         host = table.host(device)
         built = build(lambda: PieceTable(host, p, k), q_len, kv_len, device, block_m, block_n)
         if built is not None:
-            return MaskPlan._built(q_len, kv_len, None, None, *built, source=source)
+            return MaskPlan._built(q_len, kv_len, batch, heads, *built, source=source)
     host_sync = device.type == "cpu"
-    ctx = _Ctx(q_len, kv_len, device, trim=host_sync)
+    ctx = _Ctx(m * q_len, kv_len, device, trim=host_sync)
     flat = ctx.t(table.values[1:])  # one host-to-device copy
     ends, ab, counts = flat[:p], flat[p : p + 4 * p * k].view(2, 2, p, k), flat[-p:]
     lo, hi, count = ctx.expand(ends, ab, counts)
-    lo, hi, count = lo[None], hi[None], count[None]
+    lo, hi, count = lo.view(m, q_len, k), hi.view(m, q_len, k), count.view(m, q_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
-    return MaskPlan._built(q_len, kv_len, None, None, lo, hi, count, schedule, source=source)
+    return MaskPlan._built(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)

@@ -109,6 +109,10 @@ def _flamingo(bounds, intervals):
     return fn
 
 
+def _fa4_document(doc):
+    return lambda b, h, q_idx, kv_idx: doc[b, h, q_idx] == doc[b, h, kv_idx]
+
+
 def _rows_jetspec(nq: int, nk: int, P: int, B: int):
     if P < 0 or B < 1:
         raise NoForm("jetspec_training with a negative prefix or a block below 1")
@@ -204,7 +208,7 @@ def _rows_svg_temporal(nq: int, nk: int, P: int, F: int, W: int):
     return np.append(0, s), np.append(p, e), la, lb, ha, np.concatenate([hb0, hb])
 
 
-def _rows_flamingo(nq: int, nk: int, bounds: torch.Tensor, intervals: torch.Tensor):
+def _rows_flamingo(nq: int, nk: int, batch, heads, bounds, intervals):
     """Key ``kv`` is seen by the rows ``[intervals[bounds[kv], 0], intervals[bounds[kv], 1])``
     (FlexAttention's scalar indexing; negative ids from the end). One host read."""
     if not packed.readable(bounds, nk) or bounds.dtype == torch.uint8:  # uint8: a bool mask
@@ -240,7 +244,33 @@ def _rows_flamingo(nq: int, nk: int, bounds: torch.Tensor, intervals: torch.Tens
     lb, hb = np.zeros((len(s), j), np.int64), np.zeros((len(s), j), np.int64)
     lb[ps, slot], hb[pe, slot] = kv0[rs], kv1[re_ - 1]
     z = np.zeros_like(lb)
-    return s, np.append(s[1:], nq), z, lb, z, hb
+    return (s, np.append(s[1:], nq), z, lb, z, hb), 1, None, None
+
+
+def _rows_fa4_document(nq: int, nk: int, batch, heads, doc, doc_kv):
+    """FlashAttention-4's documents per batch row and head: part ``(b, h)`` (``b`` over
+    ``range(batch or 1)``, ``h`` likewise) of a 3-D integer table whose rows hold
+    non-decreasing ids (``q_len == kv_len``): row ``q`` sees its run of equal ids. The parts
+    as consecutive blocks of ``q_len`` virtual rows; one host read."""
+    nb, nh = batch or 1, heads or 1
+    if doc is not doc_kv or nq != nk or doc.dim() != 3 or doc.device.type == "meta":
+        raise NoForm("per-part documents of two tables, unequal lengths or no 3-D table")
+    if doc.dtype not in packed._INT_DTYPES or doc.shape[0] < nb or doc.shape[1] < nh:
+        raise NoForm("per-part documents of a non-integer table or one too small")
+    if doc.shape[2] < nq or nb * nh * nq > pieces.I32_LIMIT:
+        raise NoForm("per-part documents of a table too short or too many rows")
+    ids = doc[:nb, :nh, :nq].to("cpu", torch.int64).numpy().reshape(nb * nh, nq)  # one read
+    step = np.diff(ids, axis=1)
+    if (step < 0).any():
+        raise NoForm("per-part document ids not non-decreasing")
+    flag = np.ones(ids.shape, bool)
+    flag[:, 1:] = step != 0
+    s = np.flatnonzero(flag)  # virtual rows where a run starts (every part starts one)
+    e = np.append(s[1:], ids.size)
+    lo = s % nq
+    hi = lo + (e - s)
+    z = np.zeros((len(s), 1), np.int64)
+    return (s, e, z, lo[:, None], z, hi[:, None]), nb * nh, batch, heads
 
 
 # name -> (template, parameter count, rows(nq, nk, *params))
@@ -251,10 +281,12 @@ FORMS = {
     "sta_2d": (_sta_2d, 10, _rows_sta_2d),
     "svg_temporal": (_svg_temporal, 3, _rows_svg_temporal),
 }
-# forms reading captured tensors: name -> (template of stand-in tensors, tensors, rows(nq, nk,
-# *tensors)); their tables are read on every call, their plans kept by the table's values
+# forms reading captured tensors: name -> (template of stand-in tensors, tensors it takes,
+# rows(nq, nk, batch, heads, *tensors) -> (raw pieces over M * nq virtual rows, M, the plan's
+# batch, heads)); their tables are read on every call, their plans kept by the table's values
 TENSOR_FORMS = {
     "flamingo": (_flamingo, 2, _rows_flamingo),
+    "fa4_document": (_fa4_document, 1, _rows_fa4_document),
 }
 
 _LOCK = threading.Lock()
@@ -273,7 +305,7 @@ def _template(name: str) -> list:
             fn = make(*(_SENTINEL + i for i in range(n)))
         else:
             make, n, _ = TENSOR_FORMS[name]
-            fn = make(*(torch.zeros(2, 2, dtype=torch.int64) for _ in range(n)))
+            fn = make(*(torch.zeros(2, 2, 2, dtype=torch.int64) for _ in range(n)))
         nodes = _TEMPLATES[name] = list(torch.fx.symbolic_trace(fn).graph.nodes)
     return nodes
 
@@ -360,20 +392,21 @@ def table(name: str, params: tuple, q_len: int, kv_len: int) -> pieces.Table:
     return made
 
 
-def recognised_plan(gm, q_len, kv_len, block_m, block_n, device, cache: bool):
-    """The plan of ``gm`` when it is one of the forms (``source ==
-    "from_mask_mod:lifted"``, broadcast over batch and heads), else None. ``cache``: keep /
+def recognised_plan(gm, q_len, kv_len, batch, heads, block_m, block_n, device, cache: bool):
+    """The plan of ``gm`` when it is one of the forms (``source == "from_mask_mod:lifted"``;
+    broadcast over batch and heads but for ``fa4_document``), else None. ``cache``: keep /
     reuse the plan of a form reading tensors by its table's values (``plan_cache``); the
     others are kept by ``from_mask_mod`` under the mask_mod's structure."""
     found = match(gm)
     if found is None:
         return None
     name, params = found
+    m, nb, nh = 1, None, None
     try:
         if name in TENSOR_FORMS:
             tensors = (getattr(gm, target) for target in params)
-            rows = TENSOR_FORMS[name][2](q_len, kv_len, *tensors)
-            t = pieces.canonical(*rows, q_len, kv_len)
+            rows, m, nb, nh = TENSOR_FORMS[name][2](q_len, kv_len, batch, heads, *tensors)
+            t = pieces.canonical(*rows, m * q_len, kv_len)
         else:
             t = table(name, params, q_len, kv_len)
     except NoForm as exc:
@@ -386,9 +419,12 @@ def recognised_plan(gm, q_len, kv_len, block_m, block_n, device, cache: bool):
     log.debug("mask_mod recognised as %s", name)
     key = None
     if cache and name in TENSOR_FORMS:
-        key = ("pieces", name, t.values.tobytes(), q_len, kv_len, block_m, block_n, str(device))
+        key = ("pieces", name, t.values.tobytes(), q_len, kv_len, nb, nh, block_m, block_n,
+               str(device))  # fmt: skip
         hit = plan_cache.get_recognised(key)
         if hit is not None:
             return hit
-    plan = pieces.plan_of(t, q_len, kv_len, block_m, block_n, device, "from_mask_mod:lifted")
+    plan = pieces.plan_of(
+        t, q_len, kv_len, block_m, block_n, device, "from_mask_mod:lifted", (m, nb, nh)
+    )
     return plan if key is None else plan_cache.put_recognised(key, plan)
