@@ -3,10 +3,11 @@ from a host piece table (``pieces.py``: on a GPU the rows and the schedule in on
 
 A form is a template mask_mod whose integer constants are parameters. A traced mask_mod is
 that form when its graph is the template's node for node (the same operations on the same
-operands, in the same order, ``b`` and ``h`` unused, no tensor read) and its constants bind
-the parameters consistently (one value per parameter; every other constant equal): it then
-computes the template's function of those parameters, and the rows below are that function's.
-Forms (``S``, ``B``, ``P``, ``C``, ``W`` Python ints):
+operands, in the same order; ``b`` and ``h`` unused but in ``fa4_document``; tensors read
+only where the template reads its own, :data:`TENSOR_FORMS`) and its constants bind the
+parameters consistently (one value per parameter; every other constant equal, of the same
+type): it then computes the template's function of those parameters and tensors, and the
+rows below are that function's. Forms (``S``, ``B``, ``P``, ``C``, ``F``, ``W`` Python ints):
 
 * ``jetspec_training(P, B)`` (``P >= 0``, ``B >= 1``): ``(kv < P) | (kv >= P) & (q // B ==
   (kv - P) // B) & ((kv - P) % B <= q % B)``: row ``q`` sees ``[0, P)`` and
@@ -25,9 +26,23 @@ Forms (``S``, ``B``, ``P``, ``C``, ``W`` Python ints):
 * Sparse VideoGen's spatial union ``(kv < C) | (q < P) | (|q - kv| < W)`` (``svg_spatial``,
   with or without the sink frame: ``C = P`` or ``P + frame``): rows ``q < P`` see every key,
   the others ``[0, C)`` and ``[q - W + 1, q + W)``.
+* Sparse VideoGen's temporal mask ``(kv < P) | (q < P) | (|(q - P) % F - (kv - P) % F| <
+  W)`` (``P >= 0``, ``F, W >= 1``): rows ``q < P`` see every key, the others ``[0, P)`` and
+  in every key frame ``g`` the keys ``P + gF + [max(t - W + 1, 0), min(t + W, F))`` (``t``
+  the row's position in its frame); three pieces per query frame (at the two clamps), at
+  most ``MAX_RAW - 1`` key frames.
+* ``flamingo(intervals, T)`` (``interval = intervals[bounds[kv]]``, ``(q >= interval[0]) &
+  (q < interval[1])``; ``bounds`` 1-D integer covering the keys, ``intervals`` integer
+  ``[I, >= 2]``): key ``kv`` is seen by the rows of its image's range; one read of both
+  tables, one piece between consecutive range ends.
+* FlashAttention-4's ``doc[b, h, q] == doc[b, h, kv]`` (a 3-D integer table, rows
+  non-decreasing, ``q_len == kv_len``): every ``(b, h)`` part a document mask, the parts'
+  rows one after another in one table; one read of ``doc[:B, :H, :N]``.
 
-Tables are kept per (form, parameters, lengths) (:data:`MAX_TABLES`, least recently made
-dropped first). Anything else: None (recognise's forms and the lifting apply).
+Tables of the pure forms are kept per (form, parameters, lengths) (:data:`MAX_TABLES`, least
+recently made dropped first); those of :data:`TENSOR_FORMS` are read and made on every call,
+their plans kept by the table's values. Anything else: None (recognise's forms and the
+lifting apply).
 """
 
 from __future__ import annotations
@@ -211,8 +226,8 @@ def _rows_svg_temporal(nq: int, nk: int, P: int, F: int, W: int):
 def _rows_flamingo(nq: int, nk: int, batch, heads, bounds, intervals):
     """Key ``kv`` is seen by the rows ``[intervals[bounds[kv], 0], intervals[bounds[kv], 1])``
     (FlexAttention's scalar indexing; negative ids from the end). One host read."""
-    if not packed.readable(bounds, nk) or bounds.dtype == torch.uint8:  # uint8: a bool mask
-        raise NoForm("flamingo's bounds not a 1-D integer table covering the keys")
+    if not packed.readable(bounds, nk) or bounds.dtype not in (torch.int32, torch.int64):
+        raise NoForm("flamingo's bounds not a 1-D int32 / int64 table covering the keys")
     n = intervals.shape[0] if intervals.dim() == 2 else 0
     if intervals.dtype not in packed._INT_DTYPES or n < 1 or intervals.shape[1] < 2:
         raise NoForm("flamingo's intervals not an integer [images, >= 2] table")
