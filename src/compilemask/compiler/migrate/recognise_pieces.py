@@ -410,17 +410,25 @@ def table(name: str, params: tuple, q_len: int, kv_len: int) -> pieces.Table:
 def recognised_plan(gm, q_len, kv_len, batch, heads, block_m, block_n, device, cache: bool):
     """The plan of ``gm`` when it is one of the forms (``source == "from_mask_mod:lifted"``;
     broadcast over batch and heads but for ``fa4_document``), else None. ``cache``: keep /
-    reuse the plan of a form reading tensors by its table's values (``plan_cache``); the
-    others are kept by ``from_mask_mod`` under the mask_mod's structure."""
+    reuse the plan of a form reading tensors by its raw pieces, i.e. the values read
+    (``plan_cache``); the others are kept by ``from_mask_mod`` under the mask_mod's
+    structure."""
     found = match(gm)
     if found is None:
         return None
     name, params = found
-    m, nb, nh = 1, None, None
+    m, nb, nh, key = 1, None, None, None
     try:
         if name in TENSOR_FORMS:
             tensors = (getattr(gm, target) for target in params)
             rows, m, nb, nh = TENSOR_FORMS[name][2](q_len, kv_len, batch, heads, *tensors)
+            if cache:
+                raw = b"".join(np.ascontiguousarray(x, np.int64).tobytes() for x in rows)
+                key = ("pieces", name, raw, m, nb, nh, q_len, kv_len, block_m, block_n,
+                       str(device))  # fmt: skip
+                hit = plan_cache.get_recognised(key)
+                if hit is not None:
+                    return hit
             t = pieces.canonical(*rows, m * q_len, kv_len)
         else:
             t = table(name, params, q_len, kv_len)
@@ -432,13 +440,6 @@ def recognised_plan(gm, q_len, kv_len, batch, heads, block_m, block_n, device, c
                  type(exc).__name__, exc)  # fmt: skip
         return None
     log.debug("mask_mod recognised as %s", name)
-    key = None
-    if cache and name in TENSOR_FORMS:
-        key = ("pieces", name, t.values.tobytes(), q_len, kv_len, nb, nh, block_m, block_n,
-               str(device))  # fmt: skip
-        hit = plan_cache.get_recognised(key)
-        if hit is not None:
-            return hit
     plan = pieces.plan_of(
         t, q_len, kv_len, block_m, block_n, device, "from_mask_mod:lifted", (m, nb, nh)
     )
