@@ -425,3 +425,37 @@ def test_triton_builder_from_the_table():
     ref = build_tiles(dev.row_lo, dev.row_hi, dev.row_count, nq, nk, 16, 16, use_bits=False)
     for name in ("kind", "pairs", "jlo", "jhi", "q_count", "kv_count"):
         assert torch.equal(getattr(dev.schedule, name), getattr(ref, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", ["block_diffusion", "fa4_document"])
+def test_cuda_build_from_the_table(form):
+    """On CUDA: the plan equals the CPU build's rows; block_diffusion's build (one launch of
+    the Triton builder from the pinned table) neither reads back nor blocks on a copy (CUDA's
+    sync debug mode raises on either)."""
+    if form == "block_diffusion":
+        mm, n, batch, heads = fm.block_diffusion(1024, 16), 2048, None, None
+    else:
+        g = torch.Generator().manual_seed(0)
+        doc = torch.sort(torch.randint(0, 8, (2, 3, 2048), generator=g), -1).values
+        mm, n, batch, heads = fm.fa4_document(doc.cuda()), 2048, 2, 3
+    dev = torch.device("cuda")
+
+    def build():
+        return cm.from_mask_mod(mm, n, batch=batch, heads=heads, device=dev, cache=False)
+
+    want = cm.from_mask_mod(mm, n, batch=batch, heads=heads, cache=False)
+    got = build()
+    assert got.source == "from_mask_mod:lifted"
+    k = want.row_lo.shape[-1]
+    assert torch.equal(got.row_lo[..., :k].cpu(), want.row_lo)
+    assert torch.equal(got.row_hi[..., :k].cpu(), want.row_hi)
+    assert torch.equal(got.row_count.cpu(), want.row_count)
+    if form == "block_diffusion":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            build()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
