@@ -3,8 +3,9 @@
 ``from_mask_mod`` first tries to lift the mask_mod analytically (``lift.py``: traced with
 ``torch.fx``; a common form -- causal, a window, prefix-LM, chunks, documents, CLEAR's disc,
 hstu and shared_prompt with per-row tables (``packed.py``) -- is built as its catalogue mask
-by ``compile``'s path, ``recognise.py``, anything else lowered to row intervals without
-evaluating the N x N pairs); a mask_mod it does not recognise is evaluated
+by ``compile``'s path, ``recognise.py``; a few attention-gym mask_mods with piecewise-affine
+rows from a host piece table, ``recognise_pieces.py``; anything else lowered to row intervals
+without evaluating the N x N pairs); a mask_mod it does not recognise is evaluated
 in blocks (``evaluate.py``), on broadcast indices when that gives FlexAttention's answer, else
 under ``torch.vmap`` with FlexAttention's scalar semantics (``modeval.py``). ``plan.source``
 (and ``plan.stats()["source"]``) names the path taken: ``from_mask_mod:lifted``,

@@ -9,7 +9,7 @@ import logging
 
 from ..pipeline import build_plan, dependence, mask_text
 from ..plan import MaskPlan
-from . import plan_cache
+from . import plan_cache, recognise_pieces
 from .recognise_bh import recognise_parts
 
 log = logging.getLogger("compilemask.migrate")
@@ -20,7 +20,14 @@ def recognised_plan(
 ) -> MaskPlan | None:
     """The plan of the traced mask_mod ``gm`` when it is recognised (``source ==
     "from_mask_mod:lifted"``; a ``tile_grid`` mask's plan in its tiled order, the order of the
-    mask_mod's indices), else None. ``cache``: reuse / keep the plan by the mask's text."""
+    mask_mod's indices), else None. ``cache``: reuse / keep the plan by the mask's text. A
+    mask_mod of a piecewise-affine form (``recognise_pieces.py``) is built from its piece
+    table instead."""
+    plan = recognise_pieces.recognised_plan(
+        gm, q_len, kv_len, batch, heads, block_m, block_n, device, cache
+    )
+    if plan is not None:
+        return plan
     mask = recognise_parts(gm, q_len, kv_len, batch, heads)
     if mask is None:
         return None
