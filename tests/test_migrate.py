@@ -636,3 +636,29 @@ def test_a_mask_mod_answering_on_another_device_is_refused():
     ids = torch.zeros(64, dtype=torch.long, device="meta")
     with pytest.raises(cm.CompileMaskError, match="returned a tensor on meta"):
         cm.from_mask_mod(lambda b, h, q, k: ids[q] == ids[k], 64)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        lambda q, kv, t: (q == 157).any(),
+        lambda q, kv, t: t[q].any(),
+        lambda q, kv, t: (q == 157).sum() > 0,
+        lambda q, kv, t: (kv == 3).any() & (q > 200),
+    ],
+)
+@pytest.mark.parametrize("lifting", [True, False])
+def test_a_mask_mod_that_reduces_its_indices_is_evaluated_with_scalar_semantics(extra, lifting):
+    """On broadcast indices a reduction runs over a whole block of rows; the probe's rows may
+    miss the ones that matter, so such a mask_mod is evaluated under vmap: exactly
+    create_mask's answer."""
+    special = torch.zeros(300, dtype=torch.bool)
+    special[157] = True
+
+    def mm(b, h, q_idx, kv_idx):
+        dilated = ((q_idx - kv_idx) % 3 == 0) & (kv_idx <= q_idx)
+        return dilated | extra(q_idx, kv_idx, special)
+
+    plan = cm.from_mask_mod(mm, 300, lifting=lifting, cache=False)
+    want = create_mask(mm, None, None, 300, 300, device="cpu")[0, 0]
+    assert torch.equal(plan.to_dense().reshape(300, 300), want)

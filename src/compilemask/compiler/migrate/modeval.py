@@ -7,6 +7,9 @@ called once on broadcast index tensors (``q_idx`` ``[rows, 1]``, ``kv_idx`` ``[1
 which is cheaper; some do not (``interval = intervals[image_idx]; interval[0]`` takes a row of
 the gathered block instead of the first bound). :func:`choose_mode` decides per mask_mod on a
 small probe: broadcast when it runs there and gives exactly the vmap answer, else vmap.
+A mask_mod that reduces a tensor of more than one element (``(q_idx == 157).any()``,
+``table[q_idx].sum()``) is evaluated under vmap: on broadcast indices the reduction would run
+over a whole block of rows, and a probe that misses the rows that matter cannot tell.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import CompileMaskError
 
@@ -78,6 +82,38 @@ class _IndexByTensors(TorchFunctionMode):
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             if index and all(isinstance(i, torch.Tensor) for i in index):
                 return torch.ops.aten.index(args[0], list(index))
+        return func(*args, **(kwargs or {}))
+
+
+#: aten operations that combine the elements of a tensor (a reduction, a scan, a sort, a
+#: selection): on broadcast indices they would mix the rows (or keys) of a block
+_MIXING = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "any", "all", "sum", "prod", "mean", "amax", "amin", "max", "min", "argmax", "argmin",
+        "aminmax", "var", "std", "var_mean", "std_mean", "logsumexp", "norm", "linalg_vector_norm",
+        "count_nonzero", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "sort",
+        "argsort", "topk", "kthvalue", "median", "nanmedian", "mode", "unique_dim",
+        "_unique2", "unique_consecutive", "nonzero", "masked_select", "nansum", "bincount",
+        "histc", "searchsorted", "equal", "is_nonzero", "_local_scalar_dense",
+    )
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
+
+
+class _MixingOps(TorchDispatchMode):
+    """Records whether an operation of :data:`_MIXING` ran on a tensor of more than one
+    element."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.seen is None and func.overloadpacket in _MIXING:
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.numel() > 1:
+                self.seen = func.overloadpacket.__name__
         return func(*args, **(kwargs or {}))
 
 
@@ -236,12 +272,19 @@ def choose_mode(mask_mod, q_len: int, kv_len: int, bh: list[tuple[int, int]], de
     except Exception as exc:  # noqa: BLE001 - FlexAttention would refuse it too
         vmap_error = exc
         want = None
+    mixing = _MixingOps()
     try:
-        got = [call_broadcast(mask_mod, b, h, q, kv) for b, h in probe_bh]
+        with mixing:
+            got = [call_broadcast(mask_mod, b, h, q, kv) for b, h in probe_bh]
     except Exception as exc:  # noqa: BLE001 - the mask_mod needs the scalar semantics
         if want is None:
             raise _user_error(vmap_error) from vmap_error
         log.info("mask_mod evaluated under vmap: broadcast call raised %s", type(exc).__name__)
+        return "vmap"
+    if mixing.seen is not None:
+        if want is None:
+            raise _user_error(vmap_error) from vmap_error
+        log.info("mask_mod evaluated under vmap: it reduces a tensor (%s)", mixing.seen)
         return "vmap"
     if want is None:
         if _flex_refusal(vmap_error):  # a branch on values, .item(), a random operation
