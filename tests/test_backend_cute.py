@@ -396,8 +396,25 @@ def test_precompile_rejects_bad_arguments():
 
     with pytest.raises(CompileMaskError, match="head_dim"):
         precompile(96)
+    with pytest.raises(CompileMaskError, match="head_dim"):
+        precompile(64.0)
     with pytest.raises(CompileMaskError, match="dtype"):
         precompile(128, torch.float32)
+    with pytest.raises(CompileMaskError, match="dtype"):
+        precompile(64, [])
+    with pytest.raises(CompileMaskError, match="modifier"):
+        precompile(64, torch.float16, modifier="relative_bias")
+
+
+def test_precompile_without_the_dsl_names_the_package(monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is not None:
+        pytest.skip("the CuTe DSL is installed here")
+    from compilemask.kernels.cute.backend import precompile
+
+    with pytest.raises(CompileMaskError, match="nvidia-cutlass-dsl"):
+        precompile(64, torch.bfloat16, "cpu")
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -129,6 +129,7 @@ BAD_INPUT = [
     (["bench", "--workloads", "no_such_workload"], "invalid choice"),
     (["bench", "--sizes", "abc"], "invalid int value"),
     (["check", ""], "MASK is empty"),
+    (["check", "layout"], "the mask's layout has no tokens"),
 ]
 
 
@@ -141,6 +142,7 @@ def test_bad_input_is_one_line(run, args, fragment):
 BAD_FILES = [
     ("folder", None, ["stats", "{path}"], "is a folder"),
     ("latin1.txt", b"causal() # \xe9\n", ["stats", "{path}"], "not UTF-8 text"),
+    ("p.plan", b"PK\x03\x04\xff\xfe", ["check", "{path}"], "looks like a saved plan"),
     ("bad.txt", b"document([3, 5]) |\n", ["stats", "{path}", "--q-len", "8"], "(line 2, column 1)"),
     ("a_file", b"", ["show", "causal()", "--q-len", "8", "-o", "{path}/x.png"], "cannot write"),
     ("a_file", b"", ["demo", "--out-dir", "{path}", "--no-attention"], "is a file"),

@@ -505,3 +505,15 @@ def test_a_broken_triton_fn_is_reported_by_the_modifier_s_name():
 def test_alibi_slopes_refuses_a_head_count_that_is_not_a_positive_int(heads):
     with pytest.raises(InputError, match="alibi_slopes: heads"):
         sm.alibi_slopes(heads)
+
+
+def test_relative_bias_takes_numpy_ints_and_refuses_a_truthy_non_bool_direction():
+    import numpy as np
+
+    table = torch.zeros(2, 32)
+    mod = sm.relative_bias(table, np.int64(32), np.int32(128), True)
+    assert (mod.num_buckets, mod.max_distance) == (32, 128)
+    assert type(mod.num_buckets) is int
+    for bad in ("no", 1, None):
+        with pytest.raises(InputError, match="bidirectional must be True or False"):
+            sm.relative_bias(table, 32, 128, bad)

@@ -209,9 +209,19 @@ class RelativeBias(ScoreMod):
     kind = RELATIVE_BIAS
 
     def __init__(self, table, num_buckets: int, max_distance: int, bidirectional: bool):
+        from .language.values import integer_value
+
+        ints = []
         for name, val in (("num_buckets", num_buckets), ("max_distance", max_distance)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            number = integer_value(val)
+            if number is None or number < 1:
                 raise InputError(f"relative_bias: {name} must be a positive int, got {val!r}")
+            ints.append(number)
+        num_buckets, max_distance = ints
+        if bidirectional is not True and bidirectional is not False:
+            raise InputError(
+                f"relative_bias: bidirectional must be True or False, got {bidirectional!r}"
+            )
         min_buckets = 4 if bidirectional else 2
         if num_buckets < min_buckets or num_buckets > 1024:
             raise InputError(

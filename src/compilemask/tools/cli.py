@@ -181,7 +181,16 @@ def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) ->
         try:
             text, label = path.read_text(), path.name
         except UnicodeDecodeError as err:
-            raise CompileMaskError(f"MASK file {spec!r} is not UTF-8 text ({err.reason})") from None
+            hint = ""
+            with open(path, "rb") as f:
+                if f.read(4) == b"PK\x03\x04":  # a zip archive: what torch.save writes
+                    hint = (
+                        "; it looks like a saved plan (plan.save / torch.save): load it with "
+                        "compilemask.load_plan(path) in Python, the CLI reads mask text"
+                    )
+            raise CompileMaskError(
+                f"MASK file {spec!r} is not UTF-8 text ({err.reason}){hint}"
+            ) from None
     elif not spec.strip():
         raise CompileMaskError("MASK is empty: give a mask file, mask text or a seed workload")
     elif is_dir:
@@ -203,6 +212,11 @@ def resolve_mask(spec: str, q_len: int | None, kv_len: int | None, size: int) ->
         q_len = _natural_q_len(mask)
         if q_len is None:
             raise CompileMaskError(f"{label} accepts any length: give --q-len")
+        if q_len == 0:
+            raise CompileMaskError(
+                f"{label}: the mask's layout has no tokens (its parts sum to 0): give parts "
+                "with lengths, e.g. 'layout p:64 r:32', or --q-len"
+            )
     return MaskSpec(label, mask, q_len, kv_len)
 
 

@@ -103,16 +103,23 @@ def precompile(
     the process had it already).
 
     Raises:
-        CompileMaskError: ``head_dim`` not 64 / 128, ``dtype`` not bfloat16 / float16 or
-            ``modifier`` not one of ``""``, ``"softcap"``, ``"alibi"``.
+        CompileMaskError: ``head_dim`` not 64 / 128, ``dtype`` not bfloat16 / float16,
+            ``modifier`` not one of ``""``, ``"softcap"``, ``"alibi"``, or no CuTe DSL
+            (``nvidia-cutlass-dsl``) installed.
     """
-    if head_dim not in HEAD_DIMS:
+    if type(head_dim) is not int or head_dim not in HEAD_DIMS:
         raise CompileMaskError(f"head_dim must be one of {HEAD_DIMS}, not {head_dim!r}")
-    if dtype not in _DTYPES:
-        raise CompileMaskError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
-    if modifier not in MODIFIERS:
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+        raise CompileMaskError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype!r}")
+    if not isinstance(modifier, str) or modifier not in MODIFIERS:
         raise CompileMaskError(f"modifier must be one of {MODIFIERS}, not {modifier!r}")
-    import cuda.bindings.driver as cuda
+    try:
+        import cuda.bindings.driver as cuda
+        import cutlass  # noqa: F401
+    except ImportError as exc:
+        raise CompileMaskError(
+            f"precompile needs the CuTe DSL ({type(exc).__name__}: {exc}): {INSTALL_HINT}"
+        ) from None
 
     from . import forward_sm90 as fwd
 
