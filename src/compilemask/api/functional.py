@@ -340,7 +340,10 @@ def _run(impl, q, k, v, plan, prepared, scale, call, extra=None):
     if attend is not None:
         return attend(q, k, v, plan, prepared, scale, call, **(extra or {}))
     if extra:
-        raise InputError(f"backend={impl.name!r} does not run score_mod or sinks")
+        modified = getattr(impl, "attend_modified", None)
+        if modified is None:
+            raise InputError(f"backend={impl.name!r} does not run score_mod or sinks")
+        return modified(q, k, v, plan, prepared, scale, call, **extra)
     if call.requires_grad:
         return BackendAttention.apply(q, k, v, impl, plan, prepared, scale)
     return impl.forward(

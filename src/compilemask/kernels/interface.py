@@ -13,7 +13,9 @@ resolves the backend through the registry, and calls:
    ``torch.compile``);
 3. ``attend(q, k, v, plan, prepared, scale, call)`` when the backend has it (it wires its own
    autograd: the Triton backend's custom ops and their eager twin), else ``forward`` and
-   ``backward`` through the api's generic ``autograd.Function``.
+   ``backward`` through the api's generic ``autograd.Function``; a backend with ``forward``
+   and ``backward`` may also have ``attend_modified(..., score_mod=, sinks=)`` for the calls
+   with a score modifier or sinks (the split backends of ``split.py``).
 
 Shapes: q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] (Dv may differ from D: the
 call's ``head_dim_v``); out [B, Hq, Nq, Dv] in q's dtype; lse float32 [B, Hq, Nq], natural

@@ -10,10 +10,11 @@ gradients of the forward that produced them, whichever kernel that was; each reg
 is checked against the float64 reference, forward and gradients, with rows that see no key
 (``tests/test_backends_gpu.py``; ``tests/test_split_backend.py`` on the CPU).
 
-Score modifiers and sinks: where the forward backend runs them in its ``attend`` and the
-backward backend has ``attend_after`` (the Triton one), the call runs the forward half's
-``attend`` (lse of the modified scores) inside the backward half's autograd function, which
-gives the gradients of q, k, v, the sinks and the modifier's learnable tensors.
+Score modifiers and sinks (``attend_modified``): where the forward backend runs them in its
+``attend`` and the backward backend has ``attend_after`` (the Triton one), the call runs the
+forward half's ``attend`` (lse of the modified scores) inside the backward half's autograd
+function, which gives the gradients of q, k, v, the sinks and the modifier's learnable
+tensors.
 
 Registered pairs are named ``"<forward>+<backward>"`` (``"cudnn+triton"``: cuDNN-frontend's
 forward, whose per-call cost is the lowest of ours at 1K, with the Triton backward, the
@@ -42,8 +43,8 @@ class SplitBackend:
     """``forward``'s forward kernel and ``backward``'s backward kernels as one backend.
 
     Args:
-        forward: a registered backend with a ``forward`` method (its ``attend``, if any, is
-            not used).
+        forward: a registered backend with a ``forward`` method (its ``attend``, if any, runs
+            the calls with a score modifier or sinks).
         backward: a registered backend with a ``backward`` method.
 
     The name is ``f"{forward.name}+{backward.name}"``. Calls that take a gradient through
@@ -88,11 +89,10 @@ class SplitBackend:
         if not ok:
             return False, f"{self.forward_backend.name} (forward): {why}"
         modded = call.score_mod is not None or call.has_sinks
-        if modded and call.requires_grad:
-            if not hasattr(self.backward_backend, "attend_after"):
-                return False, f"{self.backward_backend.name} (backward) takes no other forward"
-            if not hasattr(self.forward_backend, "attend"):
-                return False, f"{self.forward_backend.name} (forward) runs no score_mod"
+        if modded and not hasattr(self.forward_backend, "attend"):
+            return False, f"{self.forward_backend.name} (forward) runs no score_mod or sinks"
+        if modded and call.requires_grad and not hasattr(self.backward_backend, "attend_after"):
+            return False, f"{self.backward_backend.name} (backward) takes no other forward"
         if call.requires_grad:
             ok, why = self.backward_backend.supports(plan, call)
             if not ok:
@@ -114,23 +114,14 @@ class SplitBackend:
         opts = forward_options(self.forward_backend, need_lse)
         return self.forward_backend.forward(q, k, v, plan, prepared.forward, scale, **opts)
 
-    def attend(
+    def attend_modified(
         self, q, k, v, plan, prepared: SplitPrepared, scale: float, call: AttentionCall, *,
         score_mod=None, sinks=None,
     ):  # fmt: skip
-        """``(out, lse)`` with gradients. Without a modifier or sinks, as any backend with a
-        ``forward`` and a ``backward`` (``autograd.BackendAttention``); with them, the forward
+        """``(out, lse)`` with gradients of a call with a score modifier or sinks: the forward
         half's ``attend`` (a forward-only call) inside the backward half's ``attend_after``
-        when a backward will run, alone otherwise."""
-        from .registry import forward_options
-
-        if score_mod is None and sinks is None:
-            if call.requires_grad:
-                from ..api.autograd import BackendAttention
-
-                return BackendAttention.apply(q, k, v, self, plan, prepared, scale)
-            opts = forward_options(self, call.return_lse)
-            return self.forward(q, k, v, plan, prepared, scale, **opts)
+        when a backward will run, alone otherwise. (Calls without them run ``forward`` and
+        ``backward`` through the api's autograd function, as any backend's.)"""
         fwd_call = self._forward_call(call)
 
         def forward(q, k, v):
