@@ -38,7 +38,15 @@ from ..interface import (
     softcap_of,
     under_compile_reason,
 )
-from .lower import ALIBI_MAX_HEADS, MODIFIERS, CuteLowered, l2_kv_group, lower
+from .lower import (
+    ALIBI_MAX_HEADS,
+    BLOCK_M,
+    BLOCK_N,
+    MODIFIERS,
+    CuteLowered,
+    l2_kv_group,
+    lower,
+)
 
 INSTALL_HINT = "install compilemask[cute] (nvidia-cutlass-dsl>=4.8.1)"
 HEAD_DIMS = (64, 128)
@@ -71,10 +79,9 @@ def _kernel(
 ):
     """The kernel of ``(head_dim, dtype, modifier)`` for arguments on ``device_type``: from
     this process, else from the disk cache, else compiled on ``args`` (and stored)."""
-    from . import disk_cache
-    from . import forward_sm90 as fwd
+    from . import disk_cache, launch
 
-    key = (head_dim, dtype_name, fwd.BLOCK_M, fwd.BLOCK_N, device_type, modifier)
+    key = (head_dim, dtype_name, BLOCK_M, BLOCK_N, device_type, modifier)
     kernel = _KERNELS.get(key)
     if kernel is None:
         start = time.perf_counter()
@@ -82,7 +89,7 @@ def _kernel(
         kernel = disk_cache.load(name)
         origin = "disk"
         if kernel is None:
-            kernel = fwd.compile_forward(head_dim, dtype_name, args, stream, modifier)
+            kernel = launch.compile_forward(head_dim, dtype_name, args, stream, modifier)
             disk_cache.store(kernel, name)
             origin = "compiled"
         _COMPILE_SECONDS[key] = time.perf_counter() - start
@@ -121,15 +128,15 @@ def precompile(
             f"precompile needs the CuTe DSL ({type(exc).__name__}: {exc}): {INSTALL_HINT}"
         ) from None
 
-    from . import forward_sm90 as fwd
+    from . import launch
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    key = (head_dim, _DTYPES[dtype], fwd.BLOCK_M, fwd.BLOCK_N, device.type, modifier)
+    key = (head_dim, _DTYPES[dtype], BLOCK_M, BLOCK_N, device.type, modifier)
     if key in _KERNELS:
         return 0.0
-    args = fwd.example_args(head_dim, _DTYPES[dtype], device)
+    args = launch.example_args(head_dim, _DTYPES[dtype], device)
     _kernel(head_dim, _DTYPES[dtype], device.type, args, cuda.CUstream(0), modifier)
     return _COMPILE_SECONDS[key]
 
@@ -269,7 +276,7 @@ def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None =
     ALiBi's ``[Hq]`` slopes (scores ``s * scale + slopes[h] (kv_idx - q_idx)``; lse of those)."""
     import cuda.bindings.driver as cuda
 
-    from . import forward_sm90 as fwd
+    from . import launch
 
     # detached: the kernel is forward only, and DLPack refuses tensors that require grad (a
     # call from ``cute+triton``'s autograd function passes its inputs as they are)
@@ -282,7 +289,7 @@ def run_forward(q, k, v, low: CuteLowered, scale: float, softcap: float | None =
     if slopes is not None:
         modifier = "alibi"
         slopes = slopes.detach().to(device=q.device, dtype=torch.float32).contiguous()
-    args = fwd.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter, softcap, slopes)
+    args = launch.kernel_args(q, k, v, out, lse, low, scale, low.num_ctas, counter, softcap, slopes)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel = _kernel(D, _DTYPES[q.dtype], q.device.type, args, stream, modifier)
     kernel(*args, stream)

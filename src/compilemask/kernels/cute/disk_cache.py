@@ -42,7 +42,7 @@ from pathlib import Path
 ENV_DIR = "COMPILEMASK_CACHE_DIR"
 _OFF = ("", "0", "off")
 #: the modules whose source decides the compiled kernel
-SOURCES = ("forward_sm90.py", "lower.py", "exp2.py", "disk_cache.py")
+SOURCES = ("forward_sm90.py", "launch.py", "lower.py", "exp2.py", "disk_cache.py")
 #: bump when the layout of the cache directory changes
 FORMAT = 1
 
