@@ -44,12 +44,17 @@ class _ReferenceForward:
         raise AssertionError("the split backend must not call the forward half's backward")
 
 
-@pytest.fixture
-def split():
-    backend = SplitBackend(_ReferenceForward(), registry.get("triton"))
+def _registered(forward_half):
+    """A split backend of ``forward_half`` and the Triton backward, registered while in use."""
+    backend = SplitBackend(forward_half, registry.get("triton"))
     registry.register(backend)
     yield backend
     registry._BACKENDS.pop(backend.name, None)
+
+
+@pytest.fixture
+def split():
+    yield from _registered(_ReferenceForward())
 
 
 def test_split_follows_the_protocol_and_names_both_halves(split):
@@ -134,10 +139,7 @@ class _ReferenceModdedForward(_ReferenceForward):
 
 @pytest.fixture
 def modded_split():
-    backend = SplitBackend(_ReferenceModdedForward(), registry.get("triton"))
-    registry.register(backend)
-    yield backend
-    registry._BACKENDS.pop(backend.name, None)
+    yield from _registered(_ReferenceModdedForward())
 
 
 @pytest.mark.parametrize("kind", ["softcap", "alibi", "relative_bias+sinks"])

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import CompileMaskError, InputError
+from .language.values import integer_value
 
 #: float32's largest value: the kernels cap scores in float32
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -161,8 +162,6 @@ def alibi_slopes(heads: int, device=None) -> torch.Tensor:
     Raises:
         InputError: ``heads`` not a positive integer.
     """
-    from .language.values import integer_value
-
     count = integer_value(heads)
     if count is None or count < 1:
         raise InputError(f"alibi_slopes: heads must be a positive int, got {heads!r}")
@@ -209,8 +208,6 @@ class RelativeBias(ScoreMod):
     kind = RELATIVE_BIAS
 
     def __init__(self, table, num_buckets: int, max_distance: int, bidirectional: bool):
-        from .language.values import integer_value
-
         ints = []
         for name, val in (("num_buckets", num_buckets), ("max_distance", max_distance)):
             number = integer_value(val)
@@ -415,14 +412,14 @@ class Compose(ScoreMod):
 
 # ------------------------------------------------------------------------ the dispatch key
 #: tensor types whose facts a dispatch key records (a Parameter is a plain tensor; other
-#: subclasses may dispatch differently, so their calls are not kept)
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: subclasses may dispatch differently, so their calls are not kept); the api keys sinks by it
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _facts(t: object) -> tuple | None:
     """Shape, dtype, device, requires_grad and strides of a modifier's tensor, or None (not a
     plain tensor). No values: a learnable table changes every step."""
-    if type(t) not in _PLAIN_TENSORS:
+    if type(t) not in PLAIN_TENSORS:
         return None
     return (t.shape, t.dtype, t.device, t.requires_grad, t.stride())
 

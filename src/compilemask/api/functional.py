@@ -269,9 +269,6 @@ def _backend_for_tangents(q, k, v, sinks, backend):
 # None) always run the full path.
 _DISPATCH = "api.dispatch"
 
-#: types of the sinks whose calls are kept (a Parameter is a plain tensor)
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
 
 def _dispatch_key(q, k, v, plan, backend, return_lse, score_mod=None, sinks=None):
     """The key of a call in ``plan``'s dispatch cache, or None (no caching for this call)."""
@@ -303,7 +300,7 @@ def _dispatch_key(q, k, v, plan, backend, return_lse, score_mod=None, sinks=None
             return None
     held = None
     if sinks is not None:
-        if type(sinks) not in _PLAIN_TENSORS:
+        if type(sinks) not in score_mods.PLAIN_TENSORS:
             return None
         held = (sinks.shape, sinks.dtype, sinks.device, sinks.requires_grad)
     # grad mode too: a learnable table or the sinks may ask for a backward when q, k, v do not
