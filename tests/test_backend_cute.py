@@ -15,15 +15,10 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask.compiler.tiles import FULL, PARTIAL_BITS
+from compilemask.compiler.tiles import FULL
 from compilemask.errors import CompileMaskError
 from compilemask.kernels.cute.backend import CuteBackend
-from compilemask.kernels.cute.lower import (
-    columns_below,
-    dense_from_lowered,
-    lower,
-    seen_from_word,
-)
+from compilemask.kernels.cute.lower import dense_from_lowered, lower, thread_layout
 
 M = cm.masks
 
@@ -55,7 +50,16 @@ def _catalogue():
         ),  # fmt: skip
         ("empty_rows", cm.compile(M.sliding_window(40), 500, 300), 2, 2, 2),
         ("plan_tiles_128", cm.compile(M.causal(), 384, block_m=128, block_n=128), 1, 1, 1),
+        ("from_dense_bits", cm.from_dense(_random_dense(200, 260)), 1, 2, 1),
     ]
+
+
+def _random_dense(q_len: int, kv_len: int) -> torch.Tensor:
+    """A random boolean mask (rows of many short runs: a bitmask plan) with a few empty rows."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.rand(q_len, kv_len, generator=g) < 0.4
+    dense[5:9] = False
+    return dense
 
 
 CATALOGUE = _catalogue()
@@ -64,12 +68,16 @@ IDS = [c[0] for c in CATALOGUE]
 
 @pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
 def test_lowered_tiles_rebuild_the_dense_mask(name, plan, batch, hq, hkv):
+    """FULL tiles and the PARTIAL entries' thread-order pages, read as the kernel reads them,
+    give the dense mask, and no page shows a row past q_len or a key past kv_len."""
     low = lower(plan.in_permuted_order(), batch, hq, hkv)
     dense = plan.in_permuted_order().to_dense()
     dense = dense.view(-1, plan.q_len, plan.kv_len)
+    assert name != "from_dense_bits" or plan.encoding == "bits"
     for m in range(dense.shape[0]):
-        got = dense_from_lowered(low, plan.q_len, plan.kv_len, m)
-        assert torch.equal(got, dense[m]), f"mask {m}"
+        got = dense_from_lowered(low, plan.q_len, plan.kv_len, m, padded=True)
+        assert torch.equal(got[: plan.q_len, : plan.kv_len], dense[m]), f"mask {m}"
+        assert not bool(got[plan.q_len :].any()) and not bool(got[:, plan.kv_len :].any())
 
 
 @pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
@@ -115,23 +123,33 @@ def test_work_and_tile_entries_carry_what_the_kernel_looks_up_through_them(
     name, plan, batch, hq, hkv
 ):
     """Columns 4, 5 of a work entry are its q-tile's kv count and FULL count; row ``i`` of
-    ``tiles[m, qt]`` is ``(kt, jlo, jhi, page)`` of kv-list entry ``i``."""
+    ``tiles[m, qt]`` is ``(kt, page)`` of kv-list entry ``i``: a page of its own for each
+    PARTIAL entry (numbered in (m, qt, i) order), -1 for FULL entries."""
     low = lower(plan, batch, hq, hkv)
     assert low.work.shape[1] == 7 and low.work.dtype == torch.int32
-    assert low.tiles.shape == (*low.kv_list.shape, 4) and low.tiles.dtype == torch.int32
-    rows = low.tiles.view(-1, 4)  # as the kernel reads it
+    assert low.tiles.shape == (*low.kv_list.shape, 2) and low.tiles.dtype == torch.int32
+    assert low.pages.dtype == torch.int64 and low.pages.shape[1] == 256
+    assert low.pages.is_contiguous()
+    rows = low.tiles.view(-1, 2)  # as the kernel reads it
+    page_of = {}  # (m, qt, i) -> page, over every work entry of the q-tile
     for _, _, qt, m, n, nf, list0 in low.work.tolist():
         assert (n, nf) == (int(low.kv_count[m, qt]), int(low.full_count[m, qt]))
         for i in range(n):
-            kt = int(low.kv_list[m, qt, i])
-            want = [kt, *(int(t[m, qt, kt]) for t in (low.jlo, low.jhi, low.bits_index))]
-            assert rows[list0 + i].tolist() == want
+            kt, page = rows[list0 + i].tolist()
+            assert kt == int(low.kv_list[m, qt, i])
+            assert (page == -1) == (i < nf)
+            if page >= 0:
+                assert page_of.setdefault((m, qt, i), page) == page
+    partial = int((low.kv_count - low.full_count).sum())
+    assert [page_of[key] for key in sorted(page_of)] == list(range(partial))
+    assert low.pages.shape[0] == max(partial, 1)
+    if partial == 0:
+        assert not bool(low.pages.any())  # the zero page
 
 
 def test_entries_clamp_what_they_read_from_the_plan_to_its_ranges():
     """A schedule out of its ranges (counts past the list, FULL past the count, tiles past
-    Tk, slots past K, pages past P) lowers to entries inside them: the kernel indexes with
-    them unchecked."""
+    Tk, pages past P) lowers to entries inside them; the kernel clamps the page again."""
     from compilemask.kernels.cute.lower import tile_entries, work_entries
 
     order = torch.tensor([[0, 0, 0, 0], [0, 0, 1, 0]], dtype=torch.int32)
@@ -140,12 +158,26 @@ def test_entries_clamp_what_they_read_from_the_plan_to_its_ranges():
     work = work_entries(order, kv_count, full_count, 3)
     assert work[:, 4:].tolist() == [[3, 3, 0], [0, 0, 3]]
     kv_list = torch.tensor([[[0, 5, -1], [2, 1, 0]]], dtype=torch.int32)
-    jlo = torch.tensor([[[-3, 1, 2], [0, 0, 0]]], dtype=torch.int32)
-    jhi = torch.tensor([[[9, 2, 4], [1, 1, 1]]], dtype=torch.int32)
     page = torch.tensor([[[5, -1, -7], [0, 0, 1]]], dtype=torch.int32)
-    tiles = tile_entries(kv_list, jlo, jhi, page, slots=4, pages=2)
-    assert tiles[0, 0].tolist() == [[0, 0, 4, 1], [2, 2, 4, -1], [0, 0, 4, 1]]
-    assert tiles[0, 1].tolist() == [[2, 0, 1, 1], [1, 0, 1, 0], [0, 0, 1, 0]]
+    tiles = tile_entries(kv_list, page, pages=2)
+    assert tiles[0, 0].tolist() == [[0, 1], [2, -1], [0, -1]]
+    assert tiles[0, 1].tolist() == [[2, 0], [1, 0], [0, 1]]
+
+
+def test_thread_layout_places_each_tile_position_once():
+    """The 256 consumer threads' 64 bits cover the 128 x 128 tile exactly once, and thread
+    ``t``'s bit ``32 r + c`` is the accumulator's row ``r`` and column ``c`` (``mn_layout``:
+    row ``lane // 4 + 8 r`` of the warp's 16, columns ``8 (c // 2) + 2 (lane % 4) + c % 2``)."""
+    lay = thread_layout()
+    assert lay.shape == (256, 64)
+    assert torch.equal(lay.flatten().sort().values, torch.arange(128 * 128))
+    for t in (0, 1, 5, 37, 130, 255):
+        lane, warp, cw = t % 32, t % 128 // 32, t // 128
+        for r in range(2):
+            for c in (0, 1, 2, 7, 30, 31):
+                row = 64 * cw + 16 * warp + lane // 4 + 8 * r
+                col = 8 * (c // 2) + 2 * (lane % 4) + c % 2
+                assert int(lay[t, 32 * r + c]) == row * 128 + col
 
 
 def test_l2_groups_keep_each_pair_together():
@@ -178,107 +210,6 @@ def schedule_for_kernel_count(plan):
     return schedule_for_kernel(plan).q_count
 
 
-#: plans whose rows hold many intervals: their wide PARTIAL tiles are lowered as bitmasks
-BITMASK_PLANS = ("clear", "clear_tile_grid", "clear_tiles_64")
-
-
-@pytest.mark.parametrize("name,plan,batch,hq,hkv", CATALOGUE, ids=IDS)
-def test_bitmask_tiles_are_the_wide_partial_tiles_of_the_128_schedule(name, plan, batch, hq, hkv):
-    from compilemask.kernels.cute.lower import schedule_for_kernel
-
-    low = lower(plan, batch, hq, hkv)
-    kind = schedule_for_kernel(plan).kind
-    assert low.bits.dtype == torch.int32 and low.bits_index.dtype == torch.int32
-    assert low.bits_index.shape == low.kv_list.shape
-    assert low.bits.shape[1:] == (128, 4) and low.bits.shape[0] >= 1 and low.bits.is_contiguous()
-    has = low.bits_index >= 0
-    assert torch.equal(has, kind == PARTIAL_BITS)
-    pages = low.bits_index[has]
-    assert torch.equal(pages.sort().values, torch.arange(pages.numel(), dtype=torch.int32))
-    if name in BITMASK_PLANS:
-        assert int(has.sum()) > 0, "a many-interval plan lowers some tiles as bitmasks"
-        assert low.bits.shape[0] == int(has.sum())
-    elif not bool(has.any()):
-        assert low.bits.shape[0] == 1 and not bool(low.bits.any())  # the zero page
-    # rows past q_len of the last q-tile are zero in every page (the kernel reads them)
-    tail = plan.q_len - (low.kv_list.shape[1] - 1) * 128
-    last = low.bits_index[:, -1][low.bits_index[:, -1] >= 0].long()
-    assert not bool(low.bits[last, tail:].any())
-
-
-def _thread_columns(t: int) -> list[int]:
-    """Tile columns of a consumer thread's 32 accumulator columns (``mn_layout``), for
-    ``t = lane % 4``."""
-    return [8 * (c // 2) + 2 * t + c % 2 for c in range(32)]
-
-
-def test_interval_words_are_the_thread_columns_inside_the_interval():
-    """``interval_seen``'s arithmetic (``columns_below`` and the bits between two counts, as
-    the kernel computes them in 64 bits) against a compare per column, for every interval
-    ``[lo, hi)`` around a tile (kv-tile 1: columns 128..255) and every thread column set."""
-    tile0 = 128
-    for t in range(4):
-        col0 = tile0 + 2 * t
-        cols = [tile0 + c for c in _thread_columns(t)]
-        for lo in range(tile0 - 3, tile0 + 131):
-            for hi in range(lo - 2, tile0 + 132):
-                a = columns_below(max(lo - col0, 0))
-                b = columns_below(max(hi - col0, 0))
-                word = (((1 << b) - 1) & ~((1 << a) - 1)) & 0xFFFFFFFF
-                want = sum(1 << c for c in range(32) if lo <= cols[c] < hi)
-                assert word == want, (t, lo, hi)
-
-
-def test_seen_from_word_maps_word_bits_to_the_thread_columns():
-    # every word bit alone, the sign bit included (the kernel shifts int32: arithmetic)
-    for t in range(4):
-        cols = _thread_columns(t)
-        for w in range(4):
-            for b in range(32):
-                word = (1 << b) - (1 << 32 if b == 31 else 0)  # int32 value of the word
-                seen = seen_from_word(word >> (2 * t), w) & 0xFFFFFFFF
-                want = sum(1 << c for c in range(32) if cols[c] == 32 * w + b)
-                assert seen == want, (t, w, b)
-    # random rows: the OR over the 4 words is the thread's 32 columns of the row
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randint(-(2**31), 2**31, (64, 4), generator=g, dtype=torch.int64)
-    for row in rows.tolist():
-        visible = [(row[c // 32] >> (c % 32)) & 1 for c in range(128)]
-        for t in range(4):
-            seen = 0
-            for w in range(4):
-                seen |= seen_from_word(row[w] >> (2 * t), w)
-            got = [(seen >> c) & 1 for c in range(32)]
-            assert got == [visible[col] for col in _thread_columns(t)]
-
-
-@pytest.mark.parametrize("name", BITMASK_PLANS)
-def test_kernel_reading_of_bitmask_pages_rebuilds_the_dense_mask(name):
-    """The rows and columns ``apply_mask`` reads from a page (row ``cw*64 + warp*16 + lane//4
-    + 8r`` of the tile; 4 words through ``seen_from_word``), for all 256 consumer threads,
-    against the dense mask."""
-    plan = dict((c[0], c[1]) for c in CATALOGUE)[name]
-    low = lower(plan, 1, plan.heads or 1, 1)
-    dense = plan.to_dense().view(-1, plan.q_len, plan.kv_len)
-    for m, qt, kt in (low.bits_index >= 0).nonzero().tolist():
-        page = low.bits[int(low.bits_index[m, qt, kt])].tolist()
-        got = torch.zeros(128, 128, dtype=torch.bool)
-        for tid in range(256):
-            cw, warp, lane = tid // 128, tid % 128 // 32, tid % 32
-            t = lane % 4
-            for r in range(2):
-                row = cw * 64 + warp * 16 + lane // 4 + 8 * r
-                seen = 0
-                for w in range(4):
-                    seen |= seen_from_word(page[row][w] >> (2 * t), w)
-                for c, col in enumerate(_thread_columns(t)):
-                    got[row, col] = bool((seen >> c) & 1)
-        want = torch.zeros(128, 128, dtype=torch.bool)
-        part = dense[m, qt * 128 : qt * 128 + 128, kt * 128 : kt * 128 + 128]
-        want[: part.shape[0], : part.shape[1]] = part
-        assert torch.equal(got, want), (m, qt, kt)
-
-
 def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
     plan = cm.compile(M.causal(), 256)
     call = SimpleNamespace(batch=1, heads_q=2, heads_kv=1, device=plan.device)
@@ -292,10 +223,6 @@ def test_lowering_is_cached_on_the_plan_and_rejects_bad_input():
         with pytest.raises(CompileMaskError, match="kv_group must be None or a positive int"):
             lower(plan, 2, 2, 1, kv_group=bad)
     assert lower(plan, 2, 2, 1, kv_group=1).work.shape == (2 * 2 * 2, 7)
-    dense = cm.from_dense(torch.rand(64, 64) < 0.5)
-    if dense.encoding == "bits":
-        with pytest.raises(CompileMaskError, match="bitmask"):
-            lower(dense, 1, 1, 1)
 
 
 _SM = __import__("compilemask").score_mods
@@ -341,7 +268,7 @@ _PRECOMPILE = (
     "import torch\n"
     "from compilemask.kernels.cute import backend as cb\n"
     "cb.precompile(64, torch.float16, 'cpu')\n"
-    "print(cb.kernel_origins()[(64, 'float16', 128, 128, 'cpu')])\n"
+    "print(cb.kernel_origins()[(64, 'float16', 128, 128, 'cpu', '')])\n"
 )
 
 
@@ -440,6 +367,7 @@ GPU_CASES = {
     "gqa": (M.causal(), 1024, 1024, None, 2, 4, 1),
     "empty_rows": (M.sliding_window(64), 1100, 900, None, 2, 4, 2),
     "q_len_lt_kv_len": (M.causal(), 700, 1000, None, 1, 2, 2),
+    "from_dense_bits": (_random_dense(600, 760), None, None, None, 2, 4, 2),
 }
 
 
@@ -455,7 +383,10 @@ def check_gpu_case(
     from compilemask.testing import check_close
 
     mask, nq, nk, heads, b, hq, hkv = GPU_CASES[name]
-    plan = cm.compile(mask, nq, nk, heads=heads, device="cuda").in_permuted_order()
+    if isinstance(mask, torch.Tensor):  # a bitmask plan (from_dense)
+        plan = cm.from_dense(mask.cuda())
+    else:
+        plan = cm.compile(mask, nq, nk, heads=heads, device="cuda").in_permuted_order()
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, hq, plan.q_len, head_dim, device="cuda", dtype=dtype, generator=g)
     k, v = (
@@ -473,8 +404,7 @@ def check_gpu_case(
     be = CuteBackend()
     assert be.supports(plan, call) == (True, "")
     prepared = be.prepare(plan, call)
-    if name.startswith("clear"):  # the kernel's bitmask path runs
-        assert bool((prepared.bits_index >= 0).any())
+    assert int((prepared.kv_count - prepared.full_count).sum()) > 0  # PARTIAL tiles run
     out, lse = be.attend(q, k, v, plan, prepared, scale, call, score_mod=mod)
     torch.cuda.synchronize()
     assert out.shape == q.shape and lse.shape == (b, hq, plan.q_len)

@@ -2,15 +2,16 @@
 
 Forward only (a call that will run a backward is refused with that reason); sm90 GPUs; bf16
 and fp16; head_dim 64 and 128; GQA (``Hq % Hkv == 0``); ``q_len != kv_len``; batch- and
-head-dependent plans; interval plans (a ``from_dense`` / ``from_mask_mod`` plan that stores
-bitmasks is refused); a lone :func:`~compilemask.score_mods.softcap` (``cap * tanh(s /
-cap)`` of the scaled score, a kernel of its own with the cap a runtime argument) or a lone
+head-dependent plans; interval plans and the bitmask plans of ``from_dense`` /
+``from_mask_mod`` (every PARTIAL tile is masked from a thread-order page); a lone
+:func:`~compilemask.score_mods.softcap` (``cap * tanh(s / cap)`` of the scaled score, a
+kernel of its own with the cap a runtime argument) or a lone
 :func:`~compilemask.score_mods.alibi` (a kernel of its own, the slopes a runtime argument); no
 sinks, no other modifier. ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
 ``compilemask[cute]``) is imported on first use only.
 
 Costs paid once: per (plan, call shape) the lowering (:func:`.lower.lower`, cached on the
-plan; one host read per plan when it holds bitmask tiles, none otherwise); per
+plan; it reads a few values back to the host: the number of PARTIAL tiles); per
 ``(head_dim, dtype, modifier)`` the ``cute.compile`` of the kernel (seconds), once per
 machine: the compiled kernel is written to a disk cache
 (:mod:`.disk_cache`, ``$COMPILEMASK_CACHE_DIR/cute`` or ``~/.cache/compilemask/cute``) and a
@@ -196,8 +197,6 @@ class CuteBackend:
             return False, f"cute runs bfloat16 / float16, not {call.dtype}"
         if call.head_dim not in HEAD_DIMS:
             return False, f"cute has kernels for head_dim 64 and 128, not {call.head_dim}"
-        if plan.encoding == "bits":
-            return False, "cute reads row intervals; this plan stores bitmasks (from_dense)"
         why = plan_fit_reason(plan, call)
         if why:
             return False, why

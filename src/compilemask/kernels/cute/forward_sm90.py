@@ -19,10 +19,11 @@ kv-tile of the q-tile's kv list (``tiles[list0 + i, 0]``) into one shared-memory
 bytes, empty barriers one arrive per consumer warp). The consumers run ``S = Q K^T`` with
 wgmma from shared memory, the online softmax in registers, and ``O += P V`` with P from
 registers. FULL kv-tiles (the first ``nf`` of the list) run without mask arithmetic;
-PARTIAL ones hide every key the tile's bitmask does not show (``page >= 0`` in the entry's
-``tiles`` row, :func:`bits_seen`) or, for the others, every key outside the row's intervals,
-read through :func:`row_bounds`; those reads are issued right after the tile's GEMMs, before
-the wait for S (:meth:`FlashFwdSm90.mask_seen`), so their latency runs under the GEMMs.
+PARTIAL ones hide every key their page does not show: the lowering stores each PARTIAL
+entry's mask in thread order (``lower.pages``: one 64-bit word per consumer thread, its two
+rows' 32 columns each), so a thread reads its word with one coalesced load and masks with
+it directly (:func:`page_seen`); that load is issued right after the tile's GEMMs, before
+the wait for S (:meth:`FlashFwdSm90.mask_seen`), so its latency runs under the GEMMs.
 A row that sees no key ends with a zero sum: out 0, lse -inf. O leaves through shared
 memory: ``stmatrix`` into the warpgroup's 64 x D tile, then one TMA store (lse: per element).
 
@@ -63,11 +64,11 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint32, Uint64
+from cutlass import Float32, Int32, Uint32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .exp2 import exp2_fma_ptx
-from .lower import ALIBI_MAX_HEADS, BLOCK_M, BLOCK_N, MODIFIERS, columns_below, seen_from_word
+from .lower import ALIBI_MAX_HEADS, BLOCK_M, BLOCK_N, MODIFIERS
 
 WG_THREADS = 128
 ROWS_PER_WG = 64
@@ -139,51 +140,31 @@ def fma_f32(a, b, c, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
-def read_entry(work: cute.Tensor, tiles: cute.Tensor, row_lo: cute.Tensor, item: Int32):
-    """Work entry ``item``: ``(b, hq, qt, m, n, nf, list0)``, its columns read together (one
-    memory round trip). What indexes the plan's tensors is clamped to their ranges: ``m`` to
-    the masks of ``row_lo``, ``list0`` (the q-tile's first row of ``tiles``) and ``n`` so that
-    rows ``list0 .. list0 + n - 1`` exist, ``nf`` to ``n``; a few integer instructions per
-    item, none per kv-tile. (``b`` / ``hq`` / ``qt`` only place TMA boxes, which the TMA unit
-    clips, and the lse stores, which the lowering builds from the call's own shape.)"""
-    b, hq, qt, m = work[item, 0], work[item, 1], work[item, 2], work[item, 3]
+def read_entry(work: cute.Tensor, tiles: cute.Tensor, item: Int32):
+    """Work entry ``item``: ``(b, hq, qt, n, nf, list0)`` (the entry's mask index, column 3,
+    is in its pages already), its columns read together (one memory round trip). What indexes
+    the plan's tensors is clamped to their ranges: ``list0`` (the q-tile's first row of
+    ``tiles``) and ``n`` so that rows ``list0 .. list0 + n - 1`` exist, ``nf`` to ``n``; a few
+    integer instructions per item, none per kv-tile. (``b`` / ``hq`` / ``qt`` only place TMA
+    boxes, which the TMA unit clips, and the lse stores, which the lowering builds from the
+    call's own shape.)"""
+    b, hq, qt = work[item, 0], work[item, 1], work[item, 2]
     n, nf, list0 = work[item, 4], work[item, 5], work[item, 6]
-    m = cutlass.max(cutlass.min(m, row_lo.shape[0] - 1), 0)
     list0 = cutlass.max(cutlass.min(list0, tiles.shape[0]), 0)
     n = cutlass.min(n, tiles.shape[0] - list0)
     nf = cutlass.min(nf, n)
-    return b, hq, qt, m, n, nf, list0
+    return b, hq, qt, n, nf, list0
 
 
 @cute.jit
-def row_bounds(row_lo: cute.Tensor, row_hi: cute.Tensor, m: Int32, row: Int32, slot: Int32):
-    """Interval ``slot`` of query row ``row`` of mask ``m``: keys ``[lo, hi)`` (empty when
-    ``lo >= hi``). The one place the kernel reads the row descriptor: PARTIAL tiles ask for
-    the slots ``[jlo, jhi)`` of their tile."""
-    return row_lo[m, row, slot], row_hi[m, row, slot]
-
-
-@cute.jit
-def interval_seen(lo: Int32, hi: Int32, col0: Int32):
-    """The ``seen`` word of keys ``[lo, hi)`` for a thread whose first column is ``col0``:
-    its columns below ``hi`` and not below ``lo`` (:func:`.lower.columns_below` counts them;
-    they are the word's low bits, columns rising with the bit). A few integer operations
-    per interval instead of a compare per column."""
-    a = Uint64(columns_below(cutlass.max(lo - col0, 0), cutlass.min))
-    b = Uint64(columns_below(cutlass.max(hi - col0, 0), cutlass.min))
-    one = Uint64(1)
-    return Uint32(((one << b) - one) & ~((one << a) - one))
-
-
-@cute.jit
-def bits_seen(bits: cute.Tensor, page: Int32, row: Int32, lane: Int32):
-    """The ``seen`` word (bit ``c``: the thread's column ``c`` is visible) of tile row ``row``
-    (0..127) of bitmask page ``page``: one load per word of the row (4 per row)."""
-    shift = 2 * (lane % 4)
-    seen = Int32(0)
-    for w in cutlass.range_constexpr(BLOCK_N // 32):
-        seen = seen | seen_from_word(bits[page, row, w] >> shift, w)
-    return Uint32(seen)
+def page_seen(pages: cute.Tensor, page: Int32, thread: Int32):
+    """The two ``seen`` words (bit ``c``: the thread's column ``c`` of its row ``r`` is
+    visible) of consumer thread ``thread`` (0..255) from thread-order page ``page``
+    (:mod:`.lower`): one 64-bit load, low half row 0, high half row 1. The one place the
+    kernel reads a PARTIAL tile's mask; ``page`` is clamped to the pages there are."""
+    page = cutlass.max(cutlass.min(page, pages.shape[0] - 1), 0)
+    word = pages[page, thread]
+    return Uint32(word), Uint32(word >> 32)
 
 
 class FlashFwdSm90:
@@ -215,9 +196,7 @@ class FlashFwdSm90:
         mLSE: cute.Tensor,
         work: cute.Tensor,
         tiles: cute.Tensor,
-        row_lo: cute.Tensor,
-        row_hi: cute.Tensor,
-        bits: cute.Tensor,
+        pages: cute.Tensor,
         slopes: cute.Tensor,
         scale_log2: Float32,
         tanh_scale: Float32,
@@ -287,7 +266,7 @@ class FlashFwdSm90:
         self.storage = Storage
         self.kernel(
             qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE,
-            work, tiles, row_lo, row_hi, bits, slopes, scale_log2, tanh_scale, sQ_layout,
+            work, tiles, pages, slopes, scale_log2, tanh_scale, sQ_layout,
             sK_layout,
             sV_layout,
             sO_layout, counter,
@@ -312,9 +291,7 @@ class FlashFwdSm90:
         mLSE: cute.Tensor,
         work: cute.Tensor,
         tiles: cute.Tensor,
-        row_lo: cute.Tensor,
-        row_hi: cute.Tensor,
-        bits: cute.Tensor,
+        pages: cute.Tensor,
         slopes: cute.Tensor,
         scale_log2: Float32,
         tanh_scale: Float32,
@@ -372,7 +349,7 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(tma_v)
                 self.produce(
                     q_pipe, kv_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work,
-                    tiles, row_lo, counter, st.q_item.get_tensor(cute.make_layout(Q_STAGES)),
+                    tiles, counter, st.q_item.get_tensor(cute.make_layout(Q_STAGES)),
                     kv_tile,
                 )  # fmt: skip
         else:
@@ -395,7 +372,6 @@ class FlashFwdSm90:
             s_shape = qk_thr.partition_shape_C((ROWS_PER_WG, N))
             o_shape = pv_thr.partition_shape_C((ROWS_PER_WG, D))
             q_len = tQ.shape[0]
-            row_cap = cutlass.min(q_len, row_lo.shape[1]) - 1  # the last row row_bounds reads
             # the entry of the next Q stage of this warpgroup (-1: no more work), read after
             # the stage's wait; the wait at the top of the loop then finds the same phase
             # complete and returns at once
@@ -404,9 +380,8 @@ class FlashFwdSm90:
                 q_cons.advance()
             item = q_item[q_cons.wait().index]
             while item >= 0:
-                b, hq, qt, m, n, nf, list0 = read_entry(work, tiles, row_lo, item)
-                tile_row0 = cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4  # in the q-tile
-                row0 = qt * (2 * ROWS_PER_WG) + tile_row0
+                b, hq, qt, n, nf, list0 = read_entry(work, tiles, item)
+                row0 = qt * (2 * ROWS_PER_WG) + cw * ROWS_PER_WG + warp_in_wg * 16 + lane // 4
                 qh = q_cons.wait()
                 acc_o = pv_thr.make_fragment_C(o_shape)
                 acc_o.fill(0.0)
@@ -427,8 +402,8 @@ class FlashFwdSm90:
                     tSrK=tSrK, tOrV=tOrV, acc_s=acc_s, acc_o=acc_o, row_max=row_max,
                     row_sum=row_sum, corr=corr, rP=rP, scale_log2=scale_log2, tiles=tiles,
                     tanh_scale=tanh_scale, slopes=slopes_s, hq=hq, kv_tile=kv_tile,
-                    row_lo=row_lo, row_hi=row_hi, bits=bits, m=m, list0=list0, row0=row0,
-                    tile_row0=tile_row0, row_cap=row_cap, lane=lane, cw=cw,
+                    pages=pages, list0=list0, row0=row0, thread=cw * WG_THREADS + wtid,
+                    lane=lane, cw=cw,
                 )  # fmt: skip
                 if n > 0:
                     kv_cons = self.first_tile(kv_cons, nf, ts)
@@ -457,7 +432,7 @@ class FlashFwdSm90:
     @cute.jit
     def produce(
         self, q_pipe, kv_pipe, kv_prod, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, work,
-        tiles, row_lo, counter, q_item, kv_tile,
+        tiles, counter, q_item, kv_tile,
     ):  # fmt: skip
         """The producer warp: work entries in list order from the global
         ``counter`` (CTA ``c`` starts with entry ``c``, then takes ``grid + atomicAdd(counter,
@@ -486,7 +461,7 @@ class FlashFwdSm90:
                 slot = item
             # clamped: the entry's loads issue before the stage waits, also past the list
             at = cutlass.max(cutlass.min(item, num_work - 1), 0)
-            b, hq, qt, _, n, _, list0 = read_entry(work, tiles, row_lo, at)
+            b, hq, qt, n, _, list0 = read_entry(work, tiles, at)
             stage0 = q_state.index
             for half in cutlass.range_constexpr(2):  # noqa: B007 (the DSL refuses `_` here)
                 q_pipe.sync_object_empty.wait(q_state.index, q_state.phase)
@@ -756,28 +731,9 @@ class FlashFwdSm90:
     def mask_seen(self, i: Int32, ts):
         """The two ``seen`` words (one per row of the thread) of entry ``i`` of the q-tile's
         kv list: bit ``c`` says the thread's column ``c`` of the row is visible. One load of
-        the entry's ``tiles`` row ``(kt, jlo, jhi, page)``; then from the tile's bitmask when
-        it has one (``page >= 0``: 4 word loads per row; rows past ``q_len`` read their zero
-        rows of the page), else from the row's interval slots ``[jlo, jhi)`` through
-        :func:`row_bounds` (the row clamped to ``ts.row_cap``), each interval's columns
-        by :func:`interval_seen`. Reads no S: issued before the
-        S GEMM's wait. The lowering clamps ``kt``, the slots and the page to their ranges."""
-        N = self.block_n
-        at = ts.list0 + i
-        kt, j0, j1, page = ts.tiles[at, 0], ts.tiles[at, 1], ts.tiles[at, 2], ts.tiles[at, 3]
-        col0 = kt * N + 2 * (ts.lane % 4)
-        seen = [Uint32(0), Uint32(0)]
-        for r in cutlass.range_constexpr(2):
-            word = Uint32(0)
-            if page >= 0:
-                word = bits_seen(ts.bits, page, ts.tile_row0 + 8 * r, ts.lane)
-            else:
-                row = cutlass.min(ts.row0 + 8 * r, ts.row_cap)
-                for slot in cutlass.range(j0, j1, unroll=1):
-                    lo, hi = row_bounds(ts.row_lo, ts.row_hi, ts.m, row, slot)
-                    word = word | interval_seen(lo, hi, col0)
-            seen[r] = word
-        return seen[0], seen[1]
+        the entry's page index (``tiles`` column 1), then one of the thread's word of that
+        page (:func:`page_seen`). Reads no S: issued before the S GEMM's wait."""
+        return page_seen(ts.pages, ts.tiles[ts.list0 + i, 1], ts.thread)
 
     @cute.jit
     def epilogue(

@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .forward_sm90 import LOG2E, FlashFwdSm90
-from .lower import BLOCK_M, BLOCK_N
+from .lower import BLOCK_M, BLOCK_N, CONSUMER_THREADS
 
 _TORCH_TO_CUTLASS = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -36,9 +36,8 @@ def kernel_args(
     plan_views = low.kernel_views.get("ints")
     if plan_views is None:  # the plan's tensors do not change: their views are made once
         plan_views = low.kernel_views["ints"] = tuple(
-            ints(t)
-            for t in (low.work, low.tiles.view(-1, 4), low.row_lo, low.row_hi, low.bits)
-        )  # fmt: skip
+            ints(t) for t in (low.work, low.tiles.view(-1, 2))
+        ) + (dyn(low.pages, 1),)  # 64-bit words: each thread's word in one aligned load
     if slopes is None:  # the other kernels take a placeholder they do not read
         slope_view = low.kernel_views.get("no_slopes")
         if slope_view is None:
@@ -80,9 +79,8 @@ def example_args(head_dim: int, dtype_name: str, device) -> tuple:
 
     low = CuteLowered(
         work=ints(2, 7), kv_list=ints(2, 2, 2), kv_count=ints(2, 2), full_count=ints(2, 2),
-        tiles=ints(2, 2, 2, 4), jlo=ints(2, 2, 2), jhi=ints(2, 2, 2), row_lo=ints(2, BLOCK_M, 2),
-        row_hi=ints(2, BLOCK_M, 2), bits_index=ints(2, 2, 2), bits=ints(1, BLOCK_M, BLOCK_N // 32),
-        block_m=BLOCK_M, block_n=BLOCK_N, num_ctas=1,
+        tiles=ints(2, 2, 2, 2), pages=torch.zeros(1, CONSUMER_THREADS, dtype=torch.int64,
+        device=device), block_m=BLOCK_M, block_n=BLOCK_N, num_ctas=1,
     )  # fmt: skip
     return kernel_args(q, k, k, torch.zeros_like(q), lse, low, head_dim**-0.5, 1, ints(1))
 

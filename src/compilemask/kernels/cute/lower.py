@@ -11,32 +11,32 @@ rows share one kv-tile list). Per plan and call shape it reads:
   entries in this order as they free up (a global counter). ``m`` is the
   plan's mask index of ``(b, hq)``; ``n`` / ``nf`` are ``kv_count[m, qt]`` /
   ``full_count[m, qt]`` (clamped to ``[0, Tk]`` / ``[0, n]``) and ``list0 = (m Tq + qt) Tk``
-  the q-tile's first row of ``tiles`` seen as ``[M Tq Tk, 4]``, so that the kernel gets all
+  the q-tile's first row of ``tiles`` seen as ``[M Tq Tk, 2]``, so that the kernel gets all
   it needs to start an item from the entry's own row: one memory round trip, not two.
 - ``kv_list``: int32 ``[M, Tq, Tk]``: per q-tile its touched kv-tiles, FULL tiles first (each
   group ascending), then PARTIAL ones; ``kv_count`` / ``full_count`` int32 ``[M, Tq]``.
-- ``tiles``: int32 ``[M, Tq, Tk, 4]``: entry ``i`` of the q-tile's kv list with what the kernel
-  looks up through it, ``(kt, jlo, jhi, page)`` = ``kv_list[m, qt, i]`` and that tile's
-  ``jlo`` / ``jhi`` / ``bits_index`` (below), clamped to their ranges (``kt`` to
-  ``[0, Tk)``, slots to ``[0, K]``, ``page`` to ``[-1, P)``): the kernel reads one row of it
-  per kv-tile and indexes nothing else of the plan's per-tile tables.
-- ``jlo`` / ``jhi``: int32 ``[M, Tq, Tk]``: the slots ``[jlo, jhi)`` of ``row_lo`` /
-  ``row_hi`` whose intervals can meet a PARTIAL tile (the plan's own, see
-  ``compiler.tiles``); the kernel's ``row_bounds`` reads the intervals of one row from them.
-- ``row_lo`` / ``row_hi``: the plan's int32 ``[M, Nq, K]`` row intervals.
-- ``bits_index``: int32 ``[M, Tq, Tk]``: the page of ``bits`` of a PARTIAL tile stored as a
-  bitmask (PARTIAL_BITS in ``compiler.tiles``: a wide slot range in a plan with more than
-  ``BITS_MIN_SLOTS`` slots per row), else -1. ``bits``: int32 ``[P, 128, 4]``: bit ``c % 32``
-  of word ``c // 32`` of page row ``r`` says key ``kt * 128 + c`` is visible to query
-  ``qt * 128 + r`` (rows past ``Nq`` are zero); at least one page (a zero page when the
-  schedule has none), so the tensor is never empty. The kernel masks such a tile from its
-  bitmask, every other PARTIAL tile from the intervals.
+- ``tiles``: int32 ``[M, Tq, Tk, 2]``: entry ``i`` of the q-tile's kv list as ``(kt, page)``:
+  its kv-tile ``kv_list[m, qt, i]`` (clamped to ``[0, Tk)``) and, for a PARTIAL entry
+  (``nf <= i < n``), the row of ``pages`` that masks it (``-1`` for the others). The kernel
+  reads one row of it per kv-tile and nothing else of the plan's per-tile tables.
+- ``pages``: int64 ``[P, 256]``, one page per PARTIAL entry (at least one page: a zero page
+  when the schedule has none, so the tensor is never empty), in **thread order**: word ``t``
+  is what consumer thread ``t`` (warpgroup ``t // 128``, warp ``t % 128 // 32``, lane
+  ``t % 32``) masks its scores with, bit ``32 r + c`` (``r`` in {0, 1}, ``c`` in 0..31) saying
+  whether key ``kt * 128 + col(c)`` is visible to query ``qt * 128 + row(r)``, with the
+  wgmma accumulator's own placement (``FlashFwdSm90.mn_layout``): ``row(r) = 64 (t // 128) +
+  16 (t % 128 // 32) + (t % 32) // 4 + 8 r`` and ``col(c) = 8 (c // 2) + 2 (t % 4) + c % 2``.
+  Rows past ``Nq`` and keys past ``Nk`` are zero bits. So a PARTIAL tile costs the kernel one
+  coalesced 64-bit load per thread and no arithmetic to find its mask: the work of turning
+  the plan's intervals (or bitmask tiles) into bits is done here, once per plan.
 
-The schedule is the plan's ``plan.tiles(128, 128, bits=True)``: the plan's own when it holds
-its bitmasks, else built once and cached on the plan; building bitmask tiles reads one value
-back to the host (their number), once per plan. Plans with at most ``BITS_MIN_SLOTS`` slots per
-row have no bitmask tiles and read nothing back. The rest is tensor operations of static shapes
-on the plan's device.
+The pages are built from the plan's 128 x 128 schedule (``plan.tiles(128, 128)``): interval
+tiles through their rows' slots (``compiler.tiles._tile_bits``), bitmask tiles (plans from
+``from_dense`` / ``from_mask_mod`` that store bitmasks, and wide tiles of derived tilings)
+from their pages; 2 KB per PARTIAL tile and mask (cuDNN-frontend's interval attention keeps
+the same per-tile payload). Building them reads a few values back to the host (the number
+of PARTIAL entries and the slot spans), once per plan and call shape; calls after that read
+nothing back. The rest is tensor operations on the plan's device.
 
 Example::
 
@@ -47,6 +47,8 @@ Example::
     [[0, 0, 1, 0, 2, 1, 2], [0, 1, 1, 0, 2, 1, 2], [0, 0, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 0, 0]]
     >>> low.kv_list[0, 1].tolist(), low.full_count[0].tolist()
     ([0, 1], [0, 1])
+    >>> low.tiles[0, 1].tolist(), low.pages.shape  # two diagonal tiles: two pages
+    ([[0, -1], [1, 1]], torch.Size([2, 256]))
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...compiler.plan import MaskPlan
-from ...compiler.tiles import FULL, unpack_bits
+from ...compiler.tiles import FULL, PARTIAL, PARTIAL_BITS, _tile_bits, pack_bits, unpack_bits
 from ...errors import CompileMaskError
 from ..triton.schedule import split_full_first
 
@@ -67,6 +69,10 @@ BLOCK_N = 128
 MODIFIERS = ("", "softcap", "alibi")
 #: the ALiBi kernel keeps the slopes in shared memory: at most this many query heads
 ALIBI_MAX_HEADS = 256
+#: the kernel's consumer threads (two warpgroups of 128): a page holds one word per thread
+CONSUMER_THREADS = 256
+#: pages built per step of :func:`thread_pages` (bounds its temporaries to ~70 MB)
+PAGES_PER_STEP = 512
 
 
 @dataclass(frozen=True)
@@ -78,12 +84,7 @@ class CuteLowered:
     kv_count: torch.Tensor
     full_count: torch.Tensor
     tiles: torch.Tensor
-    jlo: torch.Tensor
-    jhi: torch.Tensor
-    row_lo: torch.Tensor
-    row_hi: torch.Tensor
-    bits_index: torch.Tensor
-    bits: torch.Tensor
+    pages: torch.Tensor
     block_m: int
     block_n: int
     #: persistent CTAs the kernel launches (they take ``work`` in list order)
@@ -94,18 +95,9 @@ class CuteLowered:
 
 
 def schedule_for_kernel(plan: MaskPlan, block_m: int = BLOCK_M, block_n: int = BLOCK_N):
-    """The plan's tile schedule at ``block_m x block_n`` with its bitmask tiles
-    (``plan.tiles(..., bits=True)``, cached on the plan; see the module docstring)."""
-    return plan.tiles(block_m, block_n, bits=True)
-
-
-def bitmask_pages(s) -> torch.Tensor:
-    """The schedule's ``bits`` ``[P, block_m, ceil(block_n / 32)]`` as the kernel reads them:
-    int32, contiguous, at least one page (a zero page when ``P == 0``)."""
-    bits = s.bits
-    if bits.shape[0] == 0:
-        bits = torch.zeros((1, *bits.shape[1:]), dtype=torch.int32, device=bits.device)
-    return bits.to(torch.int32).contiguous()
+    """The plan's tile schedule at ``block_m x block_n`` (``plan.tiles``, cached on the
+    plan): its PARTIAL tiles are intervals or bitmasks, both lowered to pages."""
+    return plan.tiles(block_m, block_n)
 
 
 def work_order(
@@ -162,23 +154,62 @@ def work_entries(
     return torch.cat([c.to(torch.int64) for c in cols], 1).to(torch.int32).contiguous()
 
 
-def tile_entries(
-    kv_list: torch.Tensor,
-    jlo: torch.Tensor,
-    jhi: torch.Tensor,
-    bits_index: torch.Tensor,
-    slots: int,
-    pages: int,
-) -> torch.Tensor:
-    """int32 ``[M, Tq, Tk, 4]`` ``(kt, jlo, jhi, page)`` per kv-list entry (module docstring):
-    ``kt`` clamped to ``[0, Tk)``, ``jlo`` / ``jhi`` to ``[0, slots]``, ``page`` to
-    ``[-1, pages)``. Gathers of static shapes on the plan's device."""
+def tile_entries(kv_list: torch.Tensor, page: torch.Tensor, pages: int) -> torch.Tensor:
+    """int32 ``[M, Tq, Tk, 2]`` ``(kt, page)`` per kv-list entry (module docstring): ``kt``
+    clamped to ``[0, Tk)``, ``page`` (``[M, Tq, Tk]``, per entry) to ``[-1, pages)``."""
     tk = kv_list.shape[-1]
     kt = kv_list.long().clamp(0, max(tk - 1, 0))
-    j0 = jlo.gather(-1, kt).clamp(0, slots)
-    j1 = jhi.gather(-1, kt).clamp(0, slots)
-    page = bits_index.gather(-1, kt).clamp(-1, pages - 1)
-    return torch.stack((kt, j0.long(), j1.long(), page.long()), -1).to(torch.int32).contiguous()
+    page = page.long().clamp(-1, pages - 1)
+    return torch.stack((kt, page), -1).to(torch.int32).contiguous()
+
+
+def thread_layout(device=None) -> torch.Tensor:
+    """int64 ``[256, 64]``: the tile position ``row * 128 + col`` of bit ``32 r + c`` of
+    consumer thread ``t``'s word (module docstring: the wgmma accumulator's placement)."""
+    t = torch.arange(CONSUMER_THREADS, device=device)
+    lane = t % 32
+    row0 = 64 * (t // 128) + 16 * (t % 128 // 32) + lane // 4  # [256]
+    rows = row0[:, None] + 8 * torch.arange(2, device=device)  # [256, 2]
+    c = torch.arange(BLOCK_N // 4, device=device)
+    cols = 8 * (c // 2)[None, :] + 2 * (lane % 4)[:, None] + (c % 2)[None, :]  # [256, 32]
+    return (rows[:, :, None] * BLOCK_N + cols[:, None, :]).reshape(CONSUMER_THREADS, -1)
+
+
+def thread_words(tile_bits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[P, 256]`` thread-order words of row-major bitmask tiles ``tile_bits``
+    (int32 ``[P, 128, 4]``, bit ``c % 32`` of word ``c // 32`` of row ``r``)."""
+    vis = unpack_bits(tile_bits).reshape(tile_bits.shape[0], -1)  # [P, 128 * 128]
+    halves = pack_bits(vis[:, thread_layout(vis.device)]).to(torch.int64)  # [P, 256, 2]
+    # the two int32 halves as one int64 (low: row r = 0), with no signed overflow
+    return halves[..., 1] * (1 << 32) + (halves[..., 0] & 0xFFFFFFFF)
+
+
+def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> torch.Tensor:
+    """int64 ``[max(P, 1), 256]``: the thread-order page of each PARTIAL entry ``(m, qt, kt)``
+    of ``entries`` (int64 ``[P, 3]``) of schedule ``s``, from its bitmask tile or its rows'
+    interval slots; a zero page when ``P == 0``."""
+    dev = s.kind.device
+    count = entries.shape[0]
+    out = torch.zeros((max(count, 1), CONSUMER_THREADS), dtype=torch.int64, device=dev)
+    for c in range(0, count, PAGES_PER_STEP):
+        part = entries[c : c + PAGES_PER_STEP]
+        m, qt, kt = part.unbind(1)
+        kind = s.kind[m, qt, kt]
+        words = torch.zeros((part.shape[0], s.block_m, -(-s.block_n // 32)), dtype=torch.int32,
+                            device=dev)  # fmt: skip
+        bits = kind == PARTIAL_BITS
+        if bool(bits.any()):
+            words[bits] = s.bits[s.bits_index[m, qt, kt][bits].long()].to(torch.int32)
+        rows = kind == PARTIAL
+        if bool(rows.any()):
+            sel = part[rows]
+            sm, sq, sk = sel.unbind(1)
+            words[rows] = _tile_bits(
+                plan.row_lo, plan.row_hi, sel, s.jlo[sm, sq, sk], s.jhi[sm, sq, sk],
+                s.block_m, s.block_n, plan.q_len,
+            )  # fmt: skip
+        out[c : c + PAGES_PER_STEP] = thread_words(words)
+    return out
 
 
 def l2_kv_group(
@@ -216,10 +247,8 @@ def lower(
     persistent CTAs (the kernel runs ``min(num_ctas, W)``; they take the list in order).
 
     Raises:
-        CompileMaskError: ``plan`` not a MaskPlan, a bitmask plan (``encoding == "bits"``: no
-            row intervals to read),
-            ``batch`` / heads that are not positive or contradict the plan, or a ``kv_group``
-            that is neither None nor a positive int.
+        CompileMaskError: ``plan`` not a MaskPlan, ``batch`` / heads that are not positive
+            or contradict the plan, or a ``kv_group`` that is neither None nor a positive int.
     """
     if not isinstance(plan, MaskPlan):
         raise CompileMaskError(f"plan must be a MaskPlan, got {type(plan).__name__}")
@@ -233,8 +262,6 @@ def lower(
         raise CompileMaskError(f"kv_group must be None or a positive int, got {kv_group!r}")
     if heads_q % heads_kv:
         raise CompileMaskError(f"heads_q {heads_q} is not a multiple of heads_kv {heads_kv}")
-    if plan.encoding == "bits":
-        raise CompileMaskError("the cute kernel reads row intervals; this plan stores bitmasks")
     if plan.batch is not None and plan.batch != batch:
         raise CompileMaskError(f"batch={batch} but the plan is per-batch for {plan.batch} rows")
     if plan.heads is not None and plan.heads != heads_q:
@@ -243,8 +270,14 @@ def lower(
     kv_list, full_count = split_full_first(s.kind, s.q_list, s.q_count)
     order = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads, kv_group)
     kv_count, full_count = s.q_count.to(torch.int32).contiguous(), full_count.contiguous()
-    bits_index, bits = s.bits_index.to(torch.int32).contiguous(), bitmask_pages(s)
-    jlo, jhi = s.jlo.contiguous(), s.jhi.contiguous()
+    # the PARTIAL entries of every kv list, numbered in (m, qt, i) order: one page each
+    i = torch.arange(kv_list.shape[-1], device=kv_list.device)
+    partial = (i >= full_count[..., None]) & (i < kv_count[..., None])
+    where = partial.nonzero()  # [P, 3] (m, qt, i): the one host read of the lowering
+    kt = kv_list[where[:, 0], where[:, 1], where[:, 2]].long()
+    pages = thread_pages(plan, s, torch.stack((where[:, 0], where[:, 1], kt), 1))
+    page = torch.full(kv_list.shape, -1, dtype=torch.int64, device=kv_list.device)
+    page[partial] = torch.arange(where.shape[0], device=kv_list.device)
     work = work_entries(order, kv_count, full_count, kv_list.shape[-1])
     return CuteLowered(
         work=work,
@@ -252,73 +285,50 @@ def lower(
         kv_list=kv_list,
         kv_count=kv_count,
         full_count=full_count,
-        tiles=tile_entries(kv_list, jlo, jhi, bits_index, plan.row_lo.shape[-1], bits.shape[0]),
-        jlo=jlo,
-        jhi=jhi,
-        row_lo=plan.row_lo,
-        row_hi=plan.row_hi,
-        bits_index=bits_index,
-        bits=bits,
+        tiles=tile_entries(kv_list, page, pages.shape[0]),
+        pages=pages,
         block_m=s.block_m,
         block_n=s.block_n,
     )
 
 
-def columns_below(d, minimum=min):
-    """How many of a thread's 32 columns of a kv-tile lie below ``col0 + d`` (``d >= 0``),
-    ``col0`` being its first: the columns are ``col0 + 8 (c // 2) + c % 2`` for c = 0..31
-    (``FlashFwdSm90.mn_layout``), two in each 8 columns. Plain integer operators and
-    ``minimum`` (``cutlass.min`` in the kernel), so tests run it on Python ints."""
-    return minimum(2 * (d >> 3) + minimum(d & 7, 2), BLOCK_N // 4)
-
-
-def seen_from_word(x, w: int):
-    """The bits of word ``w`` of a bitmask row that one thread holds, as bits ``8 w .. 8 w + 7``
-    of its ``seen`` word in the kernel's ``apply_mask``; ``x`` is the word shifted right by
-    ``2 (lane % 4)``.
-
-    The thread's column ``c`` (0..31, ``FlashFwdSm90.mn_layout``) is tile column
-    ``8 (c // 2) + 2 (lane % 4) + c % 2``; those in word ``w`` are ``c = 8 w + 2 j + e``
-    (j 0..3, e 0..1) at bit ``8 j + 2 (lane % 4) + e`` of the word, i.e. bit ``8 j + e`` of
-    ``x``. Plain integer operators: the kernel passes DSL integers, tests Python ints or tensors.
-    Bits of ``x`` above 25 are never read, so ``x`` may come from an arithmetic shift."""
-    return ((x & 0x3) | ((x >> 6) & 0xC) | ((x >> 12) & 0x30) | ((x >> 18) & 0xC0)) << (8 * w)
-
-
-def dense_from_lowered(low: CuteLowered, q_len: int, kv_len: int, m: int) -> torch.Tensor:
+def dense_from_lowered(
+    low: CuteLowered, q_len: int, kv_len: int, m: int, padded: bool = False
+) -> torch.Tensor:
     """Boolean ``[Nq, Nk]`` of mask ``m`` as the kernel sees it, through what it reads: per
     q-tile the columns 4-6 of its work entries and the rows ``list0 + i`` of ``tiles``; FULL
-    tiles whole, PARTIAL tiles with a bitmask (``page >= 0``) through it, other PARTIAL tiles
-    through the rows' intervals in slots ``[jlo, jhi)``, untouched tiles hidden (the kernel's
-    rule, for tests). O(Nq * Nk * K)."""
+    tiles whole, PARTIAL tiles through their page, each consumer thread's word placed by
+    the accumulator layout (written out here, not through :func:`thread_layout`), untouched
+    tiles hidden (the kernel's rule, for tests). ``padded``: ``[Nq + 128, Nk + 128]``, with
+    what the pages say past the lengths (it must be nothing). O(Nq * Nk)."""
     bm, bn = low.block_m, low.block_n
-    dense = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    dense = torch.zeros(q_len + bm, kv_len + bn, dtype=torch.bool)
     counts = {(e[3], e[2]): (e[4], e[5], e[6]) for e in low.work.tolist()}
-    rows = low.tiles.cpu().view(-1, 4)  # as the kernel reads them: row list0 + i
-    lo, hi, bits = (t.cpu() for t in (low.row_lo, low.row_hi, low.bits))
-    key = torch.arange(kv_len)
+    rows = low.tiles.cpu().view(-1, 2).tolist()  # as the kernel reads them: row list0 + i
+    pages = low.pages.cpu()
+    t = torch.arange(CONSUMER_THREADS)
+    lane = t % 32
+    place = []  # (row, col) of bit 32 r + c of thread t, from the mn_layout formulas
+    for r in range(2):
+        row = 64 * (t // 128) + 16 * (t % 128 // 32) + lane // 4 + 8 * r
+        for c in range(32):
+            place.append((row, 8 * (c // 2) + 2 * (lane % 4) + c % 2))
     for qt in range(low.tiles.shape[1]):
-        r0, r1 = qt * bm, min(q_len, qt * bm + bm)
         n, nf, list0 = counts[(m, qt)]
         for i in range(n):
-            kt, j0, j1, page = rows[list0 + i].tolist()
-            c0, c1 = kt * bn, min(kv_len, kt * bn + bn)
+            kt, page = rows[list0 + i]
+            r0, c0 = qt * bm, kt * bn
             if i < nf:
-                dense[r0:r1, c0:c1] = True
+                dense[r0 : r0 + bm, c0 : c0 + bn] = True
                 continue
-            if page >= 0:
-                vis = unpack_bits(bits[page])[: r1 - r0, : c1 - c0]
-                dense[r0:r1, c0:c1] = vis
-                continue
-            for r in range(r0, r1):
-                for j in range(j0, j1):
-                    l_, h_ = int(lo[m, r, j]), int(hi[m, r, j])
-                    sel = (key[c0:c1] >= l_) & (key[c0:c1] < h_)
-                    dense[r, c0:c1] |= sel
-    return dense
+            word = pages[page]
+            for bit, (row, col) in enumerate(place):
+                dense[r0 + row, c0 + col] |= ((word >> bit) & 1).bool()
+    return dense if padded else dense[:q_len, :kv_len]
 
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "FULL", "CuteLowered", "bitmask_pages", "columns_below", "l2_kv_group",
-    "lower", "schedule_for_kernel", "seen_from_word", "tile_entries", "work_entries", "work_order",
+    "BLOCK_M", "BLOCK_N", "CONSUMER_THREADS", "FULL", "CuteLowered", "l2_kv_group", "lower",
+    "schedule_for_kernel", "thread_layout", "thread_pages", "thread_words", "tile_entries",
+    "work_entries", "work_order",
 ]  # fmt: skip
