@@ -19,8 +19,9 @@ rows share one kv-tile list). Per plan and call shape it reads:
   its kv-tile ``kv_list[m, qt, i]`` (clamped to ``[0, Tk)``) and, for a PARTIAL entry
   (``nf <= i < n``), the row of ``pages`` that masks it (``-1`` for the others). The kernel
   reads one row of it per kv-tile and nothing else of the plan's per-tile tables.
-- ``pages``: int64 ``[P, 256]``, one page per PARTIAL entry (at least one page: a zero page
-  when the schedule has none, so the tensor is never empty), in **thread order**: word ``t``
+- ``pages``: int64 ``[U, 256]``, the distinct masks of the PARTIAL entries (entries whose
+  tiles look alike share a page; at least one page: a zero page when the schedule has no
+  PARTIAL entry, so the tensor is never empty), each in **thread order**: word ``t``
   is what consumer thread ``t`` (warpgroup ``t // 128``, warp ``t % 128 // 32``, lane
   ``t % 32``) masks its scores with, bit ``32 r + c`` (``r`` in {0, 1}, ``c`` in 0..31) saying
   whether key ``kt * 128 + col(c)`` is visible to query ``qt * 128 + row(r)``, with the
@@ -33,10 +34,11 @@ rows share one kv-tile list). Per plan and call shape it reads:
 The pages are built from the plan's 128 x 128 schedule (``plan.tiles(128, 128)``): interval
 tiles through their rows' slots (``compiler.tiles._tile_bits``), bitmask tiles (plans from
 ``from_dense`` / ``from_mask_mod`` that store bitmasks, and wide tiles of derived tilings)
-from their pages; 2 KB per PARTIAL tile and mask (cuDNN-frontend's interval attention keeps
-the same per-tile payload). Building them reads a few values back to the host (the number
-of PARTIAL entries and the slot spans), once per plan and call shape; calls after that read
-nothing back. The rest is tensor operations on the plan's device.
+from their pages; 2 KB per distinct page (every diagonal tile of a causal or sliding-window
+mask is one page; the tiles of a disc along the grid's rows a few hundred). Building them
+reads a few values back to the host (the number of PARTIAL entries, the slot spans, the
+number of distinct pages), once per plan and call shape; calls after that read nothing back.
+The rest is tensor operations on the plan's device.
 
 Example::
 
@@ -47,8 +49,8 @@ Example::
     [[0, 0, 1, 0, 2, 1, 2], [0, 1, 1, 0, 2, 1, 2], [0, 0, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 0, 0]]
     >>> low.kv_list[0, 1].tolist(), low.full_count[0].tolist()
     ([0, 1], [0, 1])
-    >>> low.tiles[0, 1].tolist(), low.pages.shape  # two diagonal tiles: two pages
-    ([[0, -1], [1, 1]], torch.Size([2, 256]))
+    >>> low.tiles[0, 1].tolist(), low.pages.shape  # two diagonal tiles: one page
+    ([[0, -1], [1, 0]], torch.Size([1, 256]))
 """
 
 from __future__ import annotations
@@ -184,13 +186,19 @@ def thread_words(tile_bits: torch.Tensor) -> torch.Tensor:
     return halves[..., 1] * (1 << 32) + (halves[..., 0] & 0xFFFFFFFF)
 
 
-def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> torch.Tensor:
-    """int64 ``[max(P, 1), 256]``: the thread-order page of each PARTIAL entry ``(m, qt, kt)``
-    of ``entries`` (int64 ``[P, 3]``) of schedule ``s``, from its bitmask tile or its rows'
-    interval slots; a zero page when ``P == 0``."""
+def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pages, page_of)``: the distinct thread-order pages of the PARTIAL entries
+    ``(m, qt, kt)`` of ``entries`` (int64 ``[P, 3]``) of schedule ``s`` (each from its bitmask
+    tile or its rows' interval slots), int64 ``[U, 256]`` with ``1 <= U <= max(P, 1)`` in
+    ascending order (a zero page when ``P == 0``), and ``page_of``: int64 ``[P]``, the page
+    of each entry. Entries whose tiles look alike share a page (every diagonal tile of a
+    causal or sliding-window mask, a disc's tiles along a grid row): the pages' bytes follow
+    the mask's variety, not its length. Built :data:`PAGES_PER_STEP` entries at a time, each
+    step merged into the distinct pages so far."""
     dev = s.kind.device
     count = entries.shape[0]
-    out = torch.zeros((max(count, 1), CONSUMER_THREADS), dtype=torch.int64, device=dev)
+    pages = torch.zeros((1, CONSUMER_THREADS), dtype=torch.int64, device=dev)
+    page_of = torch.zeros(count, dtype=torch.int64, device=dev)
     for c in range(0, count, PAGES_PER_STEP):
         part = entries[c : c + PAGES_PER_STEP]
         m, qt, kt = part.unbind(1)
@@ -208,8 +216,14 @@ def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> torch.Tensor:
                 plan.row_lo, plan.row_hi, sel, s.jlo[sm, sq, sk], s.jhi[sm, sq, sk],
                 s.block_m, s.block_n, plan.q_len,
             )  # fmt: skip
-        out[c : c + PAGES_PER_STEP] = thread_words(words)
-    return out
+        known = pages if c else pages[:0]  # the zero page only stands in for "no pages"
+        merged, inverse = torch.unique(
+            torch.cat((known, thread_words(words))), dim=0, return_inverse=True
+        )
+        page_of[:c] = inverse[page_of[:c]]
+        page_of[c : c + PAGES_PER_STEP] = inverse[known.shape[0] :]
+        pages = merged
+    return pages.contiguous(), page_of
 
 
 def l2_kv_group(
@@ -275,9 +289,9 @@ def lower(
     partial = (i >= full_count[..., None]) & (i < kv_count[..., None])
     where = partial.nonzero()  # [P, 3] (m, qt, i): the one host read of the lowering
     kt = kv_list[where[:, 0], where[:, 1], where[:, 2]].long()
-    pages = thread_pages(plan, s, torch.stack((where[:, 0], where[:, 1], kt), 1))
+    pages, page_of = thread_pages(plan, s, torch.stack((where[:, 0], where[:, 1], kt), 1))
     page = torch.full(kv_list.shape, -1, dtype=torch.int64, device=kv_list.device)
-    page[partial] = torch.arange(where.shape[0], device=kv_list.device)
+    page[partial] = page_of
     work = work_entries(order, kv_count, full_count, kv_list.shape[-1])
     return CuteLowered(
         work=work,
