@@ -539,3 +539,18 @@ def test_lowered_work_is_in_list_order_for_any_cta_count():
             lower(plan, 1, 1, 1, num_ctas=bad)
     with pytest.raises(CompileMaskError, match="plan must be a MaskPlan"):
         lower(cm.masks.causal(), 1, 1, 1)
+
+
+def test_pages_are_built_once_per_plan_and_lower_refuses_int32_overflow():
+    """A new call shape reuses the plan's pages (their build is the lowering's cost); numpy
+    integers are taken as ``compile`` takes them; a work list past int32 is refused by name."""
+    import numpy as np
+
+    plan = cm.compile(M.causal(), 300)
+    a = lower(plan, 1, 2, 1)
+    b = lower(plan, np.int64(3), 4, np.int32(2), kv_group=np.int64(1))
+    assert b.pages is a.pages and b.work.shape[0] == 3 * 4 * 3
+    with pytest.raises(CompileMaskError, match="batch \\* heads_q"):
+        lower(plan, 2**30, 2, 1)
+    with pytest.raises(CompileMaskError, match="plan must be a MaskPlan"):
+        CuteBackend().prepare(None, SimpleNamespace(device=torch.device("cpu")))

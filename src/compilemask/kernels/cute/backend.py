@@ -10,8 +10,9 @@ kernel of its own with the cap a runtime argument) or a lone
 sinks, no other modifier. ``cutlass`` (package ``nvidia-cutlass-dsl``, extra
 ``compilemask[cute]``) is imported on first use only.
 
-Costs paid once: per (plan, call shape) the lowering (:func:`.lower.lower`, cached on the
-plan; it reads a few values back to the host: the number of PARTIAL tiles); per
+Costs paid once: per plan the pages of its PARTIAL tiles and per (plan, call shape) the work
+list (:func:`.lower.lower`, both cached on the plan; building the pages reads values back to
+the host: the number of PARTIAL tiles, per step of pages its slot spans and distinct pages); per
 ``(head_dim, dtype, modifier)`` the ``cute.compile`` of the kernel (seconds), once per
 machine: the compiled kernel is written to a disk cache
 (:mod:`.disk_cache`, ``$COMPILEMASK_CACHE_DIR/cute`` or ``~/.cache/compilemask/cute``) and a
@@ -203,7 +204,10 @@ class CuteBackend:
         return True, ""
 
     def prepare(self, plan: MaskPlan, call) -> CuteLowered:
-        """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv)."""
+        """The lowered plan (:func:`.lower.lower`), cached on ``plan`` per (B, Hq, Hkv) (its
+        pages once per plan)."""
+        if not isinstance(plan, MaskPlan):
+            raise CompileMaskError(f"plan must be a MaskPlan, got {type(plan).__name__}")
         if not same_device(plan.device, call.device):
             raise CompileMaskError(f"the plan is on {plan.device}, the tensors on {call.device}")
         group = _kv_group(plan, call)

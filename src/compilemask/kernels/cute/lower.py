@@ -35,10 +35,12 @@ The pages are built from the plan's 128 x 128 schedule (``plan.tiles(128, 128)``
 tiles through their rows' slots (``compiler.tiles._tile_bits``), bitmask tiles (plans from
 ``from_dense`` / ``from_mask_mod`` that store bitmasks, and wide tiles of derived tilings)
 from their pages; 2 KB per distinct page (every diagonal tile of a causal or sliding-window
-mask is one page; the tiles of a disc along the grid's rows a few hundred). Building them
-reads a few values back to the host (the number of PARTIAL entries, the slot spans, the
-number of distinct pages), once per plan and call shape; calls after that read nothing back.
-The rest is tensor operations on the plan's device.
+mask is one page; the tiles of a disc along the grid's rows a few dozen). Building them
+reads values back to the host (the number of PARTIAL entries, and per step of
+:data:`PAGES_PER_STEP` entries the slot spans and the number of distinct pages), once per
+plan: the pages are cached on the plan for every call shape (:func:`plan_pages`), the work
+list per call shape; calls after that read nothing back. The rest is tensor operations on
+the plan's device.
 
 Example::
 
@@ -59,9 +61,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...compiler.pipeline import positive_int
 from ...compiler.plan import MaskPlan
 from ...compiler.tiles import FULL, PARTIAL, PARTIAL_BITS, _tile_bits, pack_bits, unpack_bits
 from ...errors import CompileMaskError
+from ...language.values import integer_value
 from ..triton.schedule import split_full_first
 
 #: the kernel's tile: query rows per CTA (2 consumer warpgroups x 64) and keys per kv-tile
@@ -73,8 +77,11 @@ MODIFIERS = ("", "softcap", "alibi")
 ALIBI_MAX_HEADS = 256
 #: the kernel's consumer threads (two warpgroups of 128): a page holds one word per thread
 CONSUMER_THREADS = 256
-#: pages built per step of :func:`thread_pages` (bounds its temporaries to ~70 MB)
-PAGES_PER_STEP = 512
+#: pages built per step of :func:`thread_pages` (its temporaries: about 0.3 MB per page,
+#: chiefly the 64 bits of each of 256 threads widened to int64 by ``pack_bits``)
+PAGES_PER_STEP = 256
+#: the largest index the kernel's int32 entry and tile-row indices hold
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -194,7 +201,9 @@ def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> tuple[torch.Tensor
     of each entry. Entries whose tiles look alike share a page (every diagonal tile of a
     causal or sliding-window mask, a disc's tiles along a grid row): the pages' bytes follow
     the mask's variety, not its length. Built :data:`PAGES_PER_STEP` entries at a time, each
-    step merged into the distinct pages so far."""
+    step merged into the distinct pages so far (a few host reads per step: whether the step
+    holds bitmask and interval tiles, the slot spans of its interval tiles, the number of
+    distinct pages)."""
     dev = s.kind.device
     count = entries.shape[0]
     pages = torch.zeros((1, CONSUMER_THREADS), dtype=torch.int64, device=dev)
@@ -248,6 +257,35 @@ def l2_kv_group(
     return None if group >= pairs else group
 
 
+def plan_pages(plan: MaskPlan):
+    """``(kv_list, kv_count, full_count, page, pages)``: what the lowering takes from ``plan``
+    alone, whatever the call's shape (cached on the plan, so a new batch size or head count
+    does not build the pages again): the kv lists with FULL tiles first and their counts,
+    ``page`` int64 ``[M, Tq, Tk]`` (the page of each PARTIAL kv-list entry, -1 elsewhere) and
+    the distinct ``pages`` (:func:`thread_pages`)."""
+
+    def build():
+        s = schedule_for_kernel(plan)
+        kv_list, full_count = split_full_first(s.kind, s.q_list, s.q_count)
+        kv_count, full_count = s.q_count.to(torch.int32).contiguous(), full_count.contiguous()
+        if kv_list.numel() > INT32_MAX:  # rows of ``tiles`` are int32 indices in the kernel
+            raise CompileMaskError(
+                f"{kv_list.numel()} kv-list entries at 128 x 128 tiles: more than the cute "
+                f"kernel indexes (2**31 - 1)"
+            )
+        # the PARTIAL entries of every kv list, in (m, qt, i) order, and their kv-tiles
+        i = torch.arange(kv_list.shape[-1], device=kv_list.device)
+        partial = (i >= full_count[..., None]) & (i < kv_count[..., None])
+        where = partial.nonzero()  # [P, 3] (m, qt, i): a host read
+        kt = kv_list[where[:, 0], where[:, 1], where[:, 2]].long()
+        pages, page_of = thread_pages(plan, s, torch.stack((where[:, 0], where[:, 1], kt), 1))
+        page = torch.full(kv_list.shape, -1, dtype=torch.int64, device=kv_list.device)
+        page[partial] = page_of
+        return kv_list, kv_count, full_count, page, pages
+
+    return plan.cached(("cute", "pages"), build)
+
+
 def lower(
     plan: MaskPlan,
     batch: int,
@@ -266,32 +304,25 @@ def lower(
     """
     if not isinstance(plan, MaskPlan):
         raise CompileMaskError(f"plan must be a MaskPlan, got {type(plan).__name__}")
-    named = (("batch", batch), ("heads_q", heads_q), ("heads_kv", heads_kv), ("num_ctas", num_ctas))
-    for name, value in named:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CompileMaskError(f"{name} must be a positive int, got {value!r}")
-    if kv_group is not None and (
-        isinstance(kv_group, bool) or not isinstance(kv_group, int) or kv_group < 1
-    ):
-        raise CompileMaskError(f"kv_group must be None or a positive int, got {kv_group!r}")
+    batch, heads_q = positive_int(batch, "batch"), positive_int(heads_q, "heads_q")
+    heads_kv, num_ctas = positive_int(heads_kv, "heads_kv"), positive_int(num_ctas, "num_ctas")
+    if kv_group is not None:
+        kv_group = integer_value(kv_group)
+        if kv_group is None or kv_group < 1:
+            raise CompileMaskError(f"kv_group must be None or a positive int, got {kv_group!r}")
     if heads_q % heads_kv:
         raise CompileMaskError(f"heads_q {heads_q} is not a multiple of heads_kv {heads_kv}")
     if plan.batch is not None and plan.batch != batch:
         raise CompileMaskError(f"batch={batch} but the plan is per-batch for {plan.batch} rows")
     if plan.heads is not None and plan.heads != heads_q:
         raise CompileMaskError(f"heads_q={heads_q} but the plan is per-head for {plan.heads}")
-    s = schedule_for_kernel(plan)
-    kv_list, full_count = split_full_first(s.kind, s.q_list, s.q_count)
-    order = work_order(s.q_count, batch, heads_q, heads_kv, plan.batch, plan.heads, kv_group)
-    kv_count, full_count = s.q_count.to(torch.int32).contiguous(), full_count.contiguous()
-    # the PARTIAL entries of every kv list, numbered in (m, qt, i) order: one page each
-    i = torch.arange(kv_list.shape[-1], device=kv_list.device)
-    partial = (i >= full_count[..., None]) & (i < kv_count[..., None])
-    where = partial.nonzero()  # [P, 3] (m, qt, i): the one host read of the lowering
-    kt = kv_list[where[:, 0], where[:, 1], where[:, 2]].long()
-    pages, page_of = thread_pages(plan, s, torch.stack((where[:, 0], where[:, 1], kt), 1))
-    page = torch.full(kv_list.shape, -1, dtype=torch.int64, device=kv_list.device)
-    page[partial] = page_of
+    kv_list, kv_count, full_count, page, pages = plan_pages(plan)
+    if batch * heads_q * kv_list.shape[1] > INT32_MAX:  # the kernel's entry index is int32
+        raise CompileMaskError(
+            f"batch * heads_q * q-tiles = {batch} * {heads_q} * {kv_list.shape[1]} work "
+            f"entries: more than the cute kernel indexes (2**31 - 1)"
+        )
+    order = work_order(kv_count, batch, heads_q, heads_kv, plan.batch, plan.heads, kv_group)
     work = work_entries(order, kv_count, full_count, kv_list.shape[-1])
     return CuteLowered(
         work=work,
@@ -301,8 +332,8 @@ def lower(
         full_count=full_count,
         tiles=tile_entries(kv_list, page, pages.shape[0]),
         pages=pages,
-        block_m=s.block_m,
-        block_n=s.block_n,
+        block_m=BLOCK_M,
+        block_n=BLOCK_N,
     )
 
 
