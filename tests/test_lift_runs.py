@@ -52,3 +52,26 @@ def test_beyond_the_bound_evaluated():
     plan = cm.from_mask_mod(mm, n, cache=False)
     assert plan.source != "from_mask_mod:lifted"
     assert torch.equal(plan.to_dense(), dense(mm, n))
+
+
+def test_key_mask_under_causality_becomes_a_bitmask_plan(monkeypatch):
+    """A random key mask under causality holds about Nk / 4 intervals per row: the lifting
+    refuses to build that ``[Nq, K]`` table (it grows with ``Nq * Nk``) once it passes
+    ``MAX_LIFTED_BYTES``, and the mask_mod is evaluated into a bitmask plan instead, exact and
+    smaller than the table it replaces; below the bound it is still lifted."""
+    n = 1024
+    keep = torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.5
+
+    def mm(b, h, q, k):
+        return keep[k] & (k <= q)
+
+    want = dense(mm, n)
+    lifted = cm.from_mask_mod(mm, n, cache=False)
+    assert lifted.source == "from_mask_mod:lifted" and torch.equal(lifted.to_dense(), want)
+    table = lifted.row_lo.numel() * 8  # lo and hi, int32
+    monkeypatch.setattr(lift, "MAX_LIFTED_BYTES", table // 4)
+    plan = cm.from_mask_mod(mm, n, cache=False)
+    assert plan.source != "from_mask_mod:lifted" and plan.encoding == "bits"
+    plan.verify()
+    assert torch.equal(plan.to_dense(), want)
+    assert plan.stats()["bytes"] < table // 2

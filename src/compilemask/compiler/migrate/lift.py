@@ -78,6 +78,11 @@ _RUNS_UNREAD = 16
 _UNTRIMMED_SLOTS = 8
 #: the most parts of a union kept apart (``Disj``)
 _MAX_DISJ = 4
+#: row-dependent interval sets above this many bytes whose rows hold more intervals than
+#: their bits take (more than ``Nk / 64`` slots) are not built: such a mask_mod (a key mask
+#: under causality, say) is evaluated into a bitmask plan, chunk by chunk, instead of an
+#: ``[Nq, K]`` interval table that grows with ``Nq * Nk``
+MAX_LIFTED_BYTES = 1 << 24
 
 
 _SEP_DTYPES = (torch.int64, torch.int32, torch.bool)
@@ -193,6 +198,7 @@ class Lifter:
         if isinstance(v, Disj):
             parts = [self.to_iv(part) for part in v.parts]
             if len(parts) > 2:  # one sweep over every part instead of one per pair
+                self.bounded(*parts)
                 sets = [(p.lo, p.hi) for p in parts]
                 trim = _trim(sum(p.lo.shape[-1] for p in parts))
                 return Iv(*iv.union(sets, self.nk, trim=trim)[:2])
@@ -219,13 +225,30 @@ class Lifter:
             return Iv(torch.where(v.to(zero.device), zero, nk).view(1, 1), nk.view(1, 1))
         raise Unsupported(f"a {type(v).__name__} value used as a boolean mask")
 
+    def bounded(self, *sets: Iv) -> None:
+        """Refuse (``Unsupported``) an operation on ``sets`` whose result could hold more
+        intervals than its bits, in more than :data:`MAX_LIFTED_BYTES` (the result's slots
+        are at most the operands' together, its rows theirs broadcast)."""
+        rows = max(x.lo.shape[-2] if x.lo.dim() > 1 else 1 for x in sets)
+        self.bounded_shape(rows, sum(x.lo.shape[-1] for x in sets))
+
+    def bounded_shape(self, rows: int, slots: int) -> None:
+        """:meth:`bounded` for a result of ``rows`` rows and ``slots`` slots."""
+        if rows > 1 and 64 * slots > self.nk and 8 * rows * slots > MAX_LIFTED_BYTES:
+            raise Unsupported(
+                f"rows of up to {slots} intervals ({8 * rows * slots} bytes): more than "
+                f"their bits; evaluated into bitmask tiles"
+            )
+
     def land(self, a: Iv, b: Iv) -> Iv:
+        self.bounded(a, b)
         if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:  # one interval each: one interval
             return self.kept(torch.maximum(a.lo, b.lo), torch.minimum(a.hi, b.hi))
         trim = _trim(a.lo.shape[-1] + b.lo.shape[-1])
         return Iv(*iv.intersection((a.lo, a.hi), (b.lo, b.hi), self.nk, trim=trim)[:2])
 
     def lor(self, a: Iv, b: Iv) -> Iv:
+        self.bounded(a, b)
         if a.lo.shape[-1] == 1 and b.lo.shape[-1] == 1:
             # [x0, x1) the one starting first (an empty one starts at nk): the two merge when
             # [y0, y1) starts by x1 (an empty y then merges into x, as y0 == nk only if x1 == nk)
@@ -251,6 +274,8 @@ class Lifter:
         zero, pad = self.consts()
         if isinstance(x, int) and isinstance(y, int):
             return self.full()
+        shape = torch.broadcast_shapes(*(v.shape for v in (x, y) if not isinstance(v, int)))
+        self.bounded_shape(shape[-2] if len(shape) > 1 else 1, shape[-1])
         if isinstance(y, int):  # [x, nk): empty only when x >= nk
             x = x.clamp(max=self.nk).to(torch.int32)
             y = pad.expand(x.shape)
