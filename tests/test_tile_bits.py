@@ -51,3 +51,43 @@ def test_tile_bits_equal_the_dense_tiles(nq, nk, blocks, seed, p):
     for i, (m, qt, kt) in enumerate(tiles.tolist()):
         want = pad[m, qt * bm : (qt + 1) * bm, kt * bn : (kt + 1) * bn]
         assert torch.equal(got[i, :, :bn], want), (m, qt, kt)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 140), st.integers(0, 2**31))
+def test_pack_bits_puts_key_c_at_bit_c_of_word_c_over_32(rows, nk, seed):
+    vis = torch.rand(rows, nk, generator=torch.Generator().manual_seed(seed)) < 0.5
+    words = tiles_mod.pack_bits(vis)
+    assert words.dtype == torch.int32 and words.shape == (rows, math.ceil(nk / 32))
+    for r in range(rows):
+        for c in range(math.ceil(nk / 32) * 32):
+            bit = (int(words[r, c // 32]) >> (c % 32)) & 1
+            assert bit == (c < nk and bool(vis[r, c])), (r, c)
+
+
+def test_distinct_pages_keep_one_copy_of_each_page():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(-(2**31), 2**31 - 1, (7, 16, 4), generator=g, dtype=torch.int64)
+    pages = base[torch.randint(0, 7, (60,), generator=g)].to(torch.int32)
+    distinct, index = tiles_mod.distinct_pages(pages)
+    assert torch.equal(distinct[index], pages)
+    assert distinct.shape[0] == torch.unique(pages, dim=0).shape[0]
+    none, idx = tiles_mod.distinct_pages(pages[:0])
+    assert none.shape == (0, 16, 4) and idx.shape == (0,)
+
+
+def test_bitmask_plans_share_pages_between_tiles_that_look_alike():
+    """A key mask (every row the same) as a bitmask plan: a page per distinct tile, and
+    the plan's mask is the dense one."""
+    import compilemask as cm
+
+    keep = torch.rand(700, generator=torch.Generator().manual_seed(1)) < 0.5
+    dense = keep[None, :].expand(600, 700)
+    plan = cm.from_dense(dense, block_m=64, block_n=64)
+    assert plan.encoding == "bits"
+    plan.verify()
+    assert torch.equal(plan.to_dense(), dense)
+    s = plan.schedule
+    partial = int((s.bits_index >= 0).sum())
+    assert s.bits.shape[0] < partial  # 10 q-tiles x 11 kv-tiles of one pattern per column
+    assert s.bits.shape[0] <= 2 * s.kind.shape[2]  # full q-tiles, and the short last one

@@ -285,11 +285,11 @@ def _bits_checks(plan) -> list[tuple[str, torch.Tensor]]:
         ("schedule.kind: tile kinds of the bitmask tiles", _all(s.kind == fresh.kind)),
         ("row_runs: intervals per row", _all(plan.row_runs == runs)),
     ]
-    if s.bits.shape[0] == fresh.bits.shape[0]:  # same tiles: the padding bits must be zero
-        stored = s.bits[s.bits_index[s.kind == PARTIAL_BITS].long()]
-        out.append(
-            ("schedule.bits: bits outside the lengths must be 0", _all(stored == fresh.bits))
-        )
+    if bool((s.kind == fresh.kind).all()):  # same tiles: their bits, padding bits 0
+        sel = s.kind == PARTIAL_BITS
+        stored = s.bits[s.bits_index[sel].long()]
+        want = fresh.bits[fresh.bits_index[sel].long()]
+        out.append(("schedule.bits: bits outside the lengths must be 0", _all(stored == want)))
     out += _list_checks(s, s.kind > EMPTY)
     return out
 

@@ -24,11 +24,13 @@ kv-tiles), without looking at individual pairs:
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, fields
 
 import torch
 
 EMPTY, FULL, PARTIAL, PARTIAL_BITS = 0, 1, 2, 3
+_BIG_ENDIAN = sys.byteorder == "big"
 #: In plans with more than BITS_MIN_SLOTS interval slots per row, a PARTIAL tile whose slot
 #: range is wider than BITS_MIN_SPAN is stored as a bitmask: the kernels read a bitmask tile
 #: with one load per row and word and a shift and a test per element, an interval tile with two
@@ -367,13 +369,18 @@ def _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index
 
 def pack_bits(vis: torch.Tensor) -> torch.Tensor:
     """Pack bool ``[..., block_n]`` into int32 words ``[..., ceil(block_n / 32)]`` (bit
-    ``c % 32`` of word ``c // 32``; a last partial word is padded with zeros)."""
+    ``c % 32`` of word ``c // 32``; a last partial word is padded with zeros). A byte at a
+    time: each 8 keys become one uint8 (one byte of scratch per key), 4 bytes one word,
+    little-endian, so the temporaries are the size of ``vis``."""
     pad = -vis.shape[-1] % 32
     if pad:
         vis = torch.nn.functional.pad(vis, (0, pad))
-    words = vis.reshape(*vis.shape[:-1], vis.shape[-1] // 32, 32).to(torch.int64)
-    packed = (words << torch.arange(32, device=vis.device, dtype=torch.int64)).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    keys = vis.contiguous().view(torch.uint8).reshape(*vis.shape[:-1], vis.shape[-1] // 8, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=vis.device)
+    packed = (keys * weights).sum(-1, dtype=torch.uint8)  # [..., block_n / 8], < 256
+    if _BIG_ENDIAN:  # the four bytes of a word in the host's order
+        packed = packed.reshape(*packed.shape[:-1], -1, 4).flip(-1)
+    return packed.contiguous().view(torch.int32).reshape(*vis.shape[:-1], vis.shape[-1] // 32)
 
 
 def unpack_bits(words: torch.Tensor) -> torch.Tensor:
@@ -382,10 +389,35 @@ def unpack_bits(words: torch.Tensor) -> torch.Tensor:
     return ((words[..., None] >> shifts) & 1).bool().flatten(-2)
 
 
+def distinct_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(distinct, index)``: the distinct pages of ``pages`` (slices along dim 0) and, per
+    page, the index of its copy in ``distinct`` (int64 ``[P]``). Pages are told apart by a
+    64-bit hash of their words (one sort of ``P`` keys), then compared in full: if two
+    different pages ever share a hash, the pages are sorted whole instead (exact either way).
+    Two host reads."""
+    count = pages.shape[0]
+    if count == 0:
+        return pages, torch.zeros(0, dtype=torch.int64, device=pages.device)
+    flat = pages.reshape(count, -1).to(torch.int64)
+    gen = torch.Generator().manual_seed(0x5EED)
+    mult = torch.randint(1, 2**62, (flat.shape[1],), generator=gen, dtype=torch.int64) * 2 + 1
+    keys = (flat * mult.to(flat.device)).sum(-1)  # wraps modulo 2**64
+    _, index = torch.unique(keys, return_inverse=True)
+    order = torch.arange(count, device=pages.device)
+    first = torch.full((int(index.max()) + 1,), count, device=pages.device)
+    first = first.scatter_reduce(0, index, order, "amin")
+    distinct = pages[first]
+    if not torch.equal(distinct[index], pages):  # a hash shared by different pages
+        distinct, index = torch.unique(pages, dim=0, return_inverse=True)
+    return distinct, index
+
+
 def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int, block_n: int):
     """A :class:`TileSchedule` whose PARTIAL tiles are all bitmasks, from dense boolean row
     chunks ``[M, rows, Nk]`` (each chunk's rows a multiple of ``block_m`` but the last), for
-    plans whose rows hold too many intervals to store them."""
+    plans whose rows hold too many intervals to store them. Tiles with the same bits share
+    one page (:func:`distinct_pages`): a mask whose rows repeat (a key mask, a block pattern)
+    keeps a page per distinct tile, not per tile."""
     tk = math.ceil(kv_len / block_n)
     kinds, pairs, bits = [], [], []
     n_bits = 0
@@ -403,11 +435,17 @@ def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int
         n_part = int(part.sum())
         idx[part] = torch.arange(n_bits, n_bits + n_part, device=rows.device, dtype=torch.int32)
         n_bits += n_part
-        bits.append(pack_bits(tiles[part]))
+        # every tile of the chunk packed (temporaries of one size, chunk after chunk: a
+        # varying size per chunk fragments the host allocator's heap), then the PARTIAL ones
+        bits.append(pack_bits(tiles.reshape(-1, block_m, block_n))[part.reshape(-1)])
         kinds.append((kind, idx))
         pairs.append(cnt)
     kind = torch.cat([k for k, _ in kinds], 1)
+    bits, page = distinct_pages(torch.cat(bits, 0))
     bits_index = torch.cat([i for _, i in kinds], 1)
+    if page.numel():
+        bits_index = torch.where(bits_index >= 0, page[bits_index.long().clamp(min=0)], -1)
+    bits_index = bits_index.to(torch.int32)
     zero = torch.zeros_like(kind)
     return _schedule(
         block_m,
@@ -419,7 +457,7 @@ def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int
         zero,
         zero.clone(),
         bits_index,
-        torch.cat(bits, 0),
+        bits,
     )
 
 

@@ -36,8 +36,8 @@ tiles through their rows' slots (``compiler.tiles._tile_bits``), bitmask tiles (
 ``from_dense`` / ``from_mask_mod`` that store bitmasks, and wide tiles of derived tilings)
 from their pages; 2 KB per distinct page (every diagonal tile of a causal or sliding-window
 mask is one page; the tiles of a disc along the grid's rows a few dozen). Building them
-reads values back to the host (the number of PARTIAL entries, and per step of
-:data:`PAGES_PER_STEP` entries the slot spans and the number of distinct pages), once per
+reads values back to the host (the number of PARTIAL entries, per step of
+:data:`PAGES_PER_STEP` entries its slot spans, then the number of distinct pages), once per
 plan: the pages are cached on the plan for every call shape (:func:`plan_pages`), the work
 list per call shape; calls after that read nothing back. The rest is tensor operations on
 the plan's device.
@@ -63,7 +63,15 @@ import torch
 
 from ...compiler.pipeline import positive_int
 from ...compiler.plan import MaskPlan
-from ...compiler.tiles import FULL, PARTIAL, PARTIAL_BITS, _tile_bits, pack_bits, unpack_bits
+from ...compiler.tiles import (
+    FULL,
+    PARTIAL,
+    PARTIAL_BITS,
+    _tile_bits,
+    distinct_pages,
+    pack_bits,
+    unpack_bits,
+)
 from ...errors import CompileMaskError
 from ...language.values import integer_value
 from ..triton.schedule import split_full_first
@@ -196,18 +204,19 @@ def thread_words(tile_bits: torch.Tensor) -> torch.Tensor:
 def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pages, page_of)``: the distinct thread-order pages of the PARTIAL entries
     ``(m, qt, kt)`` of ``entries`` (int64 ``[P, 3]``) of schedule ``s`` (each from its bitmask
-    tile or its rows' interval slots), int64 ``[U, 256]`` with ``1 <= U <= max(P, 1)`` in
-    ascending order (a zero page when ``P == 0``), and ``page_of``: int64 ``[P]``, the page
-    of each entry. Entries whose tiles look alike share a page (every diagonal tile of a
-    causal or sliding-window mask, a disc's tiles along a grid row): the pages' bytes follow
-    the mask's variety, not its length. Built :data:`PAGES_PER_STEP` entries at a time, each
-    step merged into the distinct pages so far (a few host reads per step: whether the step
-    holds bitmask and interval tiles, the slot spans of its interval tiles, the number of
-    distinct pages)."""
+    tile or its rows' interval slots), int64 ``[U, 256]`` with ``1 <= U <= max(P, 1)`` (a zero
+    page when ``P == 0``), and ``page_of``: int64 ``[P]``, the page of each entry. Entries
+    whose tiles look alike share a page (every diagonal tile of a causal or sliding-window
+    mask, a disc's tiles along a grid row): the pages' bytes follow the mask's variety, not
+    its length. Built :data:`PAGES_PER_STEP` entries at a time (a few host reads per step:
+    whether it holds bitmask and interval tiles, its slot spans), then made distinct
+    (:func:`~compilemask.compiler.tiles.distinct_pages`)."""
     dev = s.kind.device
     count = entries.shape[0]
-    pages = torch.zeros((1, CONSUMER_THREADS), dtype=torch.int64, device=dev)
-    page_of = torch.zeros(count, dtype=torch.int64, device=dev)
+    if count == 0:
+        zero = torch.zeros((1, CONSUMER_THREADS), dtype=torch.int64, device=dev)
+        return zero, torch.zeros(0, dtype=torch.int64, device=dev)
+    out = torch.empty((count, CONSUMER_THREADS), dtype=torch.int64, device=dev)
     for c in range(0, count, PAGES_PER_STEP):
         part = entries[c : c + PAGES_PER_STEP]
         m, qt, kt = part.unbind(1)
@@ -225,13 +234,8 @@ def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> tuple[torch.Tensor
                 plan.row_lo, plan.row_hi, sel, s.jlo[sm, sq, sk], s.jhi[sm, sq, sk],
                 s.block_m, s.block_n, plan.q_len,
             )  # fmt: skip
-        known = pages if c else pages[:0]  # the zero page only stands in for "no pages"
-        merged, inverse = torch.unique(
-            torch.cat((known, thread_words(words))), dim=0, return_inverse=True
-        )
-        page_of[:c] = inverse[page_of[:c]]
-        page_of[c : c + PAGES_PER_STEP] = inverse[known.shape[0] :]
-        pages = merged
+        out[c : c + PAGES_PER_STEP] = thread_words(words)
+    pages, page_of = distinct_pages(out)
     return pages.contiguous(), page_of
 
 
