@@ -75,3 +75,23 @@ def test_key_mask_under_causality_becomes_a_bitmask_plan(monkeypatch):
     plan.verify()
     assert torch.equal(plan.to_dense(), want)
     assert plan.stats()["bytes"] < table // 2
+
+
+def test_key_only_mask_of_many_runs_becomes_a_bitmask_plan(monkeypatch):
+    """FlashAttention-4's ``kv >= bias[kv]``: every row the same, with about Nk / 10 runs. Its
+    lifted table repeats that row ``Nq`` times; past ``MAX_LIFTED_BYTES`` it is evaluated into
+    a bitmask plan whose tiles share their pages down each kv-tile column."""
+    n = 1024
+    bias = torch.randint(0, n * 3 // 5, (n,), generator=torch.Generator().manual_seed(0))
+    mm = fm.fa4_ima(bias)
+    want = dense(mm, n)
+    lifted = cm.from_mask_mod(mm, n, cache=False)
+    assert lifted.source == "from_mask_mod:lifted" and torch.equal(lifted.to_dense(), want)
+    table = lifted.row_lo.numel() * 8
+    monkeypatch.setattr(lift, "MAX_LIFTED_BYTES", table // 4)
+    plan = cm.from_mask_mod(mm, n, cache=False)
+    assert plan.source != "from_mask_mod:lifted" and plan.encoding == "bits"
+    plan.verify()
+    assert torch.equal(plan.to_dense(), want)
+    assert plan.schedule.bits.shape[0] <= plan.schedule.kind.shape[2]  # a page per kv-tile
+    assert plan.stats()["bytes"] < table // 8

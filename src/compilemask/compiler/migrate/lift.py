@@ -807,6 +807,7 @@ def lift_intervals(mask_mod, q_len: int, kv_len: int, bh, device, gm=None):
         lifter.prefetch(g for o in outs for g in _pending_keys(o))
         parts = [lifter.to_iv(o) for o in outs]
     k = max(p.lo.shape[-1] for p in parts)
+    lifter.bounded_shape(len(parts) * q_len, k)  # the table the plan will hold, row by row
     if len(parts) == 1:
         return parts[0].lo.expand(1, q_len, k), parts[0].hi.expand(1, q_len, k)
     padded = [iv.pad_k(p.lo, p.hi, k, kv_len) for p in parts]
