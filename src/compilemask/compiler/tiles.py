@@ -414,51 +414,69 @@ def distinct_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int, block_n: int):
     """A :class:`TileSchedule` whose PARTIAL tiles are all bitmasks, from dense boolean row
-    chunks ``[M, rows, Nk]`` (each chunk's rows a multiple of ``block_m`` but the last), for
-    plans whose rows hold too many intervals to store them. Tiles with the same bits share
-    one page (:func:`distinct_pages`): a mask whose rows repeat (a key mask, a block pattern)
-    keeps a page per distinct tile, not per tile."""
-    tk = math.ceil(kv_len / block_n)
-    kinds, pairs, bits = [], [], []
-    n_bits = 0
+    chunks ``[M, rows, Nk]`` covering the ``q_len`` rows in order (each chunk's rows a
+    multiple of ``block_m`` but the last), for plans whose rows hold too many intervals to
+    store them. Tiles with the same bits share one page (:func:`distinct_pages`): a mask whose
+    rows repeat (a key mask, a block pattern) keeps a page per distinct tile, not per tile.
+
+    Memory: the outputs are allocated once (the pages' store grows by doubling) and the
+    chunk's buffers are kept from chunk to chunk, so nothing of a new size is allocated and
+    kept per chunk: interleaving such allocations with a chunk's temporaries fragments the
+    host allocator's heap (resident memory in gigabytes at 32K keys)."""
+    tq, tk = math.ceil(q_len / block_m), math.ceil(kv_len / block_n)
+    words = -(-block_n // 32)
+    kind = pairs = bits_index = store = pad = tiles = None
+    n_bits = row = 0
     for rows in chunks:
+        dev = rows.device
+        if kind is None:
+            kind = torch.zeros((m, tq, tk), dtype=torch.int32, device=dev)
+            pairs, bits_index = torch.zeros_like(kind), torch.full_like(kind, -1)
+            store = torch.empty((max(tq * tk // 8, 1), block_m, words), dtype=torch.int32,
+                                device=dev)  # fmt: skip
         r = rows.shape[1]
-        tq_c = math.ceil(r / block_m)
-        pad = torch.zeros((m, tq_c * block_m, tk * block_n), dtype=torch.bool, device=rows.device)
+        tq_c, q0 = math.ceil(r / block_m), row // block_m
+        row += r
+        shape = (m, tq_c * block_m, tk * block_n)
+        if pad is None or pad.shape != shape:
+            pad = torch.empty(shape, dtype=torch.bool, device=dev)
+            tiles = torch.empty((m, tq_c, tk, block_m, block_n), dtype=torch.bool, device=dev)
+        if r < shape[1] or kv_len < shape[2]:
+            pad.zero_()
         pad[:, :r, :kv_len] = rows
-        tiles = pad.view(m, tq_c, block_m, tk, block_n).permute(0, 1, 3, 2, 4)
-        cnt = tiles.sum((-1, -2), dtype=torch.int32)
+        tiles.copy_(pad.view(m, tq_c, block_m, tk, block_n).permute(0, 1, 3, 2, 4))
+        cnt = tiles.view(m, tq_c, tk, -1).sum(-1, dtype=torch.int32)
         full = cnt == block_m * block_n
-        kind = torch.where(full, FULL, torch.where(cnt > 0, PARTIAL_BITS, EMPTY)).to(torch.int32)
-        part = kind == PARTIAL_BITS
-        idx = torch.full_like(kind, -1)
-        n_part = int(part.sum())
-        idx[part] = torch.arange(n_bits, n_bits + n_part, device=rows.device, dtype=torch.int32)
-        n_bits += n_part
-        # every tile of the chunk packed (temporaries of one size, chunk after chunk: a
-        # varying size per chunk fragments the host allocator's heap), then the PARTIAL ones
-        bits.append(pack_bits(tiles.reshape(-1, block_m, block_n))[part.reshape(-1)])
-        kinds.append((kind, idx))
-        pairs.append(cnt)
-    kind = torch.cat([k for k, _ in kinds], 1)
-    bits, page = distinct_pages(torch.cat(bits, 0))
-    bits_index = torch.cat([i for _, i in kinds], 1)
+        part = (cnt > 0) & ~full
+        kind[:, q0 : q0 + tq_c] = torch.where(full, FULL, torch.where(part, PARTIAL_BITS, EMPTY))
+        pairs[:, q0 : q0 + tq_c] = cnt
+        at = part.view(-1).nonzero().squeeze(1)
+        if not at.numel():
+            continue
+        if n_bits + at.numel() > store.shape[0]:  # grow by doubling: few reallocations
+            grown = torch.empty((max(2 * store.shape[0], n_bits + at.numel()), *store.shape[1:]),
+                                dtype=store.dtype, device=dev)  # fmt: skip
+            grown[:n_bits] = store[:n_bits]
+            store = grown
+        # every tile of the chunk packed (a temporary of one size), the PARTIAL ones kept
+        packed = pack_bits(tiles.view(-1, block_m, block_n))
+        torch.index_select(packed, 0, at, out=store[n_bits : n_bits + at.numel()])
+        idx = torch.arange(n_bits, n_bits + at.numel(), dtype=torch.int32, device=dev)
+        chunk_index = torch.full((m, tq_c, tk), -1, dtype=torch.int32, device=dev)
+        chunk_index.view(-1)[at] = idx
+        bits_index[:, q0 : q0 + tq_c] = chunk_index
+        n_bits += at.numel()
+    if kind is None:
+        raise ValueError("build_tiles_from_dense: no row chunks")
+    bits, page = distinct_pages(store[:n_bits])
     if page.numel():
         bits_index = torch.where(bits_index >= 0, page[bits_index.long().clamp(min=0)], -1)
     bits_index = bits_index.to(torch.int32)
     zero = torch.zeros_like(kind)
     return _schedule(
-        block_m,
-        block_n,
-        q_len,
-        kv_len,
-        kind,
-        torch.cat(pairs, 1),
-        zero,
-        zero.clone(),
-        bits_index,
-        bits,
-    )
+        block_m, block_n, q_len, kv_len, kind, pairs, zero, zero.clone(), bits_index,
+        bits.contiguous(),
+    )  # fmt: skip
 
 
 def dense_from_tiles(s: TileSchedule, start: int, end: int) -> torch.Tensor:

@@ -132,11 +132,15 @@ def _edges_by_keys(rows: torch.Tensor):
     return edge.nonzero(as_tuple=True)
 
 
-def runs_per_row(rows: torch.Tensor) -> torch.Tensor:
-    """Number of maximal runs of True per row of ``[rows, Nk]``."""
-    starts = rows.clone()
-    starts[:, 1:] &= ~rows[:, :-1]
-    return starts.sum(-1, dtype=torch.int32)
+def runs_per_row(rows: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of maximal runs of True per row of ``[..., rows, Nk]`` (a run starts where a key
+    is True and the one before it is not). ``scratch``: a bool tensor of ``rows``' shape to
+    use for the starts (kept from chunk to chunk by the caller), else one is allocated."""
+    if scratch is None:
+        scratch = torch.empty_like(rows)
+    scratch[..., :1] = rows[..., :1]
+    torch.gt(rows[..., 1:], rows[..., :-1], out=scratch[..., 1:])  # True after False
+    return scratch.sum(-1, dtype=torch.int32)
 
 
 def build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source) -> MaskPlan:
@@ -169,9 +173,16 @@ def _bits_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, so
     runs = []
 
     def counted():
+        # the chunk and the run count's scratch in buffers kept from chunk to chunk: sizes
+        # that change chunk after chunk fragment the host allocator's heap (gigabytes)
+        block = scratch = None
         for rows in zip(*chunks()):
-            block = torch.stack(rows).to(device)
-            runs.append(torch.stack([runs_per_row(r) for r in block]))
+            shape = (len(rows), *rows[0].shape)
+            if block is None or block.shape != shape:
+                block = torch.empty(shape, dtype=torch.bool, device=device)
+                scratch = torch.empty_like(block)
+            torch.stack([r.to(device) for r in rows], out=block)
+            runs.append(runs_per_row(block, scratch))
             yield block
 
     m = (batch or 1) * (heads or 1)
