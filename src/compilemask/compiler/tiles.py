@@ -422,10 +422,14 @@ def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int
     Memory: the outputs are allocated once (the pages' store grows by doubling) and the
     chunk's buffers are kept from chunk to chunk, so nothing of a new size is allocated and
     kept per chunk: interleaving such allocations with a chunk's temporaries fragments the
-    host allocator's heap (resident memory in gigabytes at 32K keys)."""
+    host allocator's heap (resident memory in gigabytes at 32K keys). While ``torch.compile``
+    traces, the sizes are data-dependent and never branched on: the pages are concatenated
+    and not made distinct."""
     tq, tk = math.ceil(q_len / block_m), math.ceil(kv_len / block_n)
     words = -(-block_n // 32)
+    tracing = torch.compiler.is_compiling()
     kind = pairs = bits_index = store = pad = tiles = None
+    pieces = []
     n_bits = row = 0
     for rows in chunks:
         dev = rows.device
@@ -451,26 +455,30 @@ def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int
         kind[:, q0 : q0 + tq_c] = torch.where(full, FULL, torch.where(part, PARTIAL_BITS, EMPTY))
         pairs[:, q0 : q0 + tq_c] = cnt
         at = part.view(-1).nonzero().squeeze(1)
-        if not at.numel():
-            continue
-        if n_bits + at.numel() > store.shape[0]:  # grow by doubling: few reallocations
-            grown = torch.empty((max(2 * store.shape[0], n_bits + at.numel()), *store.shape[1:]),
-                                dtype=store.dtype, device=dev)  # fmt: skip
-            grown[:n_bits] = store[:n_bits]
-            store = grown
+        n_part = at.numel()  # data-dependent: never branched on while tracing
         # every tile of the chunk packed (a temporary of one size), the PARTIAL ones kept
         packed = pack_bits(tiles.view(-1, block_m, block_n))
-        torch.index_select(packed, 0, at, out=store[n_bits : n_bits + at.numel()])
-        idx = torch.arange(n_bits, n_bits + at.numel(), dtype=torch.int32, device=dev)
+        if tracing:
+            pieces.append(packed[at])
+        else:
+            if n_bits + n_part > store.shape[0]:  # grow by doubling: few reallocations
+                grown = torch.empty((max(2 * store.shape[0], n_bits + n_part), *store.shape[1:]),
+                                    dtype=store.dtype, device=dev)  # fmt: skip
+                grown[:n_bits] = store[:n_bits]
+                store = grown
+            torch.index_select(packed, 0, at, out=store[n_bits : n_bits + n_part])
         chunk_index = torch.full((m, tq_c, tk), -1, dtype=torch.int32, device=dev)
-        chunk_index.view(-1)[at] = idx
+        chunk_index.view(-1)[at] = torch.arange(n_part, dtype=torch.int32, device=dev) + n_bits
         bits_index[:, q0 : q0 + tq_c] = chunk_index
-        n_bits += at.numel()
+        n_bits += n_part
     if kind is None:
         raise ValueError("build_tiles_from_dense: no row chunks")
-    bits, page = distinct_pages(store[:n_bits])
-    if page.numel():
-        bits_index = torch.where(bits_index >= 0, page[bits_index.long().clamp(min=0)], -1)
+    if tracing:  # a page per PARTIAL tile: finding the distinct ones reads the host
+        bits = torch.cat(pieces)
+    else:
+        bits, page = distinct_pages(store[:n_bits])
+        if page.numel():
+            bits_index = torch.where(bits_index >= 0, page[bits_index.long().clamp(min=0)], -1)
     bits_index = bits_index.to(torch.int32)
     zero = torch.zeros_like(kind)
     return _schedule(
