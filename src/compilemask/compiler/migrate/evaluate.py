@@ -170,24 +170,26 @@ def build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, so
 
 
 def _bits_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source):
-    runs = []
+    m = (batch or 1) * (heads or 1)
+    row_runs = torch.zeros((m, q_len), dtype=torch.int32, device=device)
 
     def counted():
-        # the chunk and the run count's scratch in buffers kept from chunk to chunk: sizes
-        # that change chunk after chunk fragment the host allocator's heap (gigabytes)
+        # the chunk, the run count's scratch and the counts in buffers allocated once:
+        # allocations kept chunk after chunk between the chunk's temporaries fragment the host
+        # allocator's heap (gigabytes at 32K keys)
         block = scratch = None
+        row = 0
         for rows in zip(*chunks()):
             shape = (len(rows), *rows[0].shape)
             if block is None or block.shape != shape:
                 block = torch.empty(shape, dtype=torch.bool, device=device)
                 scratch = torch.empty_like(block)
             torch.stack([r.to(device) for r in rows], out=block)
-            runs.append(runs_per_row(block, scratch))
+            row_runs[:, row : row + shape[1]] = runs_per_row(block, scratch)
+            row += shape[1]
             yield block
 
-    m = (batch or 1) * (heads or 1)
     schedule = build_tiles_from_dense(counted(), m, q_len, kv_len, block_m, block_n)
-    row_runs = torch.cat(runs, 1)
     empty = torch.full((m, q_len, 1), kv_len, dtype=torch.int32, device=device)
     with built_plans():
         return MaskPlan(
