@@ -274,8 +274,9 @@ class Lifter:
         zero, pad = self.consts()
         if isinstance(x, int) and isinstance(y, int):
             return self.full()
-        shape = torch.broadcast_shapes(*(v.shape for v in (x, y) if not isinstance(v, int)))
-        self.bounded_shape(shape[-2] if len(shape) > 1 else 1, shape[-1])
+        dims = [v.shape for v in (x, y) if not isinstance(v, int)]  # [..., rows, slots]
+        rows = max(d[-2] if len(d) > 1 else 1 for d in dims)
+        self.bounded_shape(rows, max(d[-1] if len(d) else 1 for d in dims))
         if isinstance(y, int):  # [x, nk): empty only when x >= nk
             x = x.clamp(max=self.nk).to(torch.int32)
             y = pad.expand(x.shape)
