@@ -85,8 +85,8 @@ MODIFIERS = ("", "softcap", "alibi")
 ALIBI_MAX_HEADS = 256
 #: the kernel's consumer threads (two warpgroups of 128): a page holds one word per thread
 CONSUMER_THREADS = 256
-#: pages built per step of :func:`thread_pages` (its temporaries: about 0.3 MB per page,
-#: chiefly the 64 bits of each of 256 threads widened to int64 by ``pack_bits``)
+#: pages built per step of :func:`thread_pages` (its temporaries: about 0.1 MB per page,
+#: chiefly ``unpack_bits``' int32 shifts of each page's 16 K bits)
 PAGES_PER_STEP = 256
 #: the largest index the kernel's int32 entry and tile-row indices hold
 INT32_MAX = 2**31 - 1
