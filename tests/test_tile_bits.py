@@ -91,3 +91,9 @@ def test_bitmask_plans_share_pages_between_tiles_that_look_alike():
     partial = int((s.bits_index >= 0).sum())
     assert s.bits.shape[0] < partial  # 10 q-tiles x 11 kv-tiles of one pattern per column
     assert s.bits.shape[0] <= 2 * s.kind.shape[2]  # full q-tiles, and the short last one
+
+
+def test_pack_bits_reads_other_dtypes_as_nonzero():
+    vis = torch.tensor([[1, 0, 1, 1, 0, 0, 0, 1] * 5])
+    for dtype in (torch.int32, torch.int64, torch.float32, torch.uint8):
+        assert torch.equal(tiles_mod.pack_bits(vis.to(dtype)), tiles_mod.pack_bits(vis != 0))

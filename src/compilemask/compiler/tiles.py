@@ -371,7 +371,10 @@ def pack_bits(vis: torch.Tensor) -> torch.Tensor:
     """Pack bool ``[..., block_n]`` into int32 words ``[..., ceil(block_n / 32)]`` (bit
     ``c % 32`` of word ``c // 32``; a last partial word is padded with zeros). A byte at a
     time: each 8 keys become one uint8 (one byte of scratch per key), 4 bytes one word,
-    little-endian, so the temporaries are the size of ``vis``."""
+    little-endian, so the temporaries are the size of ``vis``. A ``vis`` of another dtype is
+    read as ``vis != 0``."""
+    if vis.dtype != torch.bool:
+        vis = vis != 0
     pad = -vis.shape[-1] % 32
     if pad:
         vis = torch.nn.functional.pad(vis, (0, pad))

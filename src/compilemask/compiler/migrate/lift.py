@@ -236,8 +236,9 @@ class Lifter:
         """:meth:`bounded` for a result of ``rows`` rows and ``slots`` slots."""
         if rows > 1 and 64 * slots > self.nk and 8 * rows * slots > MAX_LIFTED_BYTES:
             raise Unsupported(
-                f"rows of up to {slots} intervals ({8 * rows * slots} bytes): more than "
-                f"their bits; evaluated into bitmask tiles"
+                f"an interval table of {rows} rows of up to {slots} slots "
+                f"({8 * rows * slots} bytes) would hold more than their bits; the mask_mod is "
+                f"evaluated instead (as bitmask tiles where its rows hold that many intervals)"
             )
 
     def land(self, a: Iv, b: Iv) -> Iv:
