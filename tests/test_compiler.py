@@ -185,6 +185,23 @@ def test_global_local_is_canonical(window, tokens, nq, nk):
     check_canonical(masks.global_local(window, tokens), nq, nk, 1 + len(tokens))
 
 
+@pytest.mark.parametrize("window", [0, 1, 3, 2**31 - 1])
+@pytest.mark.parametrize(
+    "tokens",
+    [(), (0,), (0, 1, 2, 3), (2, 3, 9, 19), (4, 5, 6, 18, 19), (22, 39), tuple(range(0, 40, 3))],
+    ids=str,
+)
+@pytest.mark.parametrize("nq,nk", [(20, 20), (20, 33), (40, 20), (40, 5)])
+def test_global_local_from_runs_is_canonical(window, tokens, nq, nk, monkeypatch):
+    """The rows built from the runs of global keys on the device (taken when the host table
+    would be large), on every case of the piecewise lowering."""
+    from compilemask.compiler import lower as lower_module
+
+    monkeypatch.setattr(lower_module, "GLOBAL_LOCAL_TABLE", 0)
+    tokens = [t for t in tokens if t < max(nq, nk)]
+    check_canonical(masks.global_local(window, tokens), nq, nk, 1 + len(tokens))
+
+
 @pytest.mark.parametrize("window", [0, 4, 2**31 - 1])
 def test_global_local_with_many_tokens_is_canonical(window):
     """43 global tokens: a host table too large, the device sweep."""
