@@ -41,6 +41,54 @@ def test_tiled_plan_is_the_permuted_mask(mask, tile, n):
     assert plan.in_permuted_order().permutation is None
 
 
+@pytest.mark.parametrize("trim", [True, False])
+@pytest.mark.parametrize(
+    "grid,kernel,tile",
+    [
+        ((6, 8), (1, 1), (2, 4)),
+        ((6, 8), (1, 3), (2, 4)),
+        ((12, 16), (3, 7), (4, 8)),
+        ((8, 12), (5, 3), (8, 4)),
+        ((12, 16), (1, 7), (3, 8)),
+        ((6, 16), (3, 5), (6, 8)),
+    ],
+    ids=str,
+)
+def test_tiled_natten_closed_form_equals_the_permuted_rows(grid, kernel, tile, trim):
+    """tile_grid(natten2d) built in closed form (a window smaller than a tile) is, bit for bit,
+    what the permutation pass makes of the row-major rows: trimmed (K the largest count) and
+    untrimmed (K = 2 kh, [N, N) in the unused slots)."""
+    from compilemask.compiler.lower import lower
+    from compilemask.compiler.permute import permute_rows, tiled_natten_fits, tiled_natten_rows
+
+    n = grid[0] * grid[1]
+    inner = masks.natten2d(grid, kernel)
+    assert tiled_natten_fits(grid, kernel, tile, n, n)
+    lo, hi, _ = lower(inner, n, n, "cpu", trim=trim)
+    want = permute_rows(lo.view(1, n, -1), hi.view(1, n, -1), grid_permutation(inner, n, tile), n)
+    got = tiled_natten_rows(grid, kernel, tile, "cpu", trim=trim)
+    k = want[0].shape[-1]
+    assert got[0].shape[-1] == (k if trim else 2 * kernel[0])
+    assert torch.equal(got[2], want[2])
+    assert torch.equal(got[0][..., :k], want[0]) and torch.equal(got[1][..., :k], want[1])
+    assert bool((got[0][..., k:] == n).all() and (got[1][..., k:] == n).all())
+    plan = cm.compile(masks.tile_grid(inner, tile), n, block_m=16, block_n=32, cache=False)
+    plan.verify()
+    perm = grid_permutation(inner, n, tile)
+    assert torch.equal(plan.to_dense(), cm.dense(inner, n)[perm][:, perm])
+
+
+def test_tiled_natten_closed_form_declines_windows_as_wide_as_a_tile():
+    """A window as wide (or high) as a tile can make two pieces touch: the permutation pass."""
+    from compilemask.compiler.permute import tiled_natten_fits
+
+    assert not tiled_natten_fits((8, 16), (3, 7), (4, 7), 128, 128)  # tw does not divide w
+    assert not tiled_natten_fits((8, 16), (3, 9), (4, 8), 128, 128)  # kw > tw
+    assert not tiled_natten_fits((8, 16), (3, 8), (4, 8), 128, 128)  # kw == tw
+    assert not tiled_natten_fits((8, 16), (5, 3), (4, 8), 128, 128)  # kh > th
+    assert not tiled_natten_fits((8, 16), (3, 3), (4, 8), 120, 128)  # not the whole axis
+
+
 def test_tiled_order_edge_tiles():
     order = tiled_order(3, 5, (2, 2))
     # tiles row-major, row-major inside: first tile holds cells (0,0) (0,1) (1,0) (1,1)

@@ -72,3 +72,61 @@ def permute_rows(lo: torch.Tensor, hi: torch.Tensor, perm: torch.Tensor, kv_len:
         res_hi.view(m, n, k_out),
         count.to(torch.int32).view(m, n),
     )
+
+
+def tiled_natten_fits(grid, kernel, tile, q_len: int, kv_len: int) -> bool:
+    """Whether :func:`tiled_natten_rows` builds ``tile_grid(natten2d(grid, kernel), tile)``:
+    the grid is the whole axis, whole tiles cover it, and the window is smaller than a tile
+    along each axis (``kh < th``, ``kw < tw``), so no two of a row's pieces touch."""
+    (h, w), (kh, kw), (th, tw) = grid, kernel, tile
+    return q_len == kv_len == h * w and h % th == 0 and w % tw == 0 and kh < th and kw < tw
+
+
+def tiled_natten_rows(grid, kernel, tile, device, *, trim: bool):
+    """Canonical ``(lo, hi, count)`` ``[1, N, K]`` of ``tile_grid(natten2d(grid, kernel),
+    tile)`` in its tiled order, in closed form (about 40 operations, no host read; what
+    :func:`permute_rows` makes of the row-major rows, where :func:`tiled_natten_fits`).
+
+    Query ``i`` is cell ``(y, x)`` of tile ``(i // T) // A, (i // T) % A`` (``T = th tw``
+    tokens a tile, ``A = w / tw`` tiles a tile row); its window is rows ``y0 .. y0 + kh - 1``
+    and columns ``x0 .. x0 + kw - 1`` (shifted inward at the borders). The window meets at
+    most two tile rows (``kh < th``) and two tile columns (``kw < tw``); each window row
+    gives one piece per tile column it meets, contiguous in the tiled order. In key order
+    the pieces are: the first tile row's rows in its first tile column, then in its second,
+    then the second tile row's likewise, so slot ``s`` of a row is found from the number of
+    window rows in the first tile row (``n0``) and of tile columns (``nc``)."""
+    (h, w), (kh, kw), (th, tw) = grid, kernel, tile
+    n, t, a = h * w, th * tw, w // tw
+    i = torch.arange(n, device=device, dtype=torch.int32)
+    tile_id, off = i // t, i % t
+    y = (tile_id // a) * th + off // tw
+    x = (tile_id % a) * tw + off % tw
+    y0 = y.clamp(kh // 2, h - 1 - kh // 2) - kh // 2
+    x0 = x.clamp(kw // 2, w - 1 - kw // 2) - kw // 2
+    ya, xa = y0 // th, x0 // tw
+    n0 = torch.clamp((ya + 1) * th - y0, max=kh)  # window rows in the first tile row
+    nc = 1 + (x0 % tw + kw > tw).int()  # tile columns met
+    if trim:  # the largest count, on the host: kh times the most tile columns of a window
+        xs = range(0, w - kw + 1)
+        k = kh * (2 if any(x % tw + kw > tw for x in xs) else 1)
+    else:
+        k = 2 * kh
+    s = torch.arange(k, device=device, dtype=torch.int32)[None, :]
+    n0c, ncc, x0c, y0c = n0[:, None], nc[:, None], x0[:, None], y0[:, None]
+    first = s < n0c * ncc
+    rest = s - n0c * ncc
+    n1 = (kh - n0c).clamp(min=1)
+    dy = (~first).int()
+    dx = torch.where(first, s // n0c, rest // n1)
+    r = torch.where(first, s % n0c, n0c + rest % n1)
+    tx = xa[:, None] + dx
+    xs_ = torch.maximum(x0c, tx * tw)
+    xe = torch.minimum(x0c + kw, (tx + 1) * tw)
+    yr = y0c + r
+    lo = ((ya[:, None] + dy) * a + tx) * t + (yr % th) * tw + (xs_ - tx * tw)
+    hi = lo + (xe - xs_)
+    used = s < kh * ncc
+    pad = torch.full((), n, dtype=torch.int32, device=device)
+    lo = torch.where(used, lo, pad)
+    hi = torch.where(used, hi, pad)
+    return lo[None], hi[None], (kh * nc).to(torch.int32)[None]

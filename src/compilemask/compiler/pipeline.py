@@ -18,7 +18,7 @@ from ..language.semantics import accepted_lengths, natural_lengths, offsets_of
 from ..language.values import integer_value
 from . import intervals as iv
 from .lower import TABLED, lower, piece_table
-from .permute import permute_rows
+from .permute import permute_rows, tiled_natten_fits, tiled_natten_rows
 from .plan import MaskPlan, built_plans, outside_inference_mode
 from .tiles import build_tiles, device_tile_builder
 
@@ -406,17 +406,30 @@ def build_plan(
     perm = None
     if isinstance(mask, TiledGrid):
         perm = grid_permutation(mask.mask, q_len, mask.tile).to(device)
-        mask = mask.mask
-    lo, hi, count = lower(mask, q_len, kv_len, device, trim=host_sync)
-    m = lo.shape[0] * lo.shape[1]
-    lo = lo.reshape(m, q_len, -1).contiguous()
-    hi = hi.reshape(m, q_len, -1).contiguous()
-    count = count.reshape(m, q_len).contiguous()
-    if perm is not None:
-        lo, hi, count = permute_rows(lo, hi, perm, kv_len)
+        tiled, mask = mask, mask.mask
+    if perm is not None and _tiled_natten(tiled, q_len, kv_len):
+        lo, hi, count = tiled_natten_rows(*mask.args, tiled.tile, device, trim=host_sync)
+    else:
+        lo, hi, count = lower(mask, q_len, kv_len, device, trim=host_sync)
+        m = lo.shape[0] * lo.shape[1]
+        lo = lo.reshape(m, q_len, -1).contiguous()
+        hi = hi.reshape(m, q_len, -1).contiguous()
+        count = count.reshape(m, q_len).contiguous()
+        if perm is not None:
+            lo, hi, count = permute_rows(lo, hi, perm, kv_len)
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=host_sync)
     return MaskPlan._built(  # correct by construction, its own fresh tensors
         q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source, permutation=perm
+    )
+
+
+def _tiled_natten(tiled: TiledGrid, q_len: int, kv_len: int) -> bool:
+    """``tile_grid(natten2d(...))`` whose tiled rows have a closed form (``permute.py``)."""
+    inner = tiled.mask
+    return (
+        isinstance(inner, Builtin)
+        and inner.name == "natten2d"
+        and tiled_natten_fits(*inner.args, tiled.tile, q_len, kv_len)
     )
 
 
