@@ -195,9 +195,9 @@ def test_global_local_is_canonical(window, tokens, nq, nk):
 def test_global_local_from_runs_is_canonical(window, tokens, nq, nk, monkeypatch):
     """The rows built from the runs of global keys on the device (taken when the host table
     would be large), on every case of the piecewise lowering."""
-    from compilemask.compiler import lower as lower_module
+    from compilemask.compiler import global_local
 
-    monkeypatch.setattr(lower_module, "GLOBAL_LOCAL_TABLE", 0)
+    monkeypatch.setattr(global_local, "GLOBAL_LOCAL_TABLE", 0)
     tokens = [t for t in tokens if t < max(nq, nk)]
     check_canonical(masks.global_local(window, tokens), nq, nk, 1 + len(tokens))
 
