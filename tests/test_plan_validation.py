@@ -216,6 +216,24 @@ def test_copies_pickles_and_files_are_checked(plans, tmp_path):
         cm.MaskPlan.load(path)
 
 
+def test_torch_save_of_a_plan_loads_with_weights_only(plans, tmp_path):
+    """torch.save(plan) / torch.load(weights_only=True): the plan (alone or inside a dict)
+    comes back through the checked restore, and a tampered pickled plan is refused."""
+    for name, plan in plans.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save({"plan": plan, "step": 3}, path)
+        loaded = torch.load(path, weights_only=True)
+        assert loaded["step"] == 3 and torch.equal(loaded["plan"].to_dense(), plan.to_dense())
+        assert loaded["plan"].permutation is None or torch.equal(
+            loaded["plan"].permutation.cpu(), plan.permutation.cpu()
+        )
+    plan = plans["causal"]
+    fn, (obj,) = plan.__reduce__()
+    obj["tensors"]["row_hi"] = _set(plan.row_hi, (0, 2, 0), plan.kv_len + 3)
+    with pytest.raises(PlanError, match="row_lo/row_hi"):
+        fn(obj)
+
+
 # ------------------------------------------------------------------ modified after the build
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_plans_modified_after_the_build_are_refused(backend):

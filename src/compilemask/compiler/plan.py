@@ -739,6 +739,14 @@ class MaskPlan:
         return to_block_mask(self)
 
     # ------------------------------------------------------------------ files
+    def __reduce__(self):
+        """Pickled (``torch.save(plan, f)``, ``copy``) as the dict :meth:`save` writes, read
+        back by ``plan_file.restore_plan``, which ``torch.load(f, weights_only=True)`` may
+        call, and which checks the plan."""
+        from .plan_file import restore_plan, saved_dict
+
+        return restore_plan, (saved_dict(self),)
+
     def save(self, path) -> None:
         """Write the plan to ``path`` (``torch.save`` of its tensors and fields; read back with
         :meth:`load`, which checks it). Derived tilings are not saved."""
@@ -760,6 +768,17 @@ class MaskPlan:
 
 
 _MISSING = object()
+
+
+def _allow_weights_only_loads() -> None:
+    """Let ``torch.load(..., weights_only=True)`` rebuild pickled plans (through the checked
+    ``restore_plan``, nothing else)."""
+    from .plan_file import restore_plan
+
+    torch.serialization.add_safe_globals([restore_plan])
+
+
+_allow_weights_only_loads()
 
 
 @outside_inference_mode

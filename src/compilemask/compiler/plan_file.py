@@ -25,8 +25,9 @@ def _check_path(path, writing: bool) -> None:
     )
 
 
-def save_plan(plan, path) -> None:
-    _check_path(path, writing=True)
+def saved_dict(plan) -> dict:
+    """What a plan file holds: ``{"format", "version", "meta", "tensors"}`` (ints, strings
+    and tensors only, so ``torch.load(..., weights_only=True)`` reads it)."""
     s = plan.schedule
     meta = {
         "q_len": plan.q_len,
@@ -43,7 +44,12 @@ def save_plan(plan, path) -> None:
         if getattr(plan, name) is not None:
             tensors[name] = getattr(plan, name)
     tensors.update({f"schedule.{k}": v for k, v in s.tensors().items()})
-    obj = {"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "meta": meta, "tensors": tensors}
+    return {"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "meta": meta, "tensors": tensors}
+
+
+def save_plan(plan, path) -> None:
+    _check_path(path, writing=True)
+    obj = saved_dict(plan)
     try:
         torch.save(obj, path)
     except (OSError, RuntimeError) as err:  # a missing folder, no permission, a full disk
@@ -62,22 +68,28 @@ def load_plan(cls, path, map_location=None):
         if "weights_only" in why:  # not torch's advice to retry unsafely: the file is suspect
             why = "it holds objects a weights-only load refuses (not a MaskPlan file, or damaged)"
         raise PlanError(f"cannot read a MaskPlan from {path!r}: {why.splitlines()[0]}") from None
+    return plan_from_dict(cls, obj, repr(path))
+
+
+def plan_from_dict(cls, obj, where: str):
+    """The plan of a :func:`saved_dict` ``obj`` (read from ``where``, for messages), checked
+    like every plan (``cls``: ``MaskPlan``)."""
     if not (
         isinstance(obj, dict)
         and obj.get("format") == _SAVE_FORMAT
         and isinstance(obj.get("meta"), dict)
         and isinstance(obj.get("tensors"), dict)
     ):
-        raise PlanError(f"{path!r} does not hold a MaskPlan written by MaskPlan.save")
+        raise PlanError(f"{where} does not hold a MaskPlan written by MaskPlan.save")
     if obj.get("version") != _SAVE_VERSION:
-        raise PlanError(f"{path!r}: unknown MaskPlan file version {obj.get('version')!r}")
+        raise PlanError(f"{where}: unknown MaskPlan file version {obj.get('version')!r}")
     meta, tensors = obj["meta"], obj["tensors"]
     sched_names = [f.name for f in dataclasses.fields(TileSchedule)][4:]
     need = ["row_lo", "row_hi", "row_count"] + [f"schedule.{n}" for n in sched_names]
     missing = [n for n in need if n not in tensors]
     missing += [n for n in ("q_len", "kv_len", "block_m", "block_n") if n not in meta]
     if missing:
-        raise PlanError(f"{path!r}: the saved plan has no {', '.join(missing)}")
+        raise PlanError(f"{where}: the saved plan has no {', '.join(missing)}")
     schedule = TileSchedule(
         meta["block_m"],
         meta["block_n"],
@@ -99,3 +111,12 @@ def load_plan(cls, path, map_location=None):
         row_runs=tensors.get("row_runs"),
         permutation=tensors.get("permutation"),
     )
+
+
+def restore_plan(obj):
+    """Unpickles a plan saved by ``torch.save(plan, ...)`` (``MaskPlan.__reduce__``): a
+    function ``torch.load(..., weights_only=True)`` is allowed to call (registered with
+    ``torch.serialization.add_safe_globals``); the plan is checked as on every load."""
+    from .plan import MaskPlan
+
+    return plan_from_dict(MaskPlan, obj, "a pickled MaskPlan")
