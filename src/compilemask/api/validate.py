@@ -120,13 +120,15 @@ def check_plan(q: torch.Tensor, k: torch.Tensor, plan: object, full: bool = Fals
         )
     if plan.batch is not None and plan.batch != B:
         raise InputError(
-            f"the plan's mask depends on the batch row and was compiled for batch={plan.batch}, "
-            f"but q {_shape(q)} has B={B}"
+            f"the plan was built for batch={plan.batch} (one mask per batch row) but q "
+            f"{_shape(q)} has B={B}; build it for B={B}, or without batch= if the mask is the "
+            f"same for every row"
         )
     if plan.heads is not None and plan.heads != Hq:
         raise InputError(
-            f"the plan's mask depends on the query head and was compiled for heads={plan.heads}, "
-            f"but q {_shape(q)} has Hq={Hq}"
+            f"the plan was built for heads={plan.heads} (one mask per query head) but q "
+            f"{_shape(q)} has Hq={Hq}; build it for Hq={Hq}, or without heads= if the mask is "
+            f"the same for every head"
         )
     if plan.device != q.device:
         raise InputError(
