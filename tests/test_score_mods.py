@@ -211,6 +211,18 @@ def test_sinks_on_rows_that_see_no_key():
         assert torch.allclose(lse[:, :, :6], expect)
 
 
+def test_an_empty_modifier_list_is_no_modifier():
+    plan = _empty_rows_plan()
+    (q, k, v), _, _ = _inputs(torch.float32)
+    for backend in ("triton", "reference"):
+        with override_forward_config(FWD):
+            want = cm.attention(q, k, v, plan, backend=backend)
+            for empty in ([], ()):
+                assert torch.equal(
+                    cm.attention(q, k, v, plan, backend=backend, score_mod=empty), want
+                )
+
+
 def test_sink_gradient_formula_against_autograd():
     """The reference's autograd gradient of the sinks equals the closed form the Triton
     backward uses: d sink_h = sum_rows P_sink (dlse - dO.O) (lse is returned in float32)."""

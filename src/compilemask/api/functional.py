@@ -115,10 +115,11 @@ def attention(
             Under ``torch.compile`` only the shape checks run (call ``plan.verify()`` before
             compiled code sees a plan).
         score_mod: a :mod:`compilemask.score_mods` modifier, or a list of them (applied left
-            to right), changing the scaled scores before the mask: softcap, alibi,
-            relative_bias, bias, custom (docs/score-mods.md). Gradients flow to its learnable
-            tensors (relative_bias's table, bias's tensor). Reference and Triton (eager
-            calls; under ``torch.compile`` the reference); not with ``tile_grid`` plans.
+            to right; an empty list is no modifier), changing the scaled scores before the
+            mask: softcap, alibi, relative_bias, bias, custom (docs/score-mods.md). Gradients
+            flow to its learnable tensors (relative_bias's table, bias's tensor). Reference
+            and Triton (eager calls; under ``torch.compile`` the reference); not with
+            ``tile_grid`` plans.
         sinks: [Hq] float tensor of per-head sink logits (gpt-oss; may require grad): each
             row's softmax denominator gets ``+ exp(sink_h)``, and the sink adds no value. A
             row that sees no key then gives out 0 and lse = sink_h; lse includes the sink.
@@ -164,6 +165,8 @@ def attention(
         raise InputError(f"return_lse must be True or False, got {return_lse!r}")
     if check_plan is not True and check_plan is not False:
         raise InputError(f"check_plan must be True or False, got {check_plan!r}")
+    if isinstance(score_mod, (list, tuple)) and not score_mod:  # no modifier
+        score_mod = None
     if block_table is not None or cache_seqlens is not None or isinstance(plan, DecodePlan):
         if score_mod is not None or sinks is not None:
             raise InputError(
