@@ -171,13 +171,18 @@ def test_one_interval_closed_forms_are_canonical(make, param, nq, nk):
     check_canonical(masks.prefix_lm(param - 1), nq, nk, 1)
 
 
-@pytest.mark.parametrize("window", [0, 1, 3, 2**31 - 1])
-@pytest.mark.parametrize(
-    "tokens",
-    [(), (0,), (0, 1, 2, 3), (2, 3, 9, 19), (4, 5, 6, 18, 19), (22, 39), tuple(range(0, 40, 3))],
-    ids=str,
-)
-@pytest.mark.parametrize("nq,nk", [(20, 20), (20, 33), (40, 20), (40, 5)])
+def GLOBAL_LOCAL_CASES(test):  # windows, token sets (runs, tokens past Nk) and lengths
+    for name, values in (
+        ("nq,nk", [(20, 20), (20, 33), (40, 20), (40, 5)]),
+        ("tokens", [(), (0,), (0, 1, 2, 3), (2, 3, 9, 19), (4, 5, 6, 18, 19), (22, 39),
+                    tuple(range(0, 40, 3))]),
+        ("window", [0, 1, 3, 2**31 - 1]),
+    ):  # fmt: skip
+        test = pytest.mark.parametrize(name, values, ids=str if name == "tokens" else None)(test)
+    return test
+
+
+@GLOBAL_LOCAL_CASES
 def test_global_local_is_canonical(window, tokens, nq, nk):
     """Runs of consecutive global keys merge with the band they touch; global keys past Nk are
     only query rows."""
@@ -185,13 +190,7 @@ def test_global_local_is_canonical(window, tokens, nq, nk):
     check_canonical(masks.global_local(window, tokens), nq, nk, 1 + len(tokens))
 
 
-@pytest.mark.parametrize("window", [0, 1, 3, 2**31 - 1])
-@pytest.mark.parametrize(
-    "tokens",
-    [(), (0,), (0, 1, 2, 3), (2, 3, 9, 19), (4, 5, 6, 18, 19), (22, 39), tuple(range(0, 40, 3))],
-    ids=str,
-)
-@pytest.mark.parametrize("nq,nk", [(20, 20), (20, 33), (40, 20), (40, 5)])
+@GLOBAL_LOCAL_CASES
 def test_global_local_from_runs_is_canonical(window, tokens, nq, nk, monkeypatch):
     """The rows built from the runs of global keys on the device (taken when the host table
     would be large), on every case of the piecewise lowering."""

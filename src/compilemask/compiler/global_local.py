@@ -15,6 +15,19 @@ I32 = torch.int32
 GLOBAL_LOCAL_TABLE = 4096
 
 
+def _runs(global_tokens, nk: int) -> tuple[list, list]:
+    """The starts and stops of the maximal runs ``[a, b)`` of consecutive global keys
+    (``global_tokens`` sorted; tokens at or past ``nk`` are query rows only)."""
+    starts, stops = [], []
+    for g in global_tokens:
+        if g < nk and stops and stops[-1] == g:
+            stops[-1] = g + 1
+        elif g < nk:
+            starts.append(g)
+            stops.append(g + 1)
+    return starts, stops
+
+
 def global_local_rows(ctx, window: int, global_tokens) -> tuple:
     """Canonical rows ``(lo, hi, count)`` ``[Nq, K]`` of ``global_local(window,
     global_tokens)`` in the lowering context ``ctx`` (``compiler.lower._Ctx``): piecewise
@@ -26,13 +39,7 @@ def global_local_rows(ctx, window: int, global_tokens) -> tuple:
     # at the rows cut below (each comparison of q -/+ W with a constant flips once)
     nq, nk, w = ctx.q_len, ctx.kv_len, min(window, ctx._axis())
     k, glob = 1 + len(global_tokens), set(global_tokens)
-    starts, stops = [], []  # the maximal runs [a, b) of global keys
-    for g in global_tokens:
-        if g < nk and stops and stops[-1] == g:
-            stops[-1] = g + 1
-        elif g < nk:
-            starts.append(g)
-            stops.append(g + 1)
+    starts, stops = _runs(global_tokens, nk)  # the maximal runs [a, b) of global keys
     cuts = {w + 1, nk + w, nk - w - 1} | glob | {g + 1 for g in global_tokens}
     for c in starts + stops:
         cuts |= {c + w + 1, c - w - 1}
@@ -73,13 +80,7 @@ def _from_runs(ctx, window: int, global_tokens) -> tuple:
     that touch it (``searchsorted`` of ``L`` in the runs' stops and of ``H`` in their
     starts), then the runs after it; a global row has ``[0, Nk)``."""
     nq, nk, w = ctx.q_len, ctx.kv_len, min(window, ctx._axis())
-    starts, stops = [], []  # the maximal runs [a, b) of global keys
-    for g in global_tokens:
-        if g < nk and stops and stops[-1] == g:
-            stops[-1] = g + 1
-        elif g < nk:
-            starts.append(g)
-            stops.append(g + 1)
+    starts, stops = _runs(global_tokens, nk)  # the maximal runs [a, b) of global keys
     m, rows = len(starts), [g for g in global_tokens if g < nq]
     k = _largest_count(ctx, w, starts, stops, rows) if ctx.trim else 1 + len(global_tokens)
     # one copy: the runs' starts and stops (an unused run at m for the gathers), the
