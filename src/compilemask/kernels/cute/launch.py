@@ -33,16 +33,11 @@ def kernel_args(
     def ints(t):
         return from_dlpack(t, assumed_align=4).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
-    def rows(t, align):  # a contiguous [n, m] tensor: only n is dynamic, strides (m, 1) static
-        return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0)
-
     plan_views = low.kernel_views.get("ints")
     if plan_views is None:  # the plan's tensors do not change: their views are made once
-        # tiles and pages are read per PARTIAL kv-tile: static strides keep their addresses
-        # to a shift and an add (pages: 64-bit words, each thread's word in one aligned load)
-        plan_views = low.kernel_views["ints"] = (
-            ints(low.work), rows(low.tiles.view(-1, 2), 4), rows(low.pages, 16)
-        )  # fmt: skip
+        plan_views = low.kernel_views["ints"] = tuple(
+            ints(t) for t in (low.work, low.tiles.view(-1, 2))
+        ) + (dyn(low.pages, 1),)  # 64-bit words: each thread's word in one aligned load
     if slopes is None:  # the other kernels take a placeholder they do not read
         slope_view = low.kernel_views.get("no_slopes")
         if slope_view is None:
