@@ -118,6 +118,39 @@ def test_mask_mod_chunked_across_rows(monkeypatch):
     assert torch.equal(cm.from_dense(d, block_m=4, block_n=8).to_dense(), d)
 
 
+@pytest.mark.parametrize("density", [0.0, 0.5, 0.97, 1.0])
+@pytest.mark.parametrize(
+    "nq,nk,bm,bn", [(300, 257, 64, 64), (130, 1000, 32, 64), (129, 129, 128, 128)]
+)
+def test_key_mask_mods_are_evaluated_from_one_row(density, nq, nk, bm, bn, monkeypatch):
+    """A mask_mod whose value does not depend on q_idx (per batch row and head) is evaluated on
+    one row per mask: the plan (intervals, or bitmask tiles shared by every q-tile, the last
+    partial q-tile its own) is exactly FlexAttention's mask."""
+    import compilemask.compiler.migrate as migrate
+
+    calls = []
+    real = migrate.build_key_plan
+    monkeypatch.setattr(migrate, "build_key_plan", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(int(density * 100) + nq)
+    keep = torch.rand(2, 3, nk, generator=gen) < density
+
+    def per_head(b, h, q, kv):
+        return keep[b, h, kv]
+
+    def shared(b, h, q, kv):
+        return keep[0, 0, kv]
+
+    for fn, batch, heads in ((shared, None, None), (per_head, 2, 3)):
+        plan = cm.from_mask_mod(
+            fn, nq, nk, batch=batch, heads=heads, block_m=bm, block_n=bn, lifting=False
+        )
+        plan.verify()
+        want = flex_dense(fn, nq, nk, batch, heads)
+        got = plan.to_dense()
+        assert torch.equal(got if got.dim() == 4 else got[None, None], want)
+    assert len(calls) == 2  # both took the one-row path
+
+
 def test_from_dense_many_runs_goes_bits(monkeypatch):
     monkeypatch.setenv("COMPILEMASK_CHUNK_ELEMS", "512")
     d = torch.zeros(40, 512, dtype=torch.bool)

@@ -490,6 +490,42 @@ def build_tiles_from_dense(chunks, m: int, q_len: int, kv_len: int, block_m: int
     )  # fmt: skip
 
 
+def build_tiles_from_key_rows(keys: torch.Tensor, q_len: int, kv_len: int, block_m: int,
+                              block_n: int) -> TileSchedule:  # fmt: skip
+    """:func:`build_tiles_from_dense` of masks whose rows are all alike: mask ``m`` shows
+    every query the keys ``keys[m]`` (bool ``[M, Nk]``; a key-only mask_mod). A q-tile's
+    tiles are then those of one tile of ``block_m`` such rows (the last q-tile's of its
+    remaining rows), built once and repeated along the q axis, so the work is O(M Nk), not
+    O(M Nq Nk), and every q-tile shares the pages of its PARTIAL tiles."""
+    m = keys.shape[0]
+    whole, rest = divmod(q_len, block_m)
+    parts = [
+        (
+            build_tiles_from_dense(
+                [keys[:, None].expand(m, r, kv_len)], m, r, kv_len, block_m, block_n
+            ),
+            n,
+        )  # fmt: skip
+        for r, n in ((block_m, whole), (rest, 1))
+        if r and n
+    ]
+    pages = 0
+    kind, pairs, index, bits = [], [], [], []
+    for one, n in parts:
+        kind.append(one.kind.expand(m, n, -1))
+        pairs.append(one.pairs.expand(m, n, -1))
+        index.append(torch.where(one.bits_index >= 0, one.bits_index + pages, -1).expand(m, n, -1))
+        bits.append(one.bits)
+        pages += one.bits.shape[0]
+    kind, pairs = torch.cat(kind, 1).contiguous(), torch.cat(pairs, 1).contiguous()
+    index = torch.cat(index, 1).to(torch.int32).contiguous()
+    zero = torch.zeros_like(kind)
+    return _schedule(
+        block_m, block_n, q_len, kv_len, kind, pairs, zero, zero.clone(), index,
+        torch.cat(bits).contiguous(),
+    )  # fmt: skip
+
+
 def dense_from_tiles(s: TileSchedule, start: int, end: int) -> torch.Tensor:
     """Boolean rows ``[M, end - start, Nk]`` rebuilt from a schedule without PARTIAL (interval)
     tiles: FULL tiles and bitmask tiles."""

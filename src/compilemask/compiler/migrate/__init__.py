@@ -28,7 +28,7 @@ from ..pipeline import check_plan_size, positive_int, resolve_device, strict_boo
 from ..plan import MaskPlan, outside_inference_mode
 from . import lift, modeval, plan_cache, trace
 from .blockmask import from_block_mask
-from .evaluate import build_plan, check_dense, chunk_rows
+from .evaluate import build_key_plan, build_plan, check_dense, chunk_rows
 
 log = logging.getLogger("compilemask.migrate")
 
@@ -74,6 +74,22 @@ def from_dense(
     batch = b if b > 1 else None
     heads = h if h > 1 else None
     return build_plan(chunks, nq, nk, batch, heads, block_m, block_n, device, "from_dense")
+
+
+def _key_rows(call, bh, kv_idx: torch.Tensor) -> torch.Tensor | None:
+    """The one row of each (batch row, head) mask, bool ``[len(bh), Nk]``, when the mask_mod's
+    value does not depend on ``q_idx`` (on broadcast indices it returns one row for two
+    queries: a broadcast view), else None. In the broadcast mode the shape of the result
+    does not depend on the indices' values (operations that mix elements or branch on
+    values take the vmap mode), so two rows tell for every row."""
+    q = torch.arange(2, device=kv_idx.device)
+    rows = []
+    for b, h in bh:
+        out = call(b, h, q, kv_idx)
+        if out.stride(0) != 0:
+            return None
+        rows.append(out[0])
+    return torch.stack(rows)
 
 
 @outside_inference_mode
@@ -166,6 +182,12 @@ def from_mask_mod(
     call = modeval.evaluator(mask_mod, mode)
     rows = chunk_rows(kv_len, block_m, device)
     kv_idx = torch.arange(kv_len, device=device)
+    source = f"from_mask_mod:{mode}"
+    keys = _key_rows(call, bh, kv_idx) if mode == "broadcast" and q_len > block_m else None
+    if keys is not None:  # every row alike: one row per mask is the whole mask
+        log.debug("mask_mod evaluated as a key mask (its value does not depend on q_idx)")
+        plan = build_key_plan(keys, q_len, kv_len, batch, heads, block_m, block_n, source)
+        return plan_cache.put_pure(key, plan)
 
     def one(b: int, h: int):
         for r in range(0, q_len, rows):
@@ -174,6 +196,5 @@ def from_mask_mod(
     def chunks():
         return (one(b, h) for b, h in bh)
 
-    source = f"from_mask_mod:{mode}"
     plan = build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source)
     return plan_cache.put_pure(key, plan)

@@ -24,7 +24,7 @@ import torch
 
 from ...errors import CompileMaskError
 from ..plan import MaskPlan, built_plans
-from ..tiles import build_tiles, build_tiles_from_dense
+from ..tiles import build_tiles, build_tiles_from_dense, build_tiles_from_key_rows
 
 #: (query, key) pairs evaluated at once on the CPU: 4 Mi booleans (4 MiB, within the last-level
 #: cache) amortise each torch operation's threading cost over enough work; at 8K on the 2-core
@@ -166,6 +166,42 @@ def build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, so
     count = torch.stack([p[2] for p in parts])
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
     with built_plans():  # see the module docstring: admitted as compiler output
+        return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
+
+
+def build_key_plan(keys, q_len, kv_len, batch, heads, block_m, block_n, source) -> MaskPlan:
+    """The plan of masks whose rows are all alike (a key-only mask_mod): mask ``m`` shows every
+    query the keys ``keys[m]`` (bool ``[M, Nk]``). The intervals of one row per mask, repeated
+    for every query; or, when a row holds more intervals than its bits take, the bitmask
+    encoding with every q-tile's tiles those of one tile of such rows
+    (:func:`~compilemask.compiler.tiles.build_tiles_from_key_rows`): O(M Nk) work either way,
+    where :func:`build_plan` would read O(M Nq Nk) pairs."""
+    device = keys.device
+    try:
+        parts = []
+        for row in keys:
+            col = RunCollector(1, kv_len, max(1, -(-kv_len // 8) // 8), device)
+            col.add(row[None])
+            parts.append(col.finish())
+    except _TooManyRuns:
+        schedule = build_tiles_from_key_rows(keys, q_len, kv_len, block_m, block_n)
+        m = keys.shape[0]
+        empty = torch.full((m, q_len, 1), kv_len, dtype=torch.int32, device=device)
+        row_runs = runs_per_row(keys)[:, None].expand(m, q_len).contiguous()
+        with built_plans():
+            return MaskPlan(
+                q_len, kv_len, batch, heads, empty, empty.clone(), torch.zeros_like(row_runs),
+                schedule, source=source, encoding="bits", row_runs=row_runs,
+            )  # fmt: skip
+    k = max(p[0].shape[1] for p in parts)
+    lo = torch.full((len(parts), q_len, k), kv_len, dtype=torch.int32, device=device)
+    hi = lo.clone()
+    for i, (lo_i, hi_i, _) in enumerate(parts):
+        lo[i, :, : lo_i.shape[1]] = lo_i
+        hi[i, :, : hi_i.shape[1]] = hi_i
+    count = torch.stack([p[2].expand(q_len) for p in parts])
+    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
+    with built_plans():
         return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
 
 
