@@ -157,13 +157,20 @@ def build_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, so
             parts.append(col.finish())
     except _TooManyRuns:
         return _bits_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source)
+    return _interval_plan(parts, q_len, kv_len, batch, heads, block_m, block_n, source)
+
+
+def _interval_plan(parts, q_len, kv_len, batch, heads, block_m, block_n, source) -> MaskPlan:
+    """The plan of the masks' intervals ``parts``: per mask ``(lo, hi, count)`` of
+    :meth:`RunCollector.finish`, its rows ``Nq`` or one (repeated for every query)."""
     k = max(p[0].shape[1] for p in parts)
+    device = parts[0][0].device
     lo = torch.full((len(parts), q_len, k), kv_len, dtype=torch.int32, device=device)
     hi = lo.clone()
     for i, (lo_i, hi_i, _) in enumerate(parts):
         lo[i, :, : lo_i.shape[1]] = lo_i
         hi[i, :, : hi_i.shape[1]] = hi_i
-    count = torch.stack([p[2] for p in parts])
+    count = torch.stack([p[2].expand(q_len) for p in parts])
     schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
     with built_plans():  # see the module docstring: admitted as compiler output
         return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
@@ -193,16 +200,7 @@ def build_key_plan(keys, q_len, kv_len, batch, heads, block_m, block_n, source) 
                 q_len, kv_len, batch, heads, empty, empty.clone(), torch.zeros_like(row_runs),
                 schedule, source=source, encoding="bits", row_runs=row_runs,
             )  # fmt: skip
-    k = max(p[0].shape[1] for p in parts)
-    lo = torch.full((len(parts), q_len, k), kv_len, dtype=torch.int32, device=device)
-    hi = lo.clone()
-    for i, (lo_i, hi_i, _) in enumerate(parts):
-        lo[i, :, : lo_i.shape[1]] = lo_i
-        hi[i, :, : hi_i.shape[1]] = hi_i
-    count = torch.stack([p[2].expand(q_len) for p in parts])
-    schedule = build_tiles(lo, hi, count, q_len, kv_len, block_m, block_n, use_bits=True)
-    with built_plans():
-        return MaskPlan(q_len, kv_len, batch, heads, lo, hi, count, schedule, source=source)
+    return _interval_plan(parts, q_len, kv_len, batch, heads, block_m, block_n, source)
 
 
 def _bits_plan(chunks, q_len, kv_len, batch, heads, block_m, block_n, device, source):
