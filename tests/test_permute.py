@@ -89,16 +89,16 @@ def test_tiled_natten_closed_form_declines_windows_as_wide_as_a_tile():
     assert not tiled_natten_fits((8, 16), (3, 3), (4, 8), 120, 128)  # not the whole axis
 
 
-def test_tiled_permutation_is_kept_per_shape_and_remade_after_a_write():
-    """New plans of one tile_grid mask and length reuse its permutation; one written in place
-    (a plan's, by a user) is not handed to the next plan."""
+def test_tiled_permutation_is_kept_per_shape_and_each_plan_owns_its_copy():
+    """New plans of one tile_grid mask and length reuse its permutation's values, each plan
+    with its own tensor: a write into one plan's permutation reaches no other plan."""
     mask = masks.tile_grid(masks.clear((8, 16), 4, 0), (4, 8))
     a = cm.compile(mask, 128, block_m=16, block_n=32, cache=False)
     b = cm.compile(mask, 128, block_m=16, block_n=32, cache=False)
-    assert b.permutation is a.permutation
+    assert b.permutation is not a.permutation and torch.equal(b.permutation, a.permutation)
     a.permutation[:2] = a.permutation[:2].flip(0)  # a user's write into a plan's tensor
+    b.verify()
     c = cm.compile(mask, 128, block_m=16, block_n=32, cache=False)
-    assert c.permutation is not a.permutation
     assert torch.equal(c.permutation, grid_permutation(mask.mask, 128, (4, 8)))
     c.verify()
 

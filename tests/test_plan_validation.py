@@ -228,6 +228,10 @@ def test_torch_save_of_a_plan_loads_with_weights_only(plans, tmp_path):
             loaded["plan"].permutation.cpu(), plan.permutation.cpu()
         )
     plan = plans["causal"]
+    path = tmp_path / "meta.pt"
+    torch.save(plan, path)
+    with pytest.raises(PlanError, match="meta tensors hold no data"):
+        torch.load(path, map_location="meta")
     fn, (obj,) = plan.__reduce__()
     obj["tensors"]["row_hi"] = _set(plan.row_hi, (0, 2, 0), plan.kv_len + 3)
     with pytest.raises(PlanError, match="row_lo/row_hi"):

@@ -423,8 +423,8 @@ def build_plan(
     )
 
 
-# (inner mask's text, axis length, tile, device) -> (the tiled order's permutation on the device,
-# its version when made): shared by the plans built with it, made again if written in place
+# (inner mask's text, axis length, tile, device) -> the tiled order's permutation on the device
+# (never handed out: plans get copies)
 _PERMUTATIONS: OrderedDict = OrderedDict()
 _PERMUTATIONS_LOCK = threading.Lock()
 
@@ -432,19 +432,15 @@ _PERMUTATIONS_LOCK = threading.Lock()
 def _permutation(tiled: TiledGrid, axis: int, device) -> torch.Tensor:
     """``grid_permutation`` of a ``tile_grid`` mask on ``device``, kept per (mask, axis, tile,
     device): at 32K it is about 25 host tensor operations (1.5 ms on one CPU thread) and a
-    copy to the device that waits for the stream, on every build of a new plan."""
+    copy to the device that waits for the stream, on every build of a new plan; a kept one
+    costs a device copy."""
     key = (mask_text(tiled.mask), axis, tiled.tile, str(device))
-    hit = _PERMUTATIONS.get(key)
-    if hit is not None and hit[0]._version == hit[1]:  # (not written in place since)
-        return hit[0]
-    with torch.inference_mode(False):  # kept: usable by later calls outside the mode
-        perm = grid_permutation(tiled.mask, axis, tiled.tile).to(device)
-    with _PERMUTATIONS_LOCK:
-        _PERMUTATIONS[key] = (perm, perm._version)
-        _PERMUTATIONS.move_to_end(key)
-        while len(_PERMUTATIONS) > 16:
-            _PERMUTATIONS.popitem(last=False)
-    return perm
+    perm = _PERMUTATIONS.get(key)
+    if perm is None:
+        with torch.inference_mode(False):  # kept: usable by later calls outside the mode
+            perm = grid_permutation(tiled.mask, axis, tiled.tile).to(device)
+        perm = lru_put(_PERMUTATIONS, _PERMUTATIONS_LOCK, 16, key, perm)
+    return perm.clone()  # each plan its own (a write into one reaches no other plan)
 
 
 def _tiled_natten(tiled: TiledGrid, q_len: int, kv_len: int) -> bool:

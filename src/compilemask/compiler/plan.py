@@ -740,12 +740,29 @@ class MaskPlan:
 
     # ------------------------------------------------------------------ files
     def __reduce__(self):
-        """Pickled (``torch.save(plan, f)``, ``copy``) as the dict :meth:`save` writes, read
-        back by ``plan_file.restore_plan``, which ``torch.load(f, weights_only=True)`` may
-        call, and which checks the plan."""
+        """Pickled (``torch.save(plan, f)``) as the dict :meth:`save` writes, read back by
+        ``plan_file.restore_plan``, which ``torch.load(f, weights_only=True)`` may call, and
+        which checks the plan. The shape class (values an eager call derived from the plan) is
+        not pickled: the next eager call derives it again."""
         from .plan_file import restore_plan, saved_dict
 
         return restore_plan, (saved_dict(self),)
+
+    def __copy__(self) -> MaskPlan:
+        """A copy (checked as on every load) sharing the tensors; it keeps the shape class."""
+        fn, args = self.__reduce__()
+        new = fn(*args)
+        object.__setattr__(new, "shape_class", self.shape_class)
+        return new
+
+    def __deepcopy__(self, memo) -> MaskPlan:
+        """A copy (checked as on every load) with its own tensors; it keeps the shape class."""
+        import copy
+
+        fn, (obj,) = self.__reduce__()
+        new = fn(copy.deepcopy(obj, memo))
+        object.__setattr__(new, "shape_class", self.shape_class)
+        return new
 
     def save(self, path) -> None:
         """Write the plan to ``path`` (``torch.save`` of its tensors and fields; read back with

@@ -84,6 +84,8 @@ def plan_from_dict(cls, obj, where: str):
     if obj.get("version") != _SAVE_VERSION:
         raise PlanError(f"{where}: unknown MaskPlan file version {obj.get('version')!r}")
     meta, tensors = obj["meta"], obj["tensors"]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors.values()):
+        raise PlanError(f"{where}: meta tensors hold no data: load the plan on the CPU or a GPU")
     sched_names = [f.name for f in dataclasses.fields(TileSchedule)][4:]
     need = ["row_lo", "row_hi", "row_count"] + [f"schedule.{n}" for n in sched_names]
     missing = [n for n in need if n not in tensors]
