@@ -73,7 +73,7 @@ def global_local_rows(ctx, window: int, global_tokens) -> tuple:
 
 
 def _from_runs(ctx, window: int, global_tokens) -> tuple:
-    """``global_local`` with a host table too large for :meth:`pieces`: every row's slots
+    """``global_local`` with a host table too large for ``ctx.pieces``: every row's slots
     built directly on the device from the runs of global keys (about 40 operations,
     whatever the number of tokens). A non-global row ``q`` has the runs that end before
     its band ``[L, H) = [q - W, q + W + 1)`` (clipped), the band merged with the runs
@@ -119,7 +119,7 @@ def _from_runs(ctx, window: int, global_tokens) -> tuple:
 
 
 def _largest_count(ctx, w: int, starts, stops, rows) -> int:
-    """The largest count of :meth:`_global_local_swept`'s rows, on the host: a row's
+    """The largest count of :func:`_from_runs`' rows, on the host: a row's
     count changes only where ``q - W`` or ``q + W + 1`` crosses a run's end, so the rows
     just after each such crossing (and row 0) hold every count."""
     nq, nk = ctx.q_len, ctx.kv_len

@@ -750,17 +750,22 @@ class MaskPlan:
 
     def __copy__(self) -> MaskPlan:
         """A copy (checked as on every load) sharing the tensors; it keeps the shape class."""
-        fn, args = self.__reduce__()
-        new = fn(*args)
-        object.__setattr__(new, "shape_class", self.shape_class)
-        return new
+        from .plan_file import saved_dict
+
+        return self._restored(saved_dict(self))
 
     def __deepcopy__(self, memo) -> MaskPlan:
         """A copy (checked as on every load) with its own tensors; it keeps the shape class."""
         import copy
 
-        fn, (obj,) = self.__reduce__()
-        new = fn(copy.deepcopy(obj, memo))
+        from .plan_file import saved_dict
+
+        return self._restored(copy.deepcopy(saved_dict(self), memo))
+
+    def _restored(self, obj: dict) -> MaskPlan:
+        from .plan_file import restore_plan
+
+        new = restore_plan(obj)
         object.__setattr__(new, "shape_class", self.shape_class)
         return new
 
