@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,3 +98,56 @@ def test_pack_bits_reads_other_dtypes_as_nonzero():
     vis = torch.tensor([[1, 0, 1, 1, 0, 0, 0, 1] * 5])
     for dtype in (torch.int32, torch.int64, torch.float32, torch.uint8):
         assert torch.equal(tiles_mod.pack_bits(vis.to(dtype)), tiles_mod.pack_bits(vis != 0))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.integers(1, 90),
+    st.sampled_from([(16, 16), (8, 48), (32, 40), (4, 100), (16, 128)]),
+    st.integers(0, 2**31),
+    st.floats(0.05, 0.95),
+)
+def test_tile_bits_kernel_equals_the_tensor_operations(nq, nk, blocks, seed, p):
+    """``tile_bits_triton`` (one launch; Triton's interpreter here) gives ``_tile_bits``'s
+    words bit for bit, tiles with empty rows, rows past ``q_len`` and ragged widths included."""
+    pytest.importorskip("triton")
+    from compilemask.kernels.triton.tile_bits import tile_bits_triton
+    from conftest import DEVICE
+
+    bm, bn = blocks
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.rand(2, nq, nk, generator=g) < p
+    dense[1, torch.randint(0, nq, (1,), generator=g)] = False  # a row that sees nothing
+    lo, hi, count = (t.to(DEVICE) for t in from_dense_rows(dense, nk))
+    tq, tk = math.ceil(nq / bm), math.ceil(nk / bn)
+    jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, bm, bn, nk)
+    grid = torch.meshgrid(torch.arange(2), torch.arange(tq), torch.arange(tk), indexing="ij")
+    tiles = torch.stack(grid, -1).reshape(-1, 3).to(DEVICE)
+    sel = tiles.unbind(1)
+    want = _tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], bm, bn, nq)
+    got = tile_bits_triton(lo.int(), hi.int(), tiles, jlo[sel], jhi[sel], bm, bn, nq)
+    assert torch.equal(got, want)
+
+
+def test_the_device_builder_adds_bitmask_tiles_as_the_tensor_builder_makes_them():
+    """A plan of more than ``BITS_MIN_SLOTS`` slots per row through the device builder (Triton's
+    interpreter here) and ``tile_bits``: the schedule equals the tensor builder's, its bitmask
+    tiles included."""
+    pytest.importorskip("triton")
+    from compilemask.kernels.triton import tile_builder
+    from conftest import DEVICE
+
+    g = torch.Generator().manual_seed(3)
+    nq, nk, bm, bn = 200, 300, 32, 64
+    dense = torch.rand(1, nq, nk, generator=g) < 0.3
+    dense[0, :50, :40] = True
+    lo, hi, count = (t.to(DEVICE) for t in from_dense_rows(dense, nk))
+    assert lo.shape[-1] > tiles_mod.BITS_MIN_SLOTS
+    with tile_builder.using(False):
+        want = tiles_mod.build_tiles(lo, hi, count, nq, nk, bm, bn)
+    with tile_builder.using(True):
+        got = tiles_mod.build_tiles(lo.int(), hi.int(), count, nq, nk, bm, bn)
+    assert int((want.kind == tiles_mod.PARTIAL_BITS).sum()) > 0
+    for name, a in want.tensors().items():
+        assert torch.equal(getattr(got, name), a), name

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -52,7 +52,9 @@ def register_device_tile_builder(builder) -> None:
     """Use ``builder`` for schedules that need no bitmask tile (None: the tensor builder).
 
     ``builder.serves(t)``, when the builder has it, says on which tensors the kernel schedules
-    may also take the builder's FULL-first lists (``kernels/triton/schedule.py``).
+    may also take the builder's FULL-first lists (``kernels/triton/schedule.py``);
+    ``builder.tile_bits``, when it has it, computes :func:`_tile_bits` on those tensors
+    (:func:`tile_bits`).
     """
     global _DEVICE_TILE_BUILDER
     _DEVICE_TILE_BUILDER = builder
@@ -318,10 +320,11 @@ def build_tiles(
     # while tracing, the tensor builder (Dynamo does not trace a Triton launch made from a
     # Python helper with a weakref cache)
     device_ok = _DEVICE_TILE_BUILDER is not None and not tracing
-    if device_ok and not (use_bits and lo.shape[-1] > BITS_MIN_SLOTS):
+    with_bits = use_bits and lo.shape[-1] > BITS_MIN_SLOTS
+    if device_ok:
         built = _DEVICE_TILE_BUILDER(lo, hi, count, q_len, kv_len, block_m, block_n)
         if built is not None:
-            return built
+            return _add_bits(built, lo, hi) if with_bits else built
     tq, tk = math.ceil(q_len / block_m), math.ceil(kv_len / block_n)
     pairs = _pairs_per_tile(lo, hi, tq, tk, block_m, block_n)
     dev = lo.device
@@ -332,15 +335,42 @@ def build_tiles(
     jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, block_m, block_n, kv_len)
     bits_index = torch.full_like(kind, -1)
     bits = torch.zeros((0, block_m, -(-block_n // 32)), dtype=torch.int32, device=dev)
-    if use_bits and lo.shape[-1] > BITS_MIN_SLOTS:
+    if with_bits:
         wide = (kind == PARTIAL) & (jhi - jlo > BITS_MIN_SPAN)
         tiles = wide.nonzero()
         if tiles.shape[0]:
             kind = torch.where(wide, PARTIAL_BITS, kind).to(torch.int32)
             bits_index[wide] = torch.arange(tiles.shape[0], device=dev, dtype=torch.int32)
             sel = tiles.unbind(1)
-            bits = _tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], block_m, block_n, q_len)
+            bits = tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], block_m, block_n, q_len)
     return _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits)
+
+
+def _add_bits(s: TileSchedule, lo, hi) -> TileSchedule:
+    """``s`` (a schedule without bitmask tiles, from the device builder, its tensors its own)
+    with its wide PARTIAL tiles made PARTIAL_BITS, as :func:`build_tiles` makes them: kinds and
+    bits indices rewritten in place (the lists and orders do not tell the two encodings
+    apart), the bitmasks by :func:`tile_bits`. One host read (the number of tiles)."""
+    wide = (s.kind == PARTIAL) & (s.jhi - s.jlo > BITS_MIN_SPAN)
+    tiles = wide.nonzero()
+    if not tiles.shape[0]:
+        return s
+    s.kind.masked_fill_(wide, PARTIAL_BITS)
+    s.bits_index[wide] = torch.arange(tiles.shape[0], device=lo.device, dtype=torch.int32)
+    sel = tiles.unbind(1)
+    bits = tile_bits(lo, hi, tiles, s.jlo[sel], s.jhi[sel], s.block_m, s.block_n, s.q_len)
+    return replace(s, bits=bits)
+
+
+def tile_bits(lo, hi, tiles, jlo, jhi, block_m: int, block_n: int, q_len: int) -> torch.Tensor:
+    """:func:`_tile_bits` by the registered device builder's kernel where it serves ``lo``
+    (``builder.tile_bits``: one launch, no host read), else by tensor operations."""
+    builder = _DEVICE_TILE_BUILDER
+    kernel = getattr(builder, "tile_bits", None)
+    if kernel is not None and getattr(builder, "serves", None) is not None:
+        if builder.serves(lo) and lo.dtype == torch.int32 and not torch.compiler.is_compiling():
+            return kernel(lo, hi, tiles, jlo, jhi, block_m, block_n, q_len)
+    return _tile_bits(lo, hi, tiles, jlo, jhi, block_m, block_n, q_len)
 
 
 def _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits):

@@ -32,7 +32,7 @@ rows share one kv-tile list). Per plan and call shape it reads:
   the plan's intervals (or bitmask tiles) into bits is done here, once per plan.
 
 The pages are built from the plan's 128 x 128 schedule (``plan.tiles(128, 128)``): interval
-tiles through their rows' slots (``compiler.tiles._tile_bits``), bitmask tiles (plans from
+tiles through their rows' slots (``compiler.tiles.tile_bits``), bitmask tiles (plans from
 ``from_dense`` / ``from_mask_mod`` that store bitmasks, and wide tiles of derived tilings)
 from their pages; 2 KB per distinct page (every diagonal tile of a causal or sliding-window
 mask is one page; the tiles of a disc along the grid's rows a few dozen). Building them
@@ -67,9 +67,9 @@ from ...compiler.tiles import (
     FULL,
     PARTIAL,
     PARTIAL_BITS,
-    _tile_bits,
     distinct_pages,
     pack_bits,
+    tile_bits,
     unpack_bits,
 )
 from ...errors import CompileMaskError
@@ -192,10 +192,10 @@ def thread_layout(device=None) -> torch.Tensor:
     return (rows[:, :, None] * BLOCK_N + cols[:, None, :]).reshape(CONSUMER_THREADS, -1)
 
 
-def thread_words(tile_bits: torch.Tensor) -> torch.Tensor:
-    """int64 ``[P, 256]`` thread-order words of row-major bitmask tiles ``tile_bits``
+def thread_words(bits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[P, 256]`` thread-order words of row-major bitmask tiles ``bits``
     (int32 ``[P, 128, 4]``, bit ``c % 32`` of word ``c // 32`` of row ``r``)."""
-    vis = unpack_bits(tile_bits).reshape(tile_bits.shape[0], -1)  # [P, 128 * 128]
+    vis = unpack_bits(bits).reshape(bits.shape[0], -1)  # [P, 128 * 128]
     halves = pack_bits(vis[:, thread_layout(vis.device)]).to(torch.int64)  # [P, 256, 2]
     # the two int32 halves as one int64 (low: row r = 0), with no signed overflow
     return halves[..., 1] * (1 << 32) + (halves[..., 0] & 0xFFFFFFFF)
@@ -230,7 +230,7 @@ def thread_pages(plan: MaskPlan, s, entries: torch.Tensor) -> tuple[torch.Tensor
         if bool(rows.any()):
             sel = part[rows]
             sm, sq, sk = sel.unbind(1)
-            words[rows] = _tile_bits(
+            words[rows] = tile_bits(
                 plan.row_lo, plan.row_hi, sel, s.jlo[sm, sq, sk], s.jhi[sm, sq, sk],
                 s.block_m, s.block_n, plan.q_len,
             )  # fmt: skip

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ...compiler.plan import MaskPlan
-from ...compiler.tiles import FULL, PARTIAL, PARTIAL_BITS, _tile_bits, unpack_bits
+from ...compiler.tiles import FULL, PARTIAL, PARTIAL_BITS, tile_bits, unpack_bits
 from ...compiler.tiles import _lists as touched_lists
 
 #: FlashAttention-4's sparse block (query rows and keys) for head_dim 64 and 128 on sm90
@@ -113,7 +113,7 @@ def lower(plan: MaskPlan, block: int = BLOCK) -> Fa4Blocks:
         for start in range(0, tiles.shape[0], _BITS_CHUNK):
             end = start + _BITS_CHUNK
             parts.append(
-                _tile_bits(
+                tile_bits(
                     plan.row_lo, plan.row_hi, tiles[start:end], jlo[start:end], jhi[start:end],
                     block, block, plan.q_len,
                 )

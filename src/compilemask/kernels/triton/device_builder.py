@@ -63,7 +63,15 @@ def _import_from_table():
     return _FROM_TABLE
 
 
+def triton_tile_bits(lo, hi, tiles, jlo, jhi, block_m, block_n, q_len):
+    """The registered bitmask-tile hook (``compiler.tiles.tile_bits``): one Triton launch."""
+    from .tile_bits import tile_bits_triton
+
+    return tile_bits_triton(lo, hi, tiles, jlo, jhi, block_m, block_n, q_len)
+
+
 triton_tile_builder.serves = _on_cuda  # type: ignore[attr-defined]
+triton_tile_builder.tile_bits = triton_tile_bits  # type: ignore[attr-defined]
 triton_tile_builder.from_table = triton_table_builder  # type: ignore[attr-defined]
 
 

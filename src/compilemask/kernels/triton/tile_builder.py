@@ -32,8 +32,9 @@ the host about 11 us more per launch).
 ``_tile_lists`` (the lists of a schedule built elsewhere) and ``_heaviest_first_kernel`` (the
 orders of axes longer than ``_FUSED_ORDER_MAX_TILES``) are launched on their own.
 
-No bitmask tiles (they need a host synchronisation to size): used where the tensor builder
-would not make them either (``use_bits=False``, or at most ``BITS_MIN_SLOTS`` slots per row).
+No bitmask tiles (they need a host synchronisation to size): ``compiler.tiles.build_tiles``
+adds them to a schedule built here where a plan takes them (more than ``BITS_MIN_SLOTS`` slots
+per row), with ``tile_bits.tile_bits_triton`` (this builder's ``tile_bits``).
 
 The default for plans built on a CUDA device (``api/device_builder.py``; the environment
 variable ``COMPILEMASK_TILE_BUILDER=tensor`` turns it off); :func:`enable` / :func:`using`
@@ -58,6 +59,7 @@ from ...compiler import tiles as tiles_mod
 from ...compiler.tiles import TileSchedule
 from .build_host import launch
 from .table_tiles import column_kinds_from_table, piece_of, table_bounds
+from .tile_bits import tile_bits_triton
 
 _LIST_CHUNK = 128
 _ORDER_BLOCK = 64
@@ -699,6 +701,7 @@ def _device_builder_from_table(make_table, q_len, kv_len, device, block_m, block
 
 
 _device_builder.serves = serves  # type: ignore[attr-defined]
+_device_builder.tile_bits = tile_bits_triton  # type: ignore[attr-defined]
 _device_builder.from_table = _device_builder_from_table  # type: ignore[attr-defined]
 
 
