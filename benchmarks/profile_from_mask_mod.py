@@ -95,8 +95,10 @@ def main() -> None:
         sync()
         pr.disable()
         s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
-        print("\n".join(line for line in s.getvalue().splitlines()[6:] if line.strip()))
+        stats = pstats.Stats(pr, stream=s)
+        stats.sort_stats("tottime").print_stats(12)
+        stats.sort_stats("cumulative").print_stats("compilemask", 25)
+        print("\n".join(line for line in s.getvalue().splitlines() if line.strip()))
 
 
 if __name__ == "__main__":

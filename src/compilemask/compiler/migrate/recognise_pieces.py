@@ -266,7 +266,8 @@ def _rows_fa4_document(nq: int, nk: int, batch, heads, doc, doc_kv):
     """FlashAttention-4's documents per batch row and head: part ``(b, h)`` (``b`` over
     ``range(batch or 1)``, ``h`` likewise) of a 3-D integer table whose rows hold
     non-decreasing ids (``q_len == kv_len``): row ``q`` sees its run of equal ids. The parts
-    as consecutive blocks of ``q_len`` virtual rows; one host read."""
+    as consecutive blocks of ``q_len`` virtual rows. The steps between ids are signed on the
+    table's device and read as one byte per row (one host read)."""
     nb, nh = batch or 1, heads or 1
     if doc is not doc_kv or nq != nk or doc.dim() != 3 or doc.device.type == "meta":
         raise NoForm("per-part documents of two tables, unequal lengths or no 3-D table")
@@ -274,14 +275,15 @@ def _rows_fa4_document(nq: int, nk: int, batch, heads, doc, doc_kv):
         raise NoForm("per-part documents of a non-integer table or one too small")
     if doc.shape[2] < nq or nb * nh * nq > pieces.I32_LIMIT:
         raise NoForm("per-part documents of a table too short or too many rows")
-    ids = doc[:nb, :nh, :nq].to("cpu", torch.int64).numpy().reshape(nb * nh, nq)  # one read
-    step = np.diff(ids, axis=1)
+    ids = doc[:nb, :nh, :nq].reshape(nb * nh, nq).to(torch.int64)  # steps without wrapping
+    # the sign of each step, a byte per row, read in one copy
+    step = (ids[:, 1:] - ids[:, :-1]).clamp_(-1, 1).to(torch.int8).to("cpu").numpy()
     if (step < 0).any():
         raise NoForm("per-part document ids not non-decreasing")
     flag = np.ones(ids.shape, bool)
     flag[:, 1:] = step != 0
     s = np.flatnonzero(flag)  # virtual rows where a run starts (every part starts one)
-    e = np.append(s[1:], ids.size)
+    e = np.append(s[1:], ids.numel())
     lo = s % nq
     hi = lo + (e - s)
     z = np.zeros((len(s), 1), np.int64)
