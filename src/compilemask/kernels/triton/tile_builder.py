@@ -177,14 +177,17 @@ def _build_schedule(
     CHUNK_Q: tl.constexpr,
     ORDER: tl.constexpr,
     FROM_TABLE: tl.constexpr,
+    SPAN_CHUNK: tl.constexpr,
 ):  # fmt: skip
     """The whole schedule in one launch, grid (Tq + Tk, M). Programs ``[0, Tq)`` classify a
-    q-tile's row of tiles and write its lists; programs ``[Tq, Tq + Tk)`` classify a kv-tile's
-    column (``CHUNK_Q`` q-tiles at a time, into the scratch ``KindT`` [M, Tk, Tq]) and write
-    its lists: from the intervals, or FROM_TABLE from the table's pieces
-    (``table_tiles.column_kinds_from_table``: no row evaluated). ORDER: every program then
-    takes a ticket of its mask (``Tickets`` [M], zero before the launch); the program that
-    takes the last one writes the mask's heaviest-first orders and work entries.
+    q-tile's row of tiles (slot ranges ``SPAN_CHUNK`` tiles at a time; pairs only for the
+    kv-tiles between the rows' first and last visible key) and write its lists; programs
+    ``[Tq, Tq + Tk)`` classify a kv-tile's column (``CHUNK_Q`` q-tiles at a time, into the
+    scratch ``KindT`` [M, Tk, Tq]) and write its lists: from the intervals, or FROM_TABLE
+    from the table's pieces (``table_tiles.column_kinds_from_table``: no row evaluated).
+    ORDER: every program then takes a ticket of its mask (``Tickets`` [M], zero before the
+    launch); the program that takes the last one writes the mask's heaviest-first orders and
+    work entries.
 
     ``Out``: every output in one int32 allocation, in the order of :func:`_layout` (one
     pointer argument instead of nineteen: each costs the host a specialisation and a pointer
@@ -248,20 +251,34 @@ def _build_schedule(
         l_min = tl.min(tl.where(row_ok[:, None], lo, 2147483647), axis=0)
         rows_in = tl.minimum(q_len - qt * BLOCK_M, BLOCK_M)
         out = (m * Tq + qt) * Tk
-        for t in range(0, Tk):
+        # every tile's slot range, and no pairs, a chunk of tiles at a time; then the pairs of
+        # the tiles the rows' keys span, one tile at a time
+        for c0 in range(0, Tk, SPAN_CHUNK):
+            t = c0 + tl.arange(0, SPAN_CHUNK)
+            t_ok = t < Tk
+            t0 = (t * BLOCK_N)[:, None]
+            t1 = tl.minimum(t0 + BLOCK_N, kv_len)
+            jlo = tl.sum((h_max[None, :] <= t0).to(tl.int32), axis=1)
+            jhi = tl.maximum(tl.sum((l_min[None, :] < t1).to(tl.int32), axis=1), jlo)
+            none = tl.zeros([SPAN_CHUNK], tl.int32)
+            tl.store(Kind + out + t, none, mask=t_ok)
+            tl.store(Pairs + out + t, none, mask=t_ok)
+            tl.store(Jlo + out + t, jlo, mask=t_ok)
+            tl.store(Jhi + out + t, jhi, mask=t_ok)
+            tl.store(BitsIndex + out + t, none - 1, mask=t_ok)
+        seen = ok & (lo < hi)
+        key_lo = tl.min(tl.min(tl.where(seen, lo, kv_len), axis=1), axis=0)
+        key_hi = tl.max(tl.max(tl.where(seen, hi, 0), axis=1), axis=0)
+        tl.debug_barrier()  # the chunks' stores before the span's tiles overwrite some
+        for t in range(key_lo // BLOCK_N, (key_hi + BLOCK_N - 1) // BLOCK_N):
             t0 = t * BLOCK_N
             t1 = tl.minimum(t0 + BLOCK_N, kv_len)
             overlap = tl.minimum(hi, t1) - tl.maximum(lo, t0)
             pairs = tl.sum(tl.maximum(overlap, 0))
-            jlo = tl.sum((h_max <= t0).to(tl.int32))
-            jhi = tl.maximum(tl.sum((l_min < t1).to(tl.int32)), jlo)
             full = (pairs == BLOCK_M * BLOCK_N) & (rows_in == BLOCK_M) & (t1 - t0 == BLOCK_N)
             kind = tl.where(full, 1, tl.where(pairs > 0, 2, 0))
             tl.store(Kind + out + t, kind)
             tl.store(Pairs + out + t, pairs)
-            tl.store(Jlo + out + t, jlo)
-            tl.store(Jhi + out + t, jhi)
-            tl.store(BitsIndex + out + t, -1)
         tl.debug_barrier()  # the row's kinds, stored above, read back by every thread
         row = m * Tq + qt
         n_touched, n_full = _row_lists(
@@ -593,6 +610,7 @@ def _setup(m, k, q_len, kv_len, block_m, block_n, words) -> tuple:
         ("CHUNK_Q", _table_chunk(k_pad) if words else max(1, min(64, 4096 // (block_m * k_pad)))),
         ("ORDER", order),
         ("FROM_TABLE", words > 0),
+        ("SPAN_CHUNK", max(16, min(128, 2048 // k_pad))),
     )  # fmt: skip
     return runs, where, runs[-1][3] + runs[-1][0], order, (tq + tk, m), consts, tq, tk
 
