@@ -27,7 +27,7 @@ def _first_at_least(vals, base, a, b, target, k, steps):
     when none): ``steps`` halvings, enough for ranges up to ``2**steps - 1`` slots."""
     for _ in range(steps):
         mid = (a + b) >> 1
-        go_left = tl.load(vals + base + tl.minimum(mid, k - 1)) >= target
+        go_left = tl.load(vals + base + tl.minimum(tl.maximum(mid, 0), k - 1)) >= target
         open_ = a < b
         a, b = tl.where(open_ & ~go_left, mid + 1, a), tl.where(open_ & go_left, mid, b)
     return a
@@ -59,7 +59,7 @@ def _tile_bits_kernel(
     for s in range(span):
         j = j0 + s
         live = row_ok & (j < j1)
-        at = base + tl.minimum(j, k - 1)
+        at = base + tl.minimum(tl.maximum(j, 0), k - 1)  # in the row whatever the ranges
         x0 = tl.minimum(tl.maximum(tl.load(lo + at, mask=live, other=0) - t0, 0), BLOCK_N)
         x1 = tl.minimum(tl.maximum(tl.load(hi + at, mask=live, other=0) - t0, 0), BLOCK_N)
         live = live & (x0 < x1)
