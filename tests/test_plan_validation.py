@@ -214,6 +214,19 @@ def test_copies_pickles_and_files_are_checked(plans, tmp_path):
     path.write_bytes(b"not a file torch wrote")
     with pytest.raises(PlanError, match="cannot read"):
         cm.MaskPlan.load(path)
+    path.write_bytes(b"hello")  # torch.load's legacy reader fails with a bare KeyError
+    with pytest.raises(PlanError, match="not a file torch.save wrote"):
+        cm.MaskPlan.load(path)
+
+
+def test_a_plan_written_in_place_is_neither_saved_nor_handed_to_flex(tmp_path):
+    plan = cm.compile(cm.masks.causal(), 150, block_m=BM, block_n=BN, cache=False)
+    plan.row_hi[0, 5, 0] = 3
+    for write in (lambda: plan.save(tmp_path / "p.plan"), lambda: torch.save(plan, tmp_path /
+                  "p.pt"), lambda: copy.deepcopy(plan), plan.to_block_mask):  # fmt: skip
+        with pytest.raises(PlanError, match=r"row_hi \(written in place\)"):
+            write()
+    assert not (tmp_path / "p.plan").exists()
 
 
 def test_torch_save_of_a_plan_loads_with_weights_only(plans, tmp_path):

@@ -733,9 +733,11 @@ class MaskPlan:
         Raises:
             CompileMaskError: the plan reorders tokens (``tile_grid``); use
                 ``plan.in_permuted_order().to_block_mask()`` with tokens in tiled order.
+            PlanError: the plan was modified since it was built.
         """
         from .migrate.blockmask import to_block_mask
 
+        self.check_unchanged()
         return to_block_mask(self)
 
     # ------------------------------------------------------------------ files

@@ -27,7 +27,9 @@ def _check_path(path, writing: bool) -> None:
 
 def saved_dict(plan) -> dict:
     """What a plan file holds: ``{"format", "version", "meta", "tensors"}`` (ints, strings
-    and tensors only, so ``torch.load(..., weights_only=True)`` reads it)."""
+    and tensors only, so ``torch.load(..., weights_only=True)`` reads it). Raises
+    :class:`~compilemask.errors.PlanError` for a plan modified since it was built."""
+    plan.check_unchanged()
     s = plan.schedule
     meta = {
         "q_len": plan.q_len,
@@ -65,7 +67,9 @@ def load_plan(cls, path, map_location=None):
         obj = torch.load(path, map_location=map_location or "cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a PlanError
         why = str(err).strip() or type(err).__name__
-        if "weights_only" in why:  # not torch's advice to retry unsafely: the file is suspect
+        if isinstance(err, (KeyError, EOFError)):  # the legacy reader's view of other bytes
+            why = "not a file torch.save wrote (MaskPlan.save writes one), or a damaged one"
+        elif "weights_only" in why:  # not torch's advice to retry unsafely: the file is suspect
             why = "it holds objects a weights-only load refuses (not a MaskPlan file, or damaged)"
         raise PlanError(f"cannot read a MaskPlan from {path!r}: {why.splitlines()[0]}") from None
     return plan_from_dict(cls, obj, repr(path))
