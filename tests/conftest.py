@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -53,6 +54,11 @@ def pytest_collection_modifyitems(config, items):
 # ------------------------------------------------------------------ devices and inputs
 #: Where the kernel tests run: CUDA when present, else the CPU (Triton's interpreter).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: Tests of a kernel on CPU tensors (Triton's interpreter), which a CUDA machine skips.
+on_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the kernel on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1)",
+)
 #: Kernel dtypes (the interpreter computes bf16 dots wrongly: bf16 only on CUDA).
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 

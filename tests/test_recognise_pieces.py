@@ -17,6 +17,7 @@ from compilemask.compiler.migrate import lift, pieces, plan_cache
 from compilemask.compiler.migrate import recognise_pieces as rp
 from compilemask.compiler.migrate.packed import NoForm
 from compilemask.tools.op_counts import OpCounter, counting_host_copies
+from conftest import on_interpreter
 
 READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero")
 
@@ -404,6 +405,7 @@ def test_a_build_of_a_form_with_tables_reads_them_once(form):
     assert counted.real() <= tiled.real() + 8
 
 
+@on_interpreter
 def test_triton_builder_from_the_table():
     """The device path (the registered builder's ``from_table``, through Triton's interpreter
     here): the rows and schedule equal the host build's."""

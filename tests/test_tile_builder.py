@@ -18,7 +18,7 @@ from compilemask.errors import LayoutError  # noqa: E402
 from compilemask.kernels.triton import tile_builder  # noqa: E402
 from compilemask.kernels.triton.schedule import split_full_first, work_list  # noqa: E402
 from compilemask.language.semantics import dense  # noqa: E402
-from conftest import DEVICE, cases, kernel_masks  # noqa: E402
+from conftest import DEVICE, cases, kernel_masks, on_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 KERNEL_MASKS = kernel_masks(100)
@@ -145,6 +145,7 @@ TABLED = [
 ]
 
 
+@on_interpreter
 @pytest.mark.parametrize("tiles", [(16, 32), (32, 16), (64, 64)], ids=str)
 @pytest.mark.parametrize("mask, n, kv", TABLED, ids=[f"{m}-{n}-{kv}" for m, n, kv in TABLED])
 def test_rows_from_a_piece_table_in_the_launch(mask, n, kv, tiles, monkeypatch):
@@ -189,6 +190,7 @@ EDGES = [
 ]
 
 
+@on_interpreter
 @pytest.mark.parametrize("mask", EDGES, ids=str)
 def test_column_kinds_where_pieces_meet_tile_edges(mask):
     """Pieces ending one row before or after a tile's edge, diagonals reaching one key short
@@ -221,6 +223,7 @@ def tabled_masks(draw):
     return mask, sum(lengths), sum(lengths)
 
 
+@on_interpreter
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=tabled_masks(), bm=st.sampled_from([16, 32, 64]),
        bn=st.sampled_from([16, 32, 48, 64]), chunk=st.sampled_from([2, 256]))  # fmt: skip
@@ -264,6 +267,7 @@ def test_random_masks(case):
     _assert_same(lo, hi, count, plan.q_len, plan.kv_len, bm, bn)
 
 
+@on_interpreter
 def test_enable_routes_compile_and_attention_through_the_kernels():
     mask = cm.masks.document([40, 25, 35])
     ref_plan = cm.compile(mask, None, block_m=16, block_n=32, cache=False)
@@ -353,6 +357,7 @@ def test_rows_with_many_slots_go_to_the_tensor_builder():
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
 
 
+@on_interpreter
 def test_heaviest_first_kernel_equals_a_stable_argsort(monkeypatch):
     g = torch.Generator().manual_seed(1)
     q_count = torch.randint(0, 5, (3, 150), generator=g, dtype=torch.int32)
