@@ -219,6 +219,28 @@ def test_copies_pickles_and_files_are_checked(plans, tmp_path):
         cm.MaskPlan.load(path)
 
 
+def test_a_file_changed_into_another_valid_plan_is_refused(tmp_path):
+    """A saved plan whose ``kv_len`` was changed (300 -> 301 keeps every tile count) passes
+    the plan's own checks; the file's checksum refuses it. A file without one still loads."""
+    plan = cm.compile(cm.masks.causal(), 300, block_m=BM, block_n=BN, cache=False)
+    path = tmp_path / "p.plan"
+    plan.save(path)
+    obj = torch.load(path, weights_only=True)
+    assert "checksum" in obj
+    obj["meta"]["kv_len"] = 301
+    torch.save(obj, path)
+    with pytest.raises(PlanError, match="checksum does not match"):
+        cm.MaskPlan.load(path)
+    del obj["checksum"]
+    torch.save(obj, path)
+    assert cm.MaskPlan.load(path).kv_len == 301
+    fn, (pickled,) = plan.__reduce__()
+    pickled["tensors"]["row_count"] = pickled["tensors"]["row_count"].clone()
+    pickled["meta"]["source"] = "edited"
+    with pytest.raises(PlanError, match="checksum"):
+        fn(pickled)
+
+
 def test_a_plan_written_in_place_is_neither_saved_nor_handed_to_flex(tmp_path):
     plan = cm.compile(cm.masks.causal(), 150, block_m=BM, block_n=BN, cache=False)
     plan.row_hi[0, 5, 0] = 3

@@ -748,7 +748,7 @@ class MaskPlan:
         not pickled: the next eager call derives it again."""
         from .plan_file import restore_plan, saved_dict
 
-        return restore_plan, (saved_dict(self),)
+        return restore_plan, (saved_dict(self, checksum=True),)
 
     def __copy__(self) -> MaskPlan:
         """A copy (checked as on every load) sharing the tensors; it keeps the shape class."""

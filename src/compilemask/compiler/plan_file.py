@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 
 import torch
 
@@ -25,10 +26,11 @@ def _check_path(path, writing: bool) -> None:
     )
 
 
-def saved_dict(plan) -> dict:
+def saved_dict(plan, checksum: bool = False) -> dict:
     """What a plan file holds: ``{"format", "version", "meta", "tensors"}`` (ints, strings
-    and tensors only, so ``torch.load(..., weights_only=True)`` reads it). Raises
-    :class:`~compilemask.errors.PlanError` for a plan modified since it was built."""
+    and tensors only, so ``torch.load(..., weights_only=True)`` reads it), with ``checksum``
+    a ``"checksum"`` of them (:func:`_checksum`; files and pickles carry one, copies do not).
+    Raises :class:`~compilemask.errors.PlanError` for a plan modified since it was built."""
     plan.check_unchanged()
     s = plan.schedule
     meta = {
@@ -46,12 +48,28 @@ def saved_dict(plan) -> dict:
         if getattr(plan, name) is not None:
             tensors[name] = getattr(plan, name)
     tensors.update({f"schedule.{k}": v for k, v in s.tensors().items()})
-    return {"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "meta": meta, "tensors": tensors}
+    obj = {"format": _SAVE_FORMAT, "version": _SAVE_VERSION, "meta": meta, "tensors": tensors}
+    if checksum:
+        obj["checksum"] = _checksum(meta, tensors)
+    return obj
+
+
+def _checksum(meta: dict, tensors: dict) -> int:
+    """CRC-32 of a saved plan's fields and of its tensors' names, dtypes, shapes and values
+    (little-endian bytes), so that a file changed after it was written (a flipped bit in
+    ``kv_len`` still makes a valid plan) is refused on load. Reads GPU tensors back."""
+    crc = zlib.crc32(repr(sorted(meta.items())).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        crc = zlib.crc32(f"{name}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
+        a = t.detach().cpu().contiguous().numpy()
+        crc = zlib.crc32(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(), crc)
+    return crc
 
 
 def save_plan(plan, path) -> None:
     _check_path(path, writing=True)
-    obj = saved_dict(plan)
+    obj = saved_dict(plan, checksum=True)
     try:
         torch.save(obj, path)
     except (OSError, RuntimeError) as err:  # a missing folder, no permission, a full disk
@@ -103,7 +121,7 @@ def plan_from_dict(cls, obj, where: str):
         meta["kv_len"],
         **{n: tensors[f"schedule.{n}"] for n in sched_names},
     )
-    return cls(
+    plan = cls(
         meta["q_len"],
         meta["kv_len"],
         meta.get("batch"),
@@ -117,6 +135,13 @@ def plan_from_dict(cls, obj, where: str):
         row_runs=tensors.get("row_runs"),
         permutation=tensors.get("permutation"),
     )
+    # after the plan's own checks (they name what is wrong); files without one predate it
+    if "checksum" in obj and obj["checksum"] != _checksum(meta, tensors):
+        raise PlanError(
+            f"{where}: the plan's checksum does not match its contents (the file was changed "
+            f"or damaged after it was written)"
+        )
+    return plan
 
 
 def restore_plan(obj):
