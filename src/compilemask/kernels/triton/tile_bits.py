@@ -8,8 +8,8 @@ listed tile ``(m, qt, kt)`` holds its ``block_m`` rows: per row, a binary search
 slot range ``[jlo, jhi)`` for the first interval ending after the tile's first key and the first
 starting at or after its end, then a scan of the intervals between them that adds each one's
 bit runs to the row's words (disjoint intervals: the sum is their union). Equal to
-``_tile_bits`` bit for bit (``tests/test_tile_bits.py``, through Triton's interpreter on the
-CPU; ``tests/test_gpu.py`` on a GPU).
+``_tile_bits`` bit for bit (``tests/test_tile_bits.py``: through Triton's interpreter on the
+CPU, compiled on a GPU).
 """
 
 from __future__ import annotations
