@@ -221,7 +221,8 @@ def test_copies_pickles_and_files_are_checked(plans, tmp_path):
 
 def test_a_file_changed_into_another_valid_plan_is_refused(tmp_path):
     """A saved plan whose ``kv_len`` was changed (300 -> 301 keeps every tile count) passes
-    the plan's own checks; the file's checksum refuses it. A file without one still loads."""
+    the plan's own checks; the file's checksum refuses it, and a version 2 file without one.
+    A version 1 file (written before checksums) still loads."""
     plan = cm.compile(cm.masks.causal(), 300, block_m=BM, block_n=BN, cache=False)
     path = tmp_path / "p.plan"
     plan.save(path)
@@ -233,7 +234,20 @@ def test_a_file_changed_into_another_valid_plan_is_refused(tmp_path):
         cm.MaskPlan.load(path)
     del obj["checksum"]
     torch.save(obj, path)
+    with pytest.raises(PlanError, match="has no checksum"):
+        cm.MaskPlan.load(path)
+    obj["version"] = 1
+    torch.save(obj, path)
     assert cm.MaskPlan.load(path).kv_len == 301
+    obj["tensors"]["extra"] = torch.zeros(1, dtype=torch.bfloat16)
+    torch.save(obj, path)
+    with pytest.raises(PlanError, match="'extra'"):
+        cm.MaskPlan.load(path)
+    raw = tmp_path / "whole.plan"
+    plan.save(raw)
+    (tmp_path / "cut.plan").write_bytes(raw.read_bytes()[:5000])
+    with pytest.raises(PlanError, match="cannot read"):
+        cm.MaskPlan.load(tmp_path / "cut.plan")
     fn, (pickled,) = plan.__reduce__()
     pickled["tensors"]["row_count"] = pickled["tensors"]["row_count"].clone()
     pickled["meta"]["source"] = "edited"
@@ -242,6 +256,11 @@ def test_a_file_changed_into_another_valid_plan_is_refused(tmp_path):
 
 
 def test_a_plan_written_in_place_is_neither_saved_nor_handed_to_flex(tmp_path):
+    tiled = cm.compile(cm.tile_grid(cm.masks.clear((8, 12), 3, 10), (4, 4)), 106, block_m=16,
+                       block_n=16, cache=False)  # fmt: skip
+    tiled.row_hi.add_(0)
+    with pytest.raises(PlanError, match="written in place"):
+        tiled.in_permuted_order()
     plan = cm.compile(cm.masks.causal(), 150, block_m=BM, block_n=BN, cache=False)
     plan.row_hi[0, 5, 0] = 3
     for write in (lambda: plan.save(tmp_path / "p.plan"), lambda: torch.save(plan, tmp_path /

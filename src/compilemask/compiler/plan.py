@@ -679,9 +679,15 @@ class MaskPlan:
         )
 
     def in_permuted_order(self) -> MaskPlan:
-        """This plan without its permutation: q, k, v are expected in tiled order."""
+        """This plan without its permutation: q, k, v are expected in tiled order.
+
+        Raises:
+            PlanError: the plan was modified since it was built.
+        """
         if self.permutation is None:
             return self
+        if not torch.compiler.is_compiling():
+            self.check_unchanged()
         return dataclasses.replace(self, permutation=None, _cache=self._cache)
 
     @property
@@ -765,9 +771,9 @@ class MaskPlan:
         return self._restored(copy.deepcopy(saved_dict(self), memo))
 
     def _restored(self, obj: dict) -> MaskPlan:
-        from .plan_file import restore_plan
+        from .plan_file import plan_from_dict
 
-        new = restore_plan(obj)
+        new = plan_from_dict(MaskPlan, obj, "a copied MaskPlan", copied=True)
         object.__setattr__(new, "shape_class", self.shape_class)
         return new
 

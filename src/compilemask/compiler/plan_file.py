@@ -13,7 +13,8 @@ from ..errors import InputError, PlanError
 from .tiles import TileSchedule
 
 _SAVE_FORMAT = "compilemask.MaskPlan"
-_SAVE_VERSION = 1
+_SAVE_VERSION = 2  # 2: with a checksum; 1 (without) still loads
+_KNOWN_VERSIONS = (1, 2)
 
 
 def _check_path(path, writing: bool) -> None:
@@ -62,8 +63,12 @@ def _checksum(meta: dict, tensors: dict) -> int:
     for name in sorted(tensors):
         t = tensors[name]
         crc = zlib.crc32(f"{name}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
-        a = t.detach().cpu().contiguous().numpy()
-        crc = zlib.crc32(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(), crc)
+        if t.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+            a = t.detach().cpu().contiguous().numpy()
+            data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        else:  # no plan tensor has another dtype: the plan's checks refuse it first
+            data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        crc = zlib.crc32(data, crc)
     return crc
 
 
@@ -87,15 +92,18 @@ def load_plan(cls, path, map_location=None):
         why = str(err).strip() or type(err).__name__
         if isinstance(err, (KeyError, EOFError)):  # the legacy reader's view of other bytes
             why = "not a file torch.save wrote (MaskPlan.save writes one), or a damaged one"
+        elif isinstance(err, OSError) and err.errno == 22:  # a zip archive cut short
+            why = f"the file is damaged or truncated ({why})"
         elif "weights_only" in why:  # not torch's advice to retry unsafely: the file is suspect
             why = "it holds objects a weights-only load refuses (not a MaskPlan file, or damaged)"
         raise PlanError(f"cannot read a MaskPlan from {path!r}: {why.splitlines()[0]}") from None
     return plan_from_dict(cls, obj, repr(path))
 
 
-def plan_from_dict(cls, obj, where: str):
+def plan_from_dict(cls, obj, where: str, copied: bool = False):
     """The plan of a :func:`saved_dict` ``obj`` (read from ``where``, for messages), checked
-    like every plan (``cls``: ``MaskPlan``)."""
+    like every plan (``cls``: ``MaskPlan``); a version 2 file's checksum must match, but for
+    ``copied`` dicts (``copy.copy`` / ``copy.deepcopy``, never written)."""
     if not (
         isinstance(obj, dict)
         and obj.get("format") == _SAVE_FORMAT
@@ -103,13 +111,26 @@ def plan_from_dict(cls, obj, where: str):
         and isinstance(obj.get("tensors"), dict)
     ):
         raise PlanError(f"{where} does not hold a MaskPlan written by MaskPlan.save")
-    if obj.get("version") != _SAVE_VERSION:
-        raise PlanError(f"{where}: unknown MaskPlan file version {obj.get('version')!r}")
+    version = obj.get("version")
+    if version not in _KNOWN_VERSIONS:
+        raise PlanError(f"{where}: unknown MaskPlan file version {version!r}")
     meta, tensors = obj["meta"], obj["tensors"]
+    summed = version >= 2 and not copied  # a copy in memory (``copy.copy``) has no checksum
+    if summed and type(obj.get("checksum")) is not int:
+        raise PlanError(f"{where}: the saved plan has no checksum (a version {version} file "
+                        f"always has one: the file was changed after it was written)")  # fmt: skip
     if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors.values()):
         raise PlanError(f"{where}: meta tensors hold no data: load the plan on the CPU or a GPU")
     sched_names = [f.name for f in dataclasses.fields(TileSchedule)][4:]
     need = ["row_lo", "row_hi", "row_count"] + [f"schedule.{n}" for n in sched_names]
+    known = set(need) | {"row_runs", "permutation"}
+    odd = [repr(n) for n in tensors if n not in known]
+    odd += [repr(n) for n in meta if not isinstance(n, str)]
+    odd += [repr(n) for n, t in tensors.items() if n in known and not (
+        isinstance(t, torch.Tensor) and t.layout == torch.strided)]  # fmt: skip
+    if odd:
+        raise PlanError(f"{where}: the saved plan holds entries a plan file does not: "
+                        f"{', '.join(odd[:5])} (unknown names, or not dense tensors)")  # fmt: skip
     missing = [n for n in need if n not in tensors]
     missing += [n for n in ("q_len", "kv_len", "block_m", "block_n") if n not in meta]
     if missing:
@@ -135,8 +156,8 @@ def plan_from_dict(cls, obj, where: str):
         row_runs=tensors.get("row_runs"),
         permutation=tensors.get("permutation"),
     )
-    # after the plan's own checks (they name what is wrong); files without one predate it
-    if "checksum" in obj and obj["checksum"] != _checksum(meta, tensors):
+    # after the plan's own checks (they name what is wrong); version 1 files have none
+    if summed and obj["checksum"] != _checksum(meta, tensors):
         raise PlanError(
             f"{where}: the plan's checksum does not match its contents (the file was changed "
             f"or damaged after it was written)"
