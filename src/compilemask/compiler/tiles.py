@@ -335,22 +335,15 @@ def build_tiles(
     jlo, jhi = _slot_ranges(lo, hi, count, tq, tk, block_m, block_n, kv_len)
     bits_index = torch.full_like(kind, -1)
     bits = torch.zeros((0, block_m, -(-block_n // 32)), dtype=torch.int32, device=dev)
-    if with_bits:
-        wide = (kind == PARTIAL) & (jhi - jlo > BITS_MIN_SPAN)
-        tiles = wide.nonzero()
-        if tiles.shape[0]:
-            kind = torch.where(wide, PARTIAL_BITS, kind).to(torch.int32)
-            bits_index[wide] = torch.arange(tiles.shape[0], device=dev, dtype=torch.int32)
-            sel = tiles.unbind(1)
-            bits = tile_bits(lo, hi, tiles, jlo[sel], jhi[sel], block_m, block_n, q_len)
-    return _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits)
+    built = _schedule(block_m, block_n, q_len, kv_len, kind, pairs, jlo, jhi, bits_index, bits)
+    return _add_bits(built, lo, hi) if with_bits else built
 
 
 def _add_bits(s: TileSchedule, lo, hi) -> TileSchedule:
-    """``s`` (a schedule without bitmask tiles, from the device builder, its tensors its own)
-    with its wide PARTIAL tiles made PARTIAL_BITS, as :func:`build_tiles` makes them: kinds and
-    bits indices rewritten in place (the lists and orders do not tell the two encodings
-    apart), the bitmasks by :func:`tile_bits`. One host read (the number of tiles)."""
+    """``s`` (a schedule without bitmask tiles, its tensors its own) with its wide PARTIAL
+    tiles (slot ranges wider than ``BITS_MIN_SPAN``) made PARTIAL_BITS: kinds and bits
+    indices rewritten in place (the lists and orders do not tell the two encodings apart),
+    the bitmasks by :func:`tile_bits`. One host read (the number of tiles)."""
     wide = (s.kind == PARTIAL) & (s.jhi - s.jlo > BITS_MIN_SPAN)
     tiles = wide.nonzero()
     if not tiles.shape[0]:
